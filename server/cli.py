@@ -1,0 +1,85 @@
+"""The ``proxrl`` command line: one entry point, one subcommand per job.
+
+Subcommands import what they need when they run, so ``proxrl --help`` stays instant and the
+proxy's commands never import torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, ValidationError
+from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand
+
+from server.engine.settings import EngineSettings
+
+
+class ModelInit(BaseModel):
+    """Create proxrl's tiny model (tokenizer + randomly initialised LM) in OUT_DIR, offline."""
+
+    out_dir: CliPositionalArg[Path] = Field(description="Directory to write the model into.")
+    size: Literal["tiny", "small"] = Field(
+        "tiny", description="tiny: ~1.7M parameters; small: ~13M parameters."
+    )
+
+    def cli_cmd(self) -> None:
+        from server.engine.tiny_model import create_tiny_model, parameter_count
+
+        out = create_tiny_model(self.out_dir, self.size)
+        print(f"wrote the {self.size} model ({parameter_count(out):,} parameters) to {out}")
+
+
+class ModelCommands(BaseModel):
+    """Create and inspect models."""
+
+    init: CliSubCommand[ModelInit] = Field(description=ModelInit.__doc__)
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
+class EngineCommand(EngineSettings):
+    __doc__ = EngineSettings.__doc__
+
+    def cli_cmd(self) -> None:
+        from server.engine.main import serve
+
+        serve(EngineSettings(**self.model_dump()))
+
+
+class Proxrl(
+    BaseSettings,
+    cli_prog_name="proxrl",
+    cli_kebab_case=True,
+    cli_implicit_flags=True,
+    cli_enforce_required=True,
+):
+    """proxrl: an OpenAI-compatible RL-as-a-service proxy. Point an agent at it, post rewards,
+    and it trains the model behind it with asynchronous decoupled PPO."""
+
+    model: CliSubCommand[ModelCommands] = Field(description=ModelCommands.__doc__)
+    engine: CliSubCommand[EngineCommand] = Field(
+        description="Serve a model with the embedded CPU/CUDA engine (SGLang's native HTTP API)."
+    )
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        args = ["--help"]
+    try:
+        CliApp.run(Proxrl, cli_args=args)
+    except ValidationError as exc:
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error["loc"])
+            print(f"proxrl: invalid {where}: {error['msg']}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

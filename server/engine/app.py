@@ -1,0 +1,305 @@
+"""HTTP routes of the embedded engine: SGLang 0.5.23's native API.
+
+See shared/reference/sglang-protocol.md.
+
+Each handler parses its body, calls one :class:`EngineService` method and returns SGLang's
+shape. Bodies of ``/generate`` are checked by hand so bad input gets SGLang's error shapes (see
+``protocol``); the other endpoints use FastAPI's validation, rendered as SGLang renders it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+from fastapi import Body, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from server.engine import protocol
+from server.engine.protocol import EngineInputError
+from server.engine.scheduler import UpdateResult
+from server.engine.service import EngineService
+from server.engine.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 1.0
+
+
+def _bad_request(message: str) -> JSONResponse:
+    return JSONResponse(
+        {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
+        status_code=400,
+    )
+
+
+def _result(result: UpdateResult, **extra) -> JSONResponse:
+    body = {"success": result.success, "message": result.message, **extra}
+    return JSONResponse(body, status_code=200 if result.success else 400)
+
+
+def _schema_error(exc: ValidationError) -> str:
+    """One line in the spirit of 0.5.23's serde messages, naming the offending key."""
+    first = exc.errors()[0]
+    # Drop the union-branch labels pydantic adds to the location (class and type names).
+    path = [str(p) for p in first["loc"] if not str(p)[:1].isupper() and "[" not in str(p)]
+    if first["type"] == "extra_forbidden":
+        known = ", ".join(f"`{name}`" for name in protocol.SamplingParamsIn.model_fields)
+        return f"unknown field `{path[-1]}`, expected one of {known}"
+    return f"invalid value at `{'.'.join(path)}`: {first['msg']} (got {first['input']!r})"
+
+
+class _Unauthorized(Exception):
+    pass
+
+
+def _engine(request: Request) -> EngineService:
+    return request.app.state.engine
+
+
+def _check_key(request: Request, admin: bool) -> None:
+    settings: EngineSettings = request.app.state.engine.settings
+    key = settings.admin_api_key if admin and settings.admin_api_key else settings.api_key
+    if key and request.headers.get("authorization") != f"Bearer {key}":
+        raise _Unauthorized()
+
+
+def _user(request: Request) -> None:
+    _check_key(request, admin=False)
+
+
+def _admin(request: Request) -> None:
+    _check_key(request, admin=True)
+
+
+Engine = Annotated[EngineService, Depends(_engine)]
+# Control bodies SGLang accepts as {} or absent.
+OptionalPauseGeneration = Annotated[
+    protocol.PauseGenerationIn, Body(default_factory=protocol.PauseGenerationIn)
+]
+OptionalContinueGeneration = Annotated[
+    protocol.ContinueGenerationIn, Body(default_factory=protocol.ContinueGenerationIn)
+]
+OptionalDestroyWeightsUpdateGroup = Annotated[
+    protocol.DestroyWeightsUpdateGroupIn, Body(default_factory=protocol.DestroyWeightsUpdateGroupIn)
+]
+OptionalBeginWeightUpdate = Annotated[
+    protocol.BeginWeightUpdateIn, Body(default_factory=protocol.BeginWeightUpdateIn)
+]
+user = [Depends(_user)]
+admin = [Depends(_admin)]
+
+
+def create_app(settings: EngineSettings, service: EngineService | None = None) -> FastAPI:
+    """The engine app; the model loads when the app starts (or use a prebuilt ``service``)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine = service or await asyncio.to_thread(EngineService, settings)
+        engine.start()
+        app.state.engine = engine
+        yield
+        engine.stop()
+
+    app = FastAPI(title="proxrl embedded engine", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        where = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
+        return _bad_request(f"{errors[0]['msg']} at {where}" if errors else "invalid request")
+
+    @app.exception_handler(_Unauthorized)
+    async def _unauthorized(request: Request, exc: _Unauthorized) -> JSONResponse:
+        return JSONResponse({"error": {"message": "Unauthorized"}}, status_code=401)
+
+    # ----- generation ------------------------------------------------------------------------
+
+    @app.api_route("/generate", methods=["POST", "PUT"], dependencies=user)
+    async def generate(request: Request, engine: Engine) -> Response:
+        raw = await request.body()
+        try:
+            body = protocol.GenerateRequestIn.model_validate(json.loads(raw))
+        except json.JSONDecodeError as exc:
+            return JSONResponse({"error": f"invalid JSON: {exc}"}, status_code=400)
+        except ValidationError as exc:
+            return JSONResponse({"error": _schema_error(exc)}, status_code=400)
+        try:
+            items, batch = engine.parse(body)
+            if body.stream:
+                chunks = engine.generate_stream(body, items, batch)
+                return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+            outputs = await _until_disconnect(request, engine.generate(body, items))
+        except EngineInputError as exc:
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+        if outputs is None:
+            return Response(status_code=499)
+        return JSONResponse(outputs if batch else outputs[0])
+
+    # ----- control ---------------------------------------------------------------------------
+
+    @app.post("/abort_request", dependencies=admin)
+    async def abort_request(body: protocol.AbortRequestIn, engine: Engine) -> Response:
+        await engine.run(lambda: engine.scheduler.abort(body.rid, body.abort_all))
+        return Response(status_code=200)
+
+    @app.post("/pause_generation", dependencies=admin)
+    async def pause_generation(engine: Engine, body: OptionalPauseGeneration):
+        await engine.run(lambda: engine.scheduler.pause(body.mode))
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation", dependencies=admin)
+    async def continue_generation(engine: Engine, body: OptionalContinueGeneration):
+        await engine.run(engine.scheduler.resume)
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=admin)
+    async def flush_cache(engine: Engine) -> PlainTextResponse:
+        if await engine.run(engine.scheduler.flush_cache):
+            return PlainTextResponse(
+                "Cache flushed.\nPlease check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)"
+            )
+        return PlainTextResponse(
+            "Cache not flushed: there are running or waiting requests.", status_code=400
+        )
+
+    @app.post("/update_weights_from_disk", dependencies=admin)
+    async def update_weights_from_disk(body: protocol.UpdateWeightsFromDiskIn, engine: Engine):
+        return _result(await engine.update_from_disk(body), num_paused_requests=0)
+
+    @app.post("/init_weights_update_group", dependencies=admin)
+    async def init_weights_update_group(body: protocol.InitWeightsUpdateGroupIn, engine: Engine):
+        return _result(await engine.init_group(body))
+
+    @app.post("/destroy_weights_update_group", dependencies=admin)
+    async def destroy_weights_update_group(
+        engine: Engine,
+        body: OptionalDestroyWeightsUpdateGroup,
+    ):
+        return _result(await engine.destroy_group(body.group_name))
+
+    @app.post("/begin_weight_update", dependencies=admin)
+    async def begin_weight_update(engine: Engine, body: OptionalBeginWeightUpdate):
+        engine.update_session_open = True
+        return {"success": True, "message": "Weight update session begun."}
+
+    @app.post("/end_weight_update", dependencies=admin)
+    async def end_weight_update(engine: Engine):
+        engine.update_session_open = False
+        return {"success": True, "message": "Weight update session ended."}
+
+    @app.post("/update_weights_from_distributed", dependencies=admin)
+    async def update_weights_from_distributed(
+        body: protocol.UpdateWeightsFromDistributedIn, engine: Engine
+    ):
+        return _result(await engine.update_from_distributed(body))
+
+    @app.post("/update_weight_version", dependencies=admin)
+    async def update_weight_version(body: protocol.UpdateWeightVersionIn, engine: Engine):
+        await engine.run(
+            lambda: engine.scheduler.set_weight_version(body.new_version, body.abort_all_requests)
+        )
+        return {
+            "success": True,
+            "message": f"Weight version updated to {body.new_version}",
+            "new_version": body.new_version,
+        }
+
+    # ----- info and health -----------------------------------------------------------------
+
+    @app.get("/model_info", dependencies=user)
+    @app.get("/get_model_info", dependencies=user)
+    async def model_info(engine: Engine) -> dict:
+        return engine.model_info()
+
+    @app.get("/server_info", dependencies=user)
+    @app.get("/get_server_info", dependencies=user)
+    async def server_info(engine: Engine) -> dict:
+        return engine.server_info()
+
+    @app.get("/v1/loads", dependencies=user)
+    @app.get("/get_load", dependencies=user)
+    async def loads(engine: Engine) -> dict:
+        return engine.loads()
+
+    @app.get("/health", dependencies=user)
+    async def health(engine: Engine) -> Response:
+        return Response(status_code=200 if await engine.health() else 503)
+
+    @app.get("/health_generate", dependencies=user)
+    async def health_generate(engine: Engine) -> Response:
+        return Response(status_code=200 if await engine.health_generate() else 503)
+
+    @app.get("/ready", dependencies=user)
+    async def ready(engine: Engine) -> Response:
+        ok = engine.scheduler.paused is None and not engine.shutting_down
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/v1/models", dependencies=user)
+    async def list_models(engine: Engine) -> dict:
+        return {"object": "list", "data": [_model_card(engine)]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=user)
+    async def get_model(model_id: str, engine: Engine) -> Response:
+        card = _model_card(engine)
+        if model_id != card["id"]:
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"The model '{model_id}' does not exist",
+                        "type": "invalid_request_error",
+                        "param": "model",
+                        "code": "model_not_found",
+                    }
+                },
+                status_code=404,
+            )
+        return JSONResponse(card)
+
+    return app
+
+
+def _model_card(engine: EngineService) -> dict:
+    return {
+        "id": engine.served_model_name,
+        "object": "model",
+        "created": int(engine.started_at),
+        "owned_by": "sglang",
+        "root": engine.served_model_name,
+        "parent": None,
+        "max_model_len": engine.runner.context_length,
+    }
+
+
+async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+    except Exception as exc:  # the status is already 200: report in-band, as SGLang does
+        log.exception("stream failed")
+        error = {"message": str(exc), "type": "internal_error", "code": 500, "retryable": True}
+        yield f"data: {json.dumps({'error': error})}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+async def _until_disconnect(request: Request, work):
+    """Await ``work``; cancel it (which aborts its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                return None
+    finally:
+        if not task.done():
+            task.cancel()

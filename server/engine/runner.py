@@ -1,0 +1,148 @@
+"""The model runner: loads a Hugging Face causal LM and runs prefill and batched decode on it.
+
+The model and tokenizer come from the ordinary ``AutoModelForCausalLM`` / ``AutoTokenizer`` path,
+so proxrl's tiny model and a user's own model directory load the same way. Attention runs over a
+:class:`SlotKVCache`, which lets requests of different lengths decode together. This module
+knows nothing about requests, sampling or HTTP; it maps token ids to logits and holds the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from server.engine.kv_cache import SlotKVCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_path: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_slots: int = 64
+    context_length: int | None = None  # None: the model's max_position_embeddings
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.model = self._load_model(config.model_path)
+        model_config = self.model.config
+        self.context_length = config.context_length or model_config.max_position_embeddings
+        self.vocab_size = model_config.vocab_size
+        head_dim = getattr(model_config, "head_dim", None) or (
+            model_config.hidden_size // model_config.num_attention_heads
+        )
+        self.cache = SlotKVCache(
+            num_layers=model_config.num_hidden_layers,
+            num_kv_heads=getattr(model_config, "num_key_value_heads", None)
+            or model_config.num_attention_heads,
+            head_dim=head_dim,
+            max_slots=config.max_slots,
+            max_capacity=self.context_length,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def _load_model(self, path: str) -> PreTrainedModel:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        model.to(self.device).eval()
+        model.requires_grad_(False)
+        log.info("loaded %s (%s parameters)", path, sum(p.numel() for p in model.parameters()))
+        return model
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config.eos_token_id, self.model.config.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ----- forward passes ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Fill ``slot`` with ``token_ids`` from position 0; logits of the last (or each) position."""
+        length = len(token_ids)
+        self.cache.plan_prefill(slot, 0, length)
+        ids = torch.tensor([token_ids], device=self.device)
+        positions = torch.arange(length, device=self.device).unsqueeze(0)
+        causal = torch.ones(length, length, dtype=torch.bool, device=self.device).tril()
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=causal[None, None],
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
+        return out.logits[0]  # [length or 1, V]
+
+    @torch.inference_mode()
+    def decode(self, last_tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One step for slots ``0..B-1``: row b feeds ``last_tokens[b]`` at ``positions[b]``."""
+        rows = len(last_tokens)
+        pos = torch.tensor(positions, device=self.device)
+        self.cache.plan_decode(rows, pos)
+        kv_len = int(pos.max()) + 1
+        visible = torch.arange(kv_len, device=self.device).unsqueeze(0) <= pos.unsqueeze(1)
+        out = self.model(
+            input_ids=torch.tensor(last_tokens, device=self.device).unsqueeze(1),
+            position_ids=pos.unsqueeze(1),
+            attention_mask=visible[:, None, None, :],
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]  # [B, V]
+
+    # ----- weights -------------------------------------------------------------------------
+
+    def check_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """Raise ValueError unless every tensor names a parameter of the same shape."""
+        state = self.model.state_dict()
+        unknown = sorted(set(named_tensors) - set(state))
+        if unknown:
+            raise ValueError(f"unknown parameter names: {unknown[:5]}")
+        for name, tensor in named_tensors.items():
+            if tuple(state[name].shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"shape mismatch for {name}: model {tuple(state[name].shape)}, "
+                    f"got {tuple(tensor.shape)}"
+                )
+
+    @torch.inference_mode()
+    def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """Copy tensors into the model's parameters by their state-dict names (casting dtype)."""
+        self.check_weights(named_tensors)
+        state = self.model.state_dict()
+        for name, tensor in named_tensors.items():
+            state[name].copy_(tensor)
+
+    def model_info(self) -> dict:
+        config = self.model.config
+        return {
+            "model_type": config.model_type,
+            "architectures": list(config.architectures or []),
+            "tokenizer_path": str(Path(self.config.model_path)),
+        }

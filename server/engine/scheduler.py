@@ -1,0 +1,375 @@
+"""The scheduler: continuous batching, pause / resume / abort, and weight swaps between steps.
+
+One thread owns the model. Each turn of its loop it runs the commands other threads queued
+(abort, pause, continue, weight updates, flushes), admits waiting requests into free KV slots
+(prefill), and advances every running request by one token in a single batched forward pass.
+Requests join and leave the batch at every step; a finished request frees its slot at once.
+
+Pause modes follow SGLang 0.5.23 (see shared/reference/sglang-protocol.md, section 3):
+
+* ``abort``: every in-flight request finishes now with ``finish_reason.type == "abort"`` and the
+  tokens it has; nothing resumes.
+* ``retract``: running requests give up their KV slots and wait; after ``continue`` they are
+  re-prefilled with prompt + tokens so far under the weights then loaded, in the same response.
+* ``in_place``: stepping stops; after ``continue`` decoding goes on with the old KV.
+
+In every mode new requests are held, not refused, until ``continue``. A weight update while not
+paused waits until no request runs (new ones wait behind it), unless it asks to abort them all;
+while paused it applies at once. Every token records the weight version that produced it.
+
+This module knows nothing about HTTP; callers hand it :class:`Sequence` objects and callables.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from server.engine.runner import ModelRunner
+from server.engine.sampling import SampleResult, sample, scaled_log_probs, top_logprobs
+from server.engine.sequence import Sequence, State
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+ABORTED_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
+
+
+class DuplicateRequestId(ValueError):
+    pass
+
+
+@dataclass
+class WeightUpdate:
+    """Weights ready to go in, and what to do around them."""
+
+    tensors: dict[str, torch.Tensor]
+    version: str | None
+    abort_all: bool
+    flush_cache: bool
+    model_path: str | None = None
+
+
+@dataclass
+class UpdateResult:
+    success: bool
+    message: str
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 8192  # prompt tokens admitted per loop turn, so decode keeps going
+    stream_interval: int = 1
+    weight_version: str = "default"
+    seed: int = 0
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig) -> None:
+        self.runner = runner
+        self.config = config
+        self.weight_version = config.weight_version
+        self.model_path = runner.config.model_path
+        self.paused: str | None = None
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # running[i].slot == i
+        self._in_flight: dict[str, Sequence] = {}
+        self._in_flight_lock = threading.Lock()
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._pending_updates: deque[tuple[WeightUpdate, Future]] = deque()
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="proxrl-scheduler", daemon=True)
+        self._generator = torch.Generator().manual_seed(config.seed)
+        self._eos_ids = runner.eos_token_ids
+        self.generated_tokens = 0
+        self.last_gen_throughput = 0.0
+        self._throughput_window: deque[tuple[float, int]] = deque(maxlen=64)
+
+    # ----- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    # ----- called from other threads -------------------------------------------------------
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue a request; it is held while the engine is paused or an update is pending."""
+        with self._in_flight_lock:
+            if seq.rid in self._in_flight:
+                raise DuplicateRequestId(f"Duplicate request ID detected: {seq.rid}")
+            self._in_flight[seq.rid] = seq
+        seq.version_at_submit = self.weight_version
+        self.call(lambda: self.waiting.append(seq))
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the scheduler thread between two steps; its result comes in the future."""
+        future: Future = Future()
+        self._commands.put((fn, future))
+        self._wakeup.set()
+        return future
+
+    def load(self) -> dict:
+        running = sum(not s.internal for s in self.running)
+        waiting = sum(not s.internal for s in self.waiting)
+        return {"num_running_reqs": running, "num_waiting_reqs": waiting}
+
+    # ----- commands (run on the scheduler thread via ``call``) -----------------------------
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> int:
+        """Abort requests whose rid starts with ``rid`` (or all); they answer with their tokens."""
+        if not rid and not abort_all:
+            return 0
+        return self._abort_where(lambda seq: abort_all or seq.rid.startswith(rid))
+
+    def abort_exact(self, rid: str) -> int:
+        """Abort the one request with this rid (a client that went away)."""
+        return self._abort_where(lambda seq: seq.rid == rid)
+
+    def _abort_where(self, matches: Callable[[Sequence], bool]) -> int:
+        aborted = 0
+        for seq in [s for s in self.waiting if matches(s)]:
+            self.waiting.remove(seq)
+            self._finish(seq, ABORTED_RUNNING if seq.ever_ran else ABORTED_WAITING)
+            aborted += 1
+        for seq in [s for s in self.running if matches(s)]:
+            self._release(seq)
+            self._finish(seq, ABORTED_RUNNING)
+            aborted += 1
+        return aborted
+
+    def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if mode == "abort":
+            self.abort(abort_all=True)
+        elif mode == "retract":
+            for seq in reversed(list(self.running)):
+                self._release(seq)
+                seq.state = State.WAITING
+                seq.kv_len = 0
+                seq.num_retractions += 1
+                self.waiting.appendleft(seq)
+        self.paused = mode
+
+    def resume(self) -> None:
+        self.paused = None
+
+    def flush_cache(self) -> bool:
+        """Succeeds only when nothing runs and nothing waits (waiting is ignored while paused)."""
+        return not self.running and (self.paused is not None or not self.waiting)
+
+    def set_weight_version(self, version: str, abort_all: bool) -> None:
+        if abort_all:
+            self.abort(abort_all=True)
+        self.weight_version = version
+
+    def request_update(self, update: WeightUpdate) -> Future:
+        """Apply ``update`` now if paused, else once no request is running."""
+        done: Future = Future()
+
+        def enqueue() -> None:
+            if update.abort_all:
+                self.abort(abort_all=True)
+            self._pending_updates.append((update, done))
+            self._apply_ready_updates()
+
+        self.call(enqueue)
+        return done
+
+    # ----- the loop -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._run_commands()
+            self._apply_ready_updates()
+            try:
+                self._admit()
+                if self.running and self.paused is None:
+                    self._decode_step()
+                    continue
+            except Exception:  # keep serving: fail the batch, not the engine
+                log.exception("decode step failed; aborting the running requests")
+                for seq in list(self.running):
+                    self._release(seq)
+                    self._finish(seq, {**ABORTED_RUNNING, "message": "engine step failed"})
+            self._wakeup.wait(timeout=0.5)
+            self._wakeup.clear()
+        self.abort(abort_all=True)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _apply_ready_updates(self) -> None:
+        while self._pending_updates and (self.paused is not None or not self.running):
+            update, done = self._pending_updates.popleft()
+            try:
+                done.set_result(self._apply_update(update))
+            except Exception as exc:
+                done.set_exception(exc)
+
+    def _apply_update(self, update: WeightUpdate) -> UpdateResult:
+        self.runner.load_weights(update.tensors)
+        if update.version is not None:
+            self.weight_version = update.version
+        if update.model_path is not None:
+            self.model_path = update.model_path
+        message = "Succeeded to update model weights."
+        if update.flush_cache and not self.flush_cache():
+            return UpdateResult(
+                False,
+                "Weights were updated, but the cache was not flushed because there are "
+                "running or waiting requests. Pass flush_cache=false when updating in place.",
+            )
+        return UpdateResult(True, message)
+
+    def _admit(self) -> None:
+        if self.paused is not None or self._pending_updates:
+            return
+        budget = self.config.max_prefill_tokens
+        while self.waiting and len(self.running) < self.config.max_running_requests:
+            seq = self.waiting[0]
+            tokens = len(seq.prompt_ids) + len(seq.output_ids)
+            if tokens > budget and budget < self.config.max_prefill_tokens:
+                return  # the next turn admits it, after a decode step
+            self.waiting.popleft()
+            budget -= tokens
+            try:
+                self._prefill(seq)
+            except Exception:
+                log.exception("prefill of %s failed", seq.rid)
+                self._release(seq)
+                self._finish(seq, {**ABORTED_RUNNING, "message": "prefill failed"})
+
+    def _prefill(self, seq: Sequence) -> None:
+        first_time = not seq.ever_ran
+        ids = seq.all_ids
+        slot = len(self.running)
+        want_input = first_time and seq.logprobs.wants_input
+        logits = self.runner.prefill(slot, ids, all_logits=want_input)
+        seq.slot, seq.kv_len, seq.state, seq.ever_ran = slot, len(ids), State.RUNNING, True
+        self.running.append(seq)
+        if want_input:
+            self._record_input_logprobs(seq, logits)
+        if len(seq.output_ids) >= seq.params.max_new_tokens:
+            self._release(seq)
+            self._finish(seq, {"type": "length", "length": seq.params.max_new_tokens})
+            return
+        self._sample_and_append([seq], logits[-1:])
+
+    def _decode_step(self) -> None:
+        rows = self.running
+        logits = self.runner.decode([s.output_ids[-1] for s in rows], [s.kv_len for s in rows])
+        for seq in rows:
+            seq.kv_len += 1
+        self._sample_and_append(list(rows), logits)
+
+    def _sample_and_append(self, rows: list[Sequence], logits: torch.Tensor) -> None:
+        uniforms = self._uniforms(rows)
+        result = sample(logits, [s.params.sampling for s in rows], uniforms)
+        tokens = result.tokens.tolist()
+        logprobs = result.logprobs.tolist()
+        version = self.weight_version
+        decode = self.runner.tokenizer.decode
+        for index, seq in enumerate(rows):
+            top, by_id = self._extra_logprobs(seq, result, index)
+            seq.append(tokens[index], logprobs[index], version, top, by_id)
+            self.generated_tokens += 1
+            reason = seq.check_stop(self._eos_ids, self.runner.context_length, decode)
+            if reason is not None:
+                self._release(seq)
+                self._finish(seq, reason)
+            else:
+                seq.notify(stream_interval=self.config.stream_interval)
+        self._throughput_window.append((time.perf_counter(), self.generated_tokens))
+        first_time, first_count = self._throughput_window[0]
+        elapsed = self._throughput_window[-1][0] - first_time
+        if elapsed > 0:
+            self.last_gen_throughput = (self.generated_tokens - first_count) / elapsed
+
+    def _uniforms(self, rows: list[Sequence]) -> torch.Tensor:
+        draws = torch.rand(len(rows), generator=self._generator, dtype=torch.float64)
+        for index, seq in enumerate(rows):
+            if seq.generator is not None:
+                draws[index] = torch.rand(1, generator=seq.generator, dtype=torch.float64)[0]
+        return draws
+
+    @staticmethod
+    def _extra_logprobs(
+        seq: Sequence, result: SampleResult, index: int
+    ) -> tuple[list[tuple[float, int]] | None, list[tuple[float, int]] | None]:
+        request = seq.logprobs
+        if not request.enabled:
+            return None, None
+        row = result.log_probs[index : index + 1]
+        top = top_logprobs(row, request.top_k)[0] if request.top_k > 0 else None
+        by_id = None
+        if request.token_ids:
+            values = row[0, list(request.token_ids)].tolist()
+            by_id = list(zip(values, request.token_ids, strict=True))
+        return top, by_id
+
+    def _record_input_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Prompt logprobs from position ``start_len`` on; position 0 has none (``None``)."""
+        request = seq.logprobs
+        ids = seq.prompt_ids
+        temperature = torch.tensor([seq.params.sampling.temperature])
+        # logits[i] predicts token i + 1. Temperature applied as for output tokens
+        # (UNVERIFIED against SGLang's input-logprob path; the reference does not say).
+        log_probs = scaled_log_probs(logits[:-1], temperature.expand(len(ids) - 1))
+        targets = torch.tensor(ids[1:]).unsqueeze(-1)
+        picked = [None, *log_probs.gather(-1, targets).squeeze(-1).tolist()]
+        seq.input_logprobs = picked[request.start_len :]
+        if request.top_k > 0:
+            tops = [None, *top_logprobs(log_probs, request.top_k)]
+            seq.input_top = tops[request.start_len :]
+        if request.token_ids:
+            rows = log_probs[:, list(request.token_ids)].tolist()
+            by_id = [None, *[list(zip(r, request.token_ids, strict=True)) for r in rows]]
+            seq.input_token_ids_lp = by_id[request.start_len :]
+
+    # ----- slots and endings -----------------------------------------------------------------
+
+    def _release(self, seq: Sequence) -> None:
+        """Give ``seq``'s KV slot back, moving the last running request into the hole."""
+        slot = seq.slot
+        if slot is None or seq.state is not State.RUNNING:
+            return
+        last = self.running[-1]
+        if last is not seq:
+            self.runner.cache.move(last.slot, slot, last.kv_len)
+            self.running[slot] = last
+            last.slot = slot
+        self.running.pop()
+        seq.slot = None
+
+    def _finish(self, seq: Sequence, reason: dict) -> None:
+        with self._in_flight_lock:
+            self._in_flight.pop(seq.rid, None)
+        seq.finish(reason)

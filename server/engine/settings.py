@@ -1,0 +1,64 @@
+"""Settings of the embedded engine: ``proxrl engine --flag`` or env ``PROXRL_ENGINE_FLAG``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class EngineSettings(BaseSettings):
+    """Serve a Hugging Face causal LM over SGLang's native HTTP API (CPU, or CUDA when present)."""
+
+    model_config = SettingsConfigDict(env_prefix="PROXRL_ENGINE_", extra="forbid")
+
+    model: str = Field(description="Hugging Face model directory (config, safetensors, tokenizer).")
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(30000, ge=1, le=65535, description="Port to bind.")
+    served_model_name: str | None = Field(
+        None, description="Model name reported by /v1/models and /model_info (default: the path)."
+    )
+    weight_version: str = Field("default", description="Weight version reported at start.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the model runs; auto picks CUDA when present."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight and KV dtype; auto is float32 on CPU and bfloat16 on CUDA."
+    )
+    context_length: int | None = Field(
+        None, ge=2, description="Context length (default: the model's max_position_embeddings)."
+    )
+    max_running_requests: int = Field(
+        64, ge=1, description="Requests decoded together at most (KV slots)."
+    )
+    max_prefill_tokens: int = Field(
+        8192, ge=1, description="Prompt tokens admitted per scheduler turn."
+    )
+    stream_interval: int = Field(1, ge=1, description="Stream a chunk every N tokens.")
+    incremental_streaming_output: bool = Field(
+        False, description="Stream deltas instead of cumulative chunks."
+    )
+    api_key: str | None = Field(None, description="If set, every call needs 'Bearer <key>'.")
+    admin_api_key: str | None = Field(
+        None, description="If set, control calls (weights, pause, abort) need 'Bearer <key>'."
+    )
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's).")
+    seed: int = Field(0, description="Seed of the sampler for requests without sampling_seed.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+
+    @model_validator(mode="after")
+    def _check_device(self) -> EngineSettings:
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("device=cuda but CUDA is not available; use device=cpu")
+        return self
+
+    def resolved_dtype(self, device_type: str) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device_type == "cuda" else "float32"
