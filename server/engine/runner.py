@@ -82,7 +82,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
-        """Fill ``slot`` with ``token_ids`` from position 0; logits of the last (or each) position."""
+        """Fill ``slot`` with ``token_ids`` from position 0; logits of the last (or each) token."""
         length = len(token_ids)
         self.cache.plan_prefill(slot, 0, length)
         ids = torch.tensor([token_ids], device=self.device)
