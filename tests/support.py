@@ -65,3 +65,49 @@ class EngineProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def teacher_forced_logprobs(
+    model, prompt_ids: list[int], output_ids: list[int], temperature: float
+) -> list[float]:
+    """log p(output token | everything before it) under ``model``, at ``temperature``."""
+    import torch
+
+    ids = torch.tensor([prompt_ids + output_ids])
+    with torch.inference_mode():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].double()
+    t = 1.0 if temperature < 1e-6 else temperature
+    log_probs = torch.log_softmax(logits / t, dim=-1)
+    return log_probs.gather(-1, torch.tensor(output_ids).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def parse_sse(body: str) -> list[dict | str]:
+    """The events of an SSE body: parsed JSON, or the string ``[DONE]``."""
+    import json
+
+    events: list[dict | str] = []
+    for block in body.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+async def stream_events(client: httpx.AsyncClient, url: str, body: dict, on_chunk=None) -> list:
+    """POST a streaming /generate and collect its events; ``on_chunk(chunk)`` sees each one."""
+    import json
+
+    events: list = []
+    async with client.stream("POST", url, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: ") :]
+            event = payload if payload == "[DONE]" else json.loads(payload)
+            events.append(event)
+            if on_chunk is not None and event != "[DONE]":
+                on_chunk(event)
+    return events

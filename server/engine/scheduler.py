@@ -241,7 +241,9 @@ class Scheduler:
         if update.model_path is not None:
             self.model_path = update.model_path
         message = "Succeeded to update model weights."
-        if update.flush_cache and not self.flush_cache():
+        # Requests waiting behind the update are held as SGLang holds them (behind its writer
+        # lock, outside the scheduler), so only running ones keep the cache from flushing.
+        if update.flush_cache and self.running:
             return UpdateResult(
                 False,
                 "Weights were updated, but the cache was not flushed because there are "

@@ -1,0 +1,72 @@
+"""The ``proxrl`` entry point and the import rules between our packages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import ROOT
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_help_lists_the_subcommands():
+    out = run("--help")
+    assert out.returncode == 0
+    assert "model" in out.stdout and "engine" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("engine", "--help"), "--incremental-streaming-output"),
+        (("model", "--help"), "init"),
+        (("model", "init", "--help"), "--size"),
+    ],
+)
+def test_subcommand_help(args, expected):
+    out = run(*args)
+    assert out.returncode == 0 and expected in out.stdout
+
+
+def test_invalid_flags_name_the_field():
+    out = run("engine", "--model", "m", "--max-running-requests", "0")
+    assert out.returncode == 2
+    assert "max_running_requests" in out.stderr
+
+
+def test_model_init_writes_a_model(tmp_path):
+    out = run("model", "init", str(tmp_path / "m"))
+    assert out.returncode == 0, out.stderr
+    assert "parameters" in out.stdout
+    assert (tmp_path / "m" / "model.safetensors").exists()
+    assert (tmp_path / "m" / "chat_template.jinja").exists()
+
+
+def imported_by(module: str) -> set[str]:
+    code = f"import sys, {module}; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.split())
+
+
+def test_the_cli_and_proxy_side_import_neither_torch_nor_ray():
+    modules = imported_by("server.cli")
+    assert "torch" not in modules and "ray" not in modules and "transformers" not in modules
+
+
+def test_client_sdk_imports_nothing_of_ours():
+    modules = imported_by("client_sdk")
+    assert not {m for m in modules if m.split(".")[0] in {"server", "trainer"}}
