@@ -1,70 +1,25 @@
-"""Helpers for tests that run real processes: free ports, an engine process, teacher forcing."""
+"""Helpers for tests that run real processes: an engine process, teacher forcing, SSE."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 
+from server.engine.launcher import EngineProcess as _Launcher
+from server.engine.launcher import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["ROOT", "EngineProcess", "free_port", "parse_sse", "stream_events"]
 
 
-class EngineProcess:
-    """``proxrl engine`` as a real process on loopback, stopped on exit."""
+class EngineProcess(_Launcher):
+    """An engine whose log goes to ``log_dir`` (shown if it fails to start)."""
 
     def __init__(self, model_dir: Path, log_dir: Path, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"engine-{self.port}.log"
-        command = [
-            sys.executable, "-m", "server.cli", "engine",
-            "--model", str(model_dir), "--port", str(self.port), "--log-level", "warning",
-            *extra,
-        ]  # fmt: skip
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
-        )
-
-    def wait_ready(self, timeout: float = 120.0) -> EngineProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"engine exited early:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/model_info", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"engine not ready in {timeout}s:\n{self.log_path.read_text()}")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
-        self._log.close()
-
-    def __enter__(self) -> EngineProcess:
-        return self.wait_ready()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        port = free_port()
+        super().__init__(model_dir, log_dir / f"engine-{port}.log", *extra, port=port)
 
 
 def teacher_forced_logprobs(

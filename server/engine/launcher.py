@@ -1,0 +1,84 @@
+"""Start ``proxrl engine`` as a child process on loopback and wait until it serves.
+
+Used by whatever needs an embedded engine of its own (the demo, the proxy when no --engines
+are given, tests). Imports neither torch nor transformers: the engine runs in the child.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class EngineProcess:
+    """One engine process; a context manager that waits for it to serve and stops it after."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        log_path: str | Path | None = None,
+        *extra_args: str,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+    ) -> None:
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.log_path = Path(log_path) if log_path else None
+        command = [
+            sys.executable, "-m", "server.cli", "engine",
+            "--model", str(model_dir), "--host", host, "--port", str(self.port),
+            "--log-level", "warning", *extra_args,
+        ]  # fmt: skip
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.process = subprocess.Popen(
+            command, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def wait_ready(self, timeout: float = 120.0) -> EngineProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"engine exited with {self.process.returncode}{self._tail()}")
+            try:
+                if httpx.get(f"{self.url}/model_info", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"engine not ready within {timeout:.0f}s{self._tail()}")
+
+    def _tail(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return ":\n" + "\n".join(self.log_path.read_text().splitlines()[-30:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self.wait_ready()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
