@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import Body, Depends, FastAPI, Request
@@ -96,18 +95,10 @@ user = [Depends(_user)]
 admin = [Depends(_admin)]
 
 
-def create_app(settings: EngineSettings, service: EngineService | None = None) -> FastAPI:
-    """The engine app; the model loads when the app starts (or use a prebuilt ``service``)."""
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        engine = service or await asyncio.to_thread(EngineService, settings)
-        engine.start()
-        app.state.engine = engine
-        yield
-        engine.stop()
-
-    app = FastAPI(title="proxrl embedded engine", lifespan=lifespan)
+def create_app(service: EngineService) -> FastAPI:
+    """The engine's routes over ``service``; whoever made the service runs its scheduler."""
+    app = FastAPI(title="proxrl embedded engine")
+    app.state.engine = service
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -239,7 +230,7 @@ def create_app(settings: EngineSettings, service: EngineService | None = None) -
 
     @app.get("/ready", dependencies=user)
     async def ready(engine: Engine) -> Response:
-        ok = engine.scheduler.paused is None and not engine.shutting_down
+        ok = engine.scheduler.alive and engine.scheduler.paused is None
         return Response(status_code=200 if ok else 503)
 
     @app.get("/v1/models", dependencies=user)

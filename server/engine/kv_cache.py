@@ -82,6 +82,9 @@ class SlotKVCache(Cache):
 
     # ----- slot management ----------------------------------------------------------------
 
+    # Buffers grow and move inside inference mode, like every forward that writes them: a tensor
+    # made in inference mode cannot be updated outside it.
+    @torch.inference_mode()
     def reserve(self, length: int) -> None:
         """Make room for ``length`` positions per slot (doubling, up to ``max_capacity``)."""
         if length <= self.capacity:
@@ -101,6 +104,7 @@ class SlotKVCache(Cache):
         grown[:, :, :old] = buffer
         return grown
 
+    @torch.inference_mode()
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst``."""
         for layer in range(self.num_layers):

@@ -90,7 +90,8 @@ class Scheduler:
         self._pending_updates: deque[tuple[WeightUpdate, Future]] = deque()
         self._wakeup = threading.Event()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="proxrl-scheduler", daemon=True)
+        self._looping = False
+        self._thread: threading.Thread | None = None
         self._generator = torch.Generator().manual_seed(config.seed)
         self._eos_ids = runner.eos_token_ids
         self.generated_tokens = 0
@@ -100,12 +101,21 @@ class Scheduler:
     # ----- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Run the loop on a thread of its own (in-process use). The engine process runs it on
+        its main thread instead (``run``): OpenMP kernels driven from a secondary thread ran
+        about half as fast on the 2-core machine we measured."""
+        self._thread = threading.Thread(target=self.run, name="proxrl-scheduler", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Ask the loop to finish (abort what is in flight and return); safe from any thread."""
         self._stopping = True
         self._wakeup.set()
-        self._thread.join(timeout=10)
+
+    def stop(self) -> None:
+        self.request_stop()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
 
     # ----- called from other threads -------------------------------------------------------
 
@@ -195,6 +205,19 @@ class Scheduler:
 
     # ----- the loop -------------------------------------------------------------------------
 
+    @property
+    def alive(self) -> bool:
+        return self._looping and not self._stopping
+
+    def run(self) -> None:
+        """The scheduler loop; returns after ``request_stop``."""
+        self._looping = True
+        try:
+            self._loop()
+        finally:
+            self._looping = False
+
+    @torch.inference_mode()
     def _loop(self) -> None:
         while not self._stopping:
             self._run_commands()
@@ -206,12 +229,17 @@ class Scheduler:
                     continue
             except Exception:  # keep serving: fail the batch, not the engine
                 log.exception("decode step failed; aborting the running requests")
-                for seq in list(self.running):
-                    self._release(seq)
-                    self._finish(seq, {**ABORTED_RUNNING, "message": "engine step failed"})
+                self._fail_running("engine step failed")
             self._wakeup.wait(timeout=0.5)
             self._wakeup.clear()
         self.abort(abort_all=True)
+
+    def _fail_running(self, message: str) -> None:
+        """Finish every running request with an abort, without touching the KV cache."""
+        failed, self.running = self.running, []
+        for seq in failed:
+            seq.state = State.WAITING  # its slot is gone; _finish must not release it
+            self._finish(seq, {**ABORTED_RUNNING, "message": message})
 
     def _run_commands(self) -> None:
         while True:
@@ -266,7 +294,9 @@ class Scheduler:
                 self._prefill(seq)
             except Exception:
                 log.exception("prefill of %s failed", seq.rid)
-                self._release(seq)
+                if self.running and self.running[-1] is seq:  # it took the last slot
+                    self.running.pop()
+                seq.state = State.WAITING
                 self._finish(seq, {**ABORTED_RUNNING, "message": "prefill failed"})
 
     def _prefill(self, seq: Sequence) -> None:

@@ -77,13 +77,9 @@ class EngineService:
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
         self.update_session_open = False
         self.started_at = time.time()
-        self.shutting_down = False
 
-    def start(self) -> None:
-        self.scheduler.start()
-
-    def stop(self) -> None:
-        self.shutting_down = True
+    def close(self) -> None:
+        """Stop the scheduler and leave every weight-update group."""
         self.scheduler.stop()
         for group in self.groups.values():
             weights.leave_group(group)
@@ -189,7 +185,7 @@ class EngineService:
 
     async def health_generate(self) -> bool:
         """Generate one token through the scheduler; False if none comes within 20 s."""
-        if self.shutting_down:
+        if not self.scheduler.alive:
             return False
         done = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -214,7 +210,7 @@ class EngineService:
             "0",
             "false",
         ):
-            return not self.shutting_down
+            return self.scheduler.alive
         return await self.health_generate()
 
     # ----- control --------------------------------------------------------------------------

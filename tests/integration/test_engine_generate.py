@@ -300,6 +300,36 @@ def test_continuous_batching_runs_requests_together(engine):
     assert peak["running"] >= 8
 
 
+def test_long_requests_finishing_at_different_times(engine, model):
+    """Past the KV buffers' first size, requests that finish early hand their slot to the last
+    running one; the others carry on with exact logprobs (a regression: this once killed the
+    scheduler thread)."""
+    prompts = [list(range(1, 301)), list(range(2, 290)), list(range(3, 320))]
+    lengths = [5, 40, 20]
+
+    async def run_all():
+        async with httpx.AsyncClient(timeout=120) as client:
+            calls = [
+                client.post(
+                    f"{engine.url}/generate",
+                    json={
+                        "input_ids": p,
+                        "sampling_params": {"max_new_tokens": n, "ignore_eos": True},
+                        "return_logprob": True,
+                    },
+                )
+                for p, n in zip(prompts, lengths, strict=True)
+            ]
+            return [r.json() for r in await asyncio.gather(*calls)]
+
+    for prompt, n, out in zip(prompts, lengths, asyncio.run(run_all()), strict=True):
+        assert len(out["output_ids"]) == n
+        served = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+        expected = teacher_forced_logprobs(model, prompt, out["output_ids"], 1.0)
+        assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) < LOGPROB_TOLERANCE
+    assert httpx.get(f"{engine.url}/health", timeout=30).status_code == 200
+
+
 def test_abort_request_by_prefix(engine):
     async def run():
         async with httpx.AsyncClient(timeout=60) as client:
