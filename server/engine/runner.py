@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from server.engine import fast_decode
 from server.engine.kv_cache import SlotKVCache
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ class RunnerConfig:
     dtype: str = "float32"
     max_slots: int = 64
     context_length: int | None = None  # None: the model's max_position_embeddings
+    fast_decode: bool = True  # Llama-family models decode through FastDecoder
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,6 +59,11 @@ class ModelRunner:
             max_capacity=self.context_length,
             dtype=self.dtype,
             device=self.device,
+        )
+        self.fast = (
+            fast_decode.FastDecoder(self.model)
+            if config.fast_decode and fast_decode.supports(self.model)
+            else None
         )
 
     def _load_model(self, path: str) -> PreTrainedModel:
@@ -101,13 +108,15 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, last_tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One step for slots ``0..B-1``: row b feeds ``last_tokens[b]`` at ``positions[b]``."""
-        rows = len(last_tokens)
+        tokens = torch.tensor(last_tokens, device=self.device)
         pos = torch.tensor(positions, device=self.device)
-        self.cache.plan_decode(rows, pos)
-        kv_len = int(pos.max()) + 1
+        if self.fast is not None:
+            return self.fast.decode(tokens, pos, self.cache)
+        self.cache.plan_decode(len(last_tokens), pos)
+        kv_len = self.cache.get_seq_length()
         visible = torch.arange(kv_len, device=self.device).unsqueeze(0) <= pos.unsqueeze(1)
         out = self.model(
-            input_ids=torch.tensor(last_tokens, device=self.device).unsqueeze(1),
+            input_ids=tokens.unsqueeze(1),
             position_ids=pos.unsqueeze(1),
             attention_mask=visible[:, None, None, :],
             past_key_values=self.cache,
@@ -138,6 +147,8 @@ class ModelRunner:
         state = self.model.state_dict()
         for name, tensor in named_tensors.items():
             state[name].copy_(tensor)
+        if self.fast is not None:
+            self.fast.refresh()
 
     def model_info(self) -> dict:
         config = self.model.config

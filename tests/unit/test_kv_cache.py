@@ -60,3 +60,59 @@ def test_capacity_grows_and_is_bounded(tiny_model_dir):
     assert (logits[0] - full_forward(runner, ids[:521])[-1]).abs().max() < TOLERANCE
     with pytest.raises(ValueError, match="exceed the KV capacity"):
         runner.cache.reserve(601)
+
+
+def _family_model(tmp_path, kind: str):
+    """A tiny random model of another Llama-family architecture (biases, q/k norms)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    shape = dict(
+        vocab_size=120,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    config = (Qwen2Config if kind == "qwen2" else Qwen3Config)(**shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / kind)
+    return tmp_path / kind
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fast_decode_matches_the_hugging_face_path(kind, tiny_model_dir, tmp_path):
+    from server.engine.fast_decode import supports
+
+    directory = tiny_model_dir if kind == "llama" else _family_model(tmp_path, kind)
+    fast = ModelRunner(RunnerConfig(str(directory), max_slots=4))
+    slow = ModelRunner(RunnerConfig(str(directory), max_slots=4, fast_decode=False))
+    assert fast.fast is not None and slow.fast is None and supports(fast.model)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 100, (n,), generator=gen).tolist() for n in (4, 30, 11)]
+    for runner in (fast, slow):
+        for slot, ids in enumerate(seqs):
+            runner.prefill(slot, ids[:-3])
+    for back in (3, 2, 1):  # three steps; each writes the cache the next one reads
+        tokens, positions = [s[-back] for s in seqs], [len(s) - back for s in seqs]
+        a, b = fast.decode(tokens, positions), slow.decode(tokens, positions)
+        assert (a - b).abs().max() < TOLERANCE
+    for row, ids in enumerate(seqs):
+        assert (a[row] - full_forward(fast, ids)[-1]).abs().max() < TOLERANCE
+
+
+def test_fast_decode_follows_weight_updates(tiny_model_dir):
+    runner = ModelRunner(RunnerConfig(str(tiny_model_dir), max_slots=2))
+    ids = list(range(10, 30))
+    new_norm = torch.full_like(runner.model.model.norm.weight, 0.5)
+    runner.load_weights({"model.norm.weight": new_norm})
+    runner.prefill(0, ids[:-1])
+    logits = runner.decode([ids[-1]], [len(ids) - 1])
+    assert (logits[0] - full_forward(runner, ids)[-1]).abs().max() < TOLERANCE
+    layer = runner.model.model.layers[0].self_attn.q_proj.weight
+    runner.load_weights({"model.layers.0.self_attn.q_proj.weight": layer * 2})
+    runner.prefill(0, ids[:-1])
+    logits = runner.decode([ids[-1]], [len(ids) - 1])
+    assert (logits[0] - full_forward(runner, ids)[-1]).abs().max() < TOLERANCE
