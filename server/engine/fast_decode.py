@@ -135,7 +135,7 @@ class FastDecoder:
             q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([q_size, kv_size, kv_size], -1)
             q = q.view(rows, self.num_heads, self.head_dim)
             k = k.view(rows, self.num_kv_heads, self.head_dim)
-            if layer.q_norm is not None:
+            if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             keys, values = cache.keys[index], cache.values[index]

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -42,9 +43,12 @@ class EngineProcess:
             "--log-level", "warning", *extra_args,
         ]  # fmt: skip
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self._log: IO[str] | None = open(self.log_path, "w") if self.log_path else None  # noqa: SIM115
         self.process = subprocess.Popen(
-            command, env=env, stdout=self._log, stderr=subprocess.STDOUT
+            command,
+            env=env,
+            stdout=self._log if self._log else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
         )
 
     def wait_ready(self, timeout: float = 120.0) -> EngineProcess:
@@ -74,7 +78,7 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)
-        if self._log is not subprocess.DEVNULL:
+        if self._log is not None:
             self._log.close()
 
     def __enter__(self) -> EngineProcess:

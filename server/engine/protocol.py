@@ -195,9 +195,7 @@ def expand(
     return_lp = _per_item(request.return_logprob, count, "return_logprob")
     start_len = _per_item(request.logprob_start_len, count, "logprob_start_len")
     top_num = _per_item(request.top_logprobs_num, count, "top_logprobs_num")
-    token_ids = request.token_ids_logprob
-    if token_ids and not isinstance(token_ids[0], list):
-        token_ids = [token_ids] * count
+    token_ids = _token_ids_per_item(request.token_ids_logprob, count)
     items: list[GenerateItem] = []
     for i, prompt in enumerate(prompts):
         params = sampling[i].to_params()
@@ -206,7 +204,7 @@ def expand(
             enabled=return_lp[i],
             start_len=start_len[i],
             top_k=top_num[i],
-            token_ids=tuple(token_ids[i]) if token_ids else (),
+            token_ids=tuple(token_ids[i]),
             with_text=request.return_text_in_logprobs,
         )
         if logprobs.enabled:
@@ -228,6 +226,15 @@ def expand(
                 )
             )
     return items, batch or len(items) > 1
+
+
+def _token_ids_per_item(value: list[int] | list[list[int]] | None, count: int) -> list[list[int]]:
+    if not value:
+        return [[] for _ in range(count)]
+    rows = [row for row in value if isinstance(row, list)]
+    if len(rows) == len(value):
+        return _per_item(rows, count, "token_ids_logprob")
+    return [[int(t) for t in value if isinstance(t, int)]] * count
 
 
 _UNSUPPORTED_TOP_LEVEL = {

@@ -10,8 +10,10 @@ nothing about the scheduler or the model beyond a ``decode`` function.
 from __future__ import annotations
 
 import time
+from collections import abc
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from server.engine.sequence import Sequence
 
@@ -54,7 +56,7 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
 
 
 def _logprob_entries(
-    values: list[float | None], ids: list[int], with_text: bool, decode: Decode
+    values: abc.Sequence[float | None], ids: list[int], with_text: bool, decode: Decode
 ) -> list[list]:
     return [
         [lp, token, decode([token]) if with_text else None]
@@ -63,7 +65,7 @@ def _logprob_entries(
 
 
 def _top_entries(
-    positions: list[list[tuple[float, int]] | None], with_text: bool, decode: Decode
+    positions: abc.Sequence[list[tuple[float, int]] | None], with_text: bool, decode: Decode
 ) -> list[list[list] | None]:
     out: list[list[list] | None] = []
     for pairs in positions:
@@ -151,6 +153,7 @@ class StreamRenderer:
         text = output_text(seq, n, decode)
         if not final and _held_back(text, seq.params.stop):
             return None
+        out: dict[str, Any]
         if self.incremental:
             out = {
                 "text": text[self.sent_text :],

@@ -68,10 +68,15 @@ class ModelRunner:
 
     def _load_model(self, path: str) -> PreTrainedModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
-        model.to(self.device).eval()
+        model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers stub
         model.requires_grad_(False)
         log.info("loaded %s (%s parameters)", path, sum(p.numel() for p in model.parameters()))
         return model
+
+    def decode_text(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str)
+        return text
 
     @property
     def eos_token_ids(self) -> set[int]:

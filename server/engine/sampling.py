@@ -55,12 +55,13 @@ def scaled_log_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.
 
 def _truncate(probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     """Zero the probabilities that top_k / top_p / min_p exclude, row by row."""
-    top_k = torch.tensor([r.top_k if r.top_k > 0 else probs.shape[-1] for r in rows])
-    top_p = torch.tensor([r.top_p for r in rows], dtype=probs.dtype)
-    min_p = torch.tensor([r.min_p for r in rows], dtype=probs.dtype)
+    device = probs.device
+    top_k = torch.tensor([r.top_k if r.top_k > 0 else probs.shape[-1] for r in rows], device=device)
+    top_p = torch.tensor([r.top_p for r in rows], dtype=probs.dtype, device=device)
+    min_p = torch.tensor([r.min_p for r in rows], dtype=probs.dtype, device=device)
 
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[-1]).unsqueeze(0)
+    rank = torch.arange(probs.shape[-1], device=device).unsqueeze(0)
     # Keep a token if it is among the top k, and the mass before it is below top_p.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     keep = (rank < top_k.unsqueeze(-1)) & (mass_before < top_p.unsqueeze(-1))
@@ -85,15 +86,16 @@ def sample(
     uniforms: torch.Tensor,
 ) -> SampleResult:
     """Sample one token per row of ``logits`` [B, V]; ``uniforms`` [B] are that step's draws."""
-    temperatures = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
+    device = logits.device
+    temperatures = torch.tensor([r.temperature for r in rows], device=device)
     log_probs = scaled_log_probs(logits, temperatures)
     probs = log_probs.exp()
     truncating = [i for i, r in enumerate(rows) if r.truncates and not r.greedy]
     if truncating:
-        index = torch.tensor(truncating)
+        index = torch.tensor(truncating, device=device)
         probs[index] = _truncate(probs[index], [rows[i] for i in truncating])
-    tokens = _inverse_cdf(probs, uniforms)
-    greedy = torch.tensor([r.greedy for r in rows])
+    tokens = _inverse_cdf(probs, uniforms.to(device))
+    greedy = torch.tensor([r.greedy for r in rows], device=device)
     if greedy.any():
         tokens = torch.where(greedy, log_probs.argmax(dim=-1), tokens)
     logprobs = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -328,7 +328,7 @@ class Scheduler:
         tokens = result.tokens.tolist()
         logprobs = result.logprobs.tolist()
         version = self.weight_version
-        decode = self.runner.tokenizer.decode
+        decode = self.runner.decode_text
         for index, seq in enumerate(rows):
             top, by_id = self._extra_logprobs(seq, result, index)
             seq.append(tokens[index], logprobs[index], version, top, by_id)
@@ -371,11 +371,11 @@ class Scheduler:
         """Prompt logprobs from position ``start_len`` on; position 0 has none (``None``)."""
         request = seq.logprobs
         ids = seq.prompt_ids
-        temperature = torch.tensor([seq.params.sampling.temperature])
+        temperature = torch.tensor([seq.params.sampling.temperature], device=logits.device)
         # logits[i] predicts token i + 1. Temperature applied as for output tokens
         # (UNVERIFIED against SGLang's input-logprob path; the reference does not say).
         log_probs = scaled_log_probs(logits[:-1], temperature.expand(len(ids) - 1))
-        targets = torch.tensor(ids[1:]).unsqueeze(-1)
+        targets = torch.tensor(ids[1:], device=logits.device).unsqueeze(-1)
         picked = [None, *log_probs.gather(-1, targets).squeeze(-1).tolist()]
         seq.input_logprobs = picked[request.start_len :]
         if request.top_k > 0:
@@ -395,7 +395,7 @@ class Scheduler:
             return
         last = self.running[-1]
         if last is not seq:
-            self.runner.cache.move(last.slot, slot, last.kv_len)
+            self.runner.cache.move(len(self.running) - 1, slot, last.kv_len)
             self.running[slot] = last
             last.slot = slot
         self.running.pop()

@@ -99,7 +99,7 @@ class EngineService:
 
     def render_options(self, request: protocol.GenerateRequestIn, index: int | None):
         return RenderOptions(
-            decode=self.runner.tokenizer.decode,
+            decode=self.runner.decode_text,
             return_prompt_token_ids=request.return_prompt_token_ids,
             batch_index=index,
         )
@@ -131,10 +131,9 @@ class EngineService:
         return sequences
 
     def abort_sequences(self, sequences: list[Sequence]) -> None:
-        for seq in sequences:
-            if not seq.finished:
-                rid = seq.rid
-                self.scheduler.call(lambda rid=rid: self.scheduler.abort_exact(rid))
+        rids = [seq.rid for seq in sequences if not seq.finished]
+        if rids:
+            self.scheduler.call(lambda: [self.scheduler.abort_exact(rid) for rid in rids])
 
     async def generate(
         self, request: protocol.GenerateRequestIn, items: list[GenerateItem]
@@ -189,12 +188,17 @@ class EngineService:
             return False
         done = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def listener(tokens: int, finished: bool) -> None:
+            if finished:
+                loop.call_soon_threadsafe(done.set)
+
         seq = Sequence(
             rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
             prompt_ids=[0],
             params=GenerationParams(max_new_tokens=1, sampling=RowSampling(temperature=0.0)),
             logprobs=LogprobRequest(),
-            listener=lambda _tokens, finished: finished and loop.call_soon_threadsafe(done.set),
+            listener=listener,
             internal=True,
         )
         self.scheduler.submit(seq)

@@ -130,8 +130,7 @@ def create_tiny_model(out_dir: str | Path, size: str = "tiny") -> Path:
     hf_tokenizer.chat_template = CHAT_TEMPLATE
     hf_tokenizer.save_pretrained(out)
 
-    eos_id = hf_tokenizer.convert_tokens_to_ids(IM_END)
-    pad_id = hf_tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    eos_id, pad_id = hf_tokenizer.eos_token_id, hf_tokenizer.pad_token_id
     config = LlamaConfig(
         vocab_size=len(hf_tokenizer),
         hidden_size=shape.hidden_size,
@@ -144,11 +143,11 @@ def create_tiny_model(out_dir: str | Path, size: str = "tiny") -> Path:
         bos_token_id=None,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
-        # Pin the neutral tokenizer class so AutoTokenizer keeps the pipeline saved in
-        # tokenizer.json. (Llama, not Qwen2: transformers 5 overrides a pinned class for
-        # qwen2 and builds Qwen2's regex pre-tokenizer and NFC normalizer instead.)
-        tokenizer_class="TokenizersBackend",
     )
+    # Pin the neutral tokenizer class so AutoTokenizer keeps the pipeline saved in
+    # tokenizer.json. (Llama, not Qwen2: transformers 5 overrides a pinned class for qwen2
+    # and builds Qwen2's regex pre-tokenizer and NFC normalizer instead.)
+    config.tokenizer_class = "TokenizersBackend"
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(

@@ -68,7 +68,7 @@ def join_group(
         [],
         c10d.Backend(backend),
         c10d.PrefixStore(group_name, store),
-        group_name=group_name,
+        group_name=c10d.GroupName(group_name),
         timeout=timeout,
     )
     # Ranks of this group are its own global ranks (there is no default group to map them to).

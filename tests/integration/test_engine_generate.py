@@ -398,6 +398,28 @@ def test_abort_returns_partial_logprobs_consistently(engine, model):
     assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) < LOGPROB_TOLERANCE
 
 
+def wait_until_idle(engine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        load = httpx.get(f"{engine.url}/v1/loads").json()["loads"][0]
+        if load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"still busy after {timeout}s: {load}")
+
+
+def test_requests_of_clients_that_went_away_are_aborted(engine):
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{engine.url}/generate", json=body, timeout=httpx.Timeout(1.0, connect=5))
+    wait_until_idle(engine)
+    with httpx.stream(
+        "POST", f"{engine.url}/generate", json={**body, "stream": True}, timeout=30
+    ) as response:
+        next(response.iter_lines())  # one chunk, then hang up
+    wait_until_idle(engine)
+
+
 def test_duplicate_rid_is_refused(engine):
     async def run():
         async with httpx.AsyncClient(timeout=60) as client:
