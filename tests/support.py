@@ -36,6 +36,13 @@ def teacher_forced_logprobs(
     return log_probs.gather(-1, torch.tensor(output_ids).unsqueeze(-1)).squeeze(-1).tolist()
 
 
+def logprob_error(model, prompt_ids: list[int], output: dict, temperature: float = 1.0) -> float:
+    """Largest gap between a /generate output's logprobs and teacher forcing under ``model``."""
+    served = [entry[0] for entry in output["meta_info"]["output_token_logprobs"]]
+    expected = teacher_forced_logprobs(model, prompt_ids, output["output_ids"], temperature)
+    return max(abs(a - b) for a, b in zip(served, expected, strict=True))
+
+
 def parse_sse(body: str) -> list[dict | str]:
     """The events of an SSE body: parsed JSON, or the string ``[DONE]``."""
     import json

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.support import EngineProcess, parse_sse, stream_events, teacher_forced_logprobs
+from tests.support import EngineProcess, logprob_error, parse_sse, stream_events
 
 LOGPROB_TOLERANCE = 1e-4
 
@@ -34,6 +34,22 @@ def generate(engine, body: dict, status: int = 200):
     response = httpx.post(f"{engine.url}/generate", json=body, timeout=60)
     assert response.status_code == status, response.text
     return response.json()
+
+
+def generate_together(engine, bodies: list[dict]) -> list[dict]:
+    """Send every body at once; the outputs in order."""
+
+    async def run_all():
+        async with httpx.AsyncClient(timeout=120) as client:
+            calls = [client.post(f"{engine.url}/generate", json=body) for body in bodies]
+            return [reply.json() for reply in await asyncio.gather(*calls)]
+
+    return asyncio.run(run_all())
+
+
+def sampled(prompt: list[int], max_new_tokens: int, temperature: float = 1.0) -> dict:
+    params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": True}
+    return {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
 
 
 def test_response_shape(engine):
@@ -69,30 +85,10 @@ def test_logprobs_equal_a_teacher_forced_forward_pass(engine, model):
     temperatures = [1.0, 0.6, 1.5, 0.0]
     lengths = [40, 25, 60, 12]
 
-    async def run_all():
-        async with httpx.AsyncClient(timeout=120) as client:
-            calls = [
-                client.post(
-                    f"{engine.url}/generate",
-                    json={
-                        "input_ids": p,
-                        "sampling_params": {
-                            "max_new_tokens": n,
-                            "temperature": t,
-                            "ignore_eos": True,
-                        },
-                        "return_logprob": True,
-                    },
-                )
-                for p, t, n in zip(prompts, temperatures, lengths, strict=True)
-            ]
-            return [r.json() for r in await asyncio.gather(*calls)]
-
-    outputs = asyncio.run(run_all())
+    bodies = [sampled(p, n, t) for p, t, n in zip(prompts, temperatures, lengths, strict=True)]
+    outputs = generate_together(engine, bodies)
     for prompt, temperature, out in zip(prompts, temperatures, outputs, strict=True):
-        served = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
-        expected = teacher_forced_logprobs(model, prompt, out["output_ids"], temperature)
-        assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) < LOGPROB_TOLERANCE
+        assert logprob_error(model, prompt, out, temperature) < LOGPROB_TOLERANCE
 
 
 def test_greedy_matches_hf_generate(engine, model, tokenizer):
@@ -307,26 +303,12 @@ def test_long_requests_finishing_at_different_times(engine, model):
     prompts = [list(range(1, 301)), list(range(2, 290)), list(range(3, 320))]
     lengths = [5, 40, 20]
 
-    async def run_all():
-        async with httpx.AsyncClient(timeout=120) as client:
-            calls = [
-                client.post(
-                    f"{engine.url}/generate",
-                    json={
-                        "input_ids": p,
-                        "sampling_params": {"max_new_tokens": n, "ignore_eos": True},
-                        "return_logprob": True,
-                    },
-                )
-                for p, n in zip(prompts, lengths, strict=True)
-            ]
-            return [r.json() for r in await asyncio.gather(*calls)]
-
-    for prompt, n, out in zip(prompts, lengths, asyncio.run(run_all()), strict=True):
+    outputs = generate_together(
+        engine, [sampled(p, n) for p, n in zip(prompts, lengths, strict=True)]
+    )
+    for prompt, n, out in zip(prompts, lengths, outputs, strict=True):
         assert len(out["output_ids"]) == n
-        served = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
-        expected = teacher_forced_logprobs(model, prompt, out["output_ids"], 1.0)
-        assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) < LOGPROB_TOLERANCE
+        assert logprob_error(model, prompt, out) < LOGPROB_TOLERANCE
     assert httpx.get(f"{engine.url}/health", timeout=30).status_code == 200
 
 
@@ -393,9 +375,7 @@ def test_abort_returns_partial_logprobs_consistently(engine, model):
     }
     n = len(out["output_ids"])
     assert 0 < n < 1500 and meta["completion_tokens"] == n
-    served = [e[0] for e in meta["output_token_logprobs"]]
-    expected = teacher_forced_logprobs(model, [5, 4, 3], out["output_ids"], 1.0)
-    assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) < LOGPROB_TOLERANCE
+    assert logprob_error(model, [5, 4, 3], out) < LOGPROB_TOLERANCE
 
 
 def wait_until_idle(engine, timeout: float = 10.0) -> None:
