@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand
 
 from server.engine.settings import EngineSettings
+from server.settings import ServerSettings
 
 
 class ModelInit(BaseModel):
@@ -49,6 +50,50 @@ class EngineCommand(EngineSettings):
         serve(EngineSettings(**self.model_dump()))
 
 
+class ServeCommand(ServerSettings):
+    __doc__ = ServerSettings.__doc__
+
+    def cli_cmd(self) -> None:
+        from server.main import serve
+
+        serve(ServerSettings(**self.model_dump()))
+
+
+class DbMigrate(BaseModel):
+    db: str = Field(description="SQLAlchemy URL of the store, e.g. sqlite:///data/proxrl.db.")
+    revision: str | None = Field(None, description="Target revision (default: head / base).")
+
+
+class DbUpgrade(DbMigrate):
+    """Apply the store's migrations up to head (the server also does this at start)."""
+
+    def cli_cmd(self) -> None:
+        from server.store.database import upgrade
+
+        upgrade(self.db, self.revision or "head")
+        print(f"{self.db}: upgraded to {self.revision or 'head'}")
+
+
+class DbDowngrade(DbMigrate):
+    """Undo the store's migrations down to a revision (default: base, an empty database)."""
+
+    def cli_cmd(self) -> None:
+        from server.store.database import downgrade
+
+        downgrade(self.db, self.revision or "base")
+        print(f"{self.db}: downgraded to {self.revision or 'base'}")
+
+
+class DbCommands(BaseModel):
+    """Migrate the trajectory store."""
+
+    upgrade: CliSubCommand[DbUpgrade] = Field(description=DbUpgrade.__doc__)
+    downgrade: CliSubCommand[DbDowngrade] = Field(description=DbDowngrade.__doc__)
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
 class Proxrl(
     BaseSettings,
     cli_prog_name="proxrl",
@@ -63,6 +108,10 @@ class Proxrl(
     engine: CliSubCommand[EngineCommand] = Field(
         description="Serve a model with the embedded CPU/CUDA engine (SGLang's native HTTP API)."
     )
+    serve: CliSubCommand[ServeCommand] = Field(
+        description="The proxy: OpenAI-compatible serving, sessions, rewards, the store."
+    )
+    db: CliSubCommand[DbCommands] = Field(description=DbCommands.__doc__)
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

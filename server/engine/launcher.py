@@ -6,7 +6,9 @@ are given, tests). Imports neither torch nor transformers: the engine runs in th
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +17,15 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+
+
+def _die_with_parent() -> None:
+    """Linux: the engine gets SIGTERM when the process that started it dies, even by SIGKILL."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -49,6 +60,7 @@ class EngineProcess:
             env=env,
             stdout=self._log if self._log else subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
 
     def wait_ready(self, timeout: float = 120.0) -> EngineProcess:

@@ -1,0 +1,39 @@
+"""Everything a request handler needs, built once at start-up by ``server.main``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
+
+from server.admission import Admission
+from server.engines.pool import EnginePool
+from server.session_state import SessionRegistry
+from server.settings import ServerSettings
+from server.store.writer import TurnWriter
+from server.tokenization import Tokenizer
+
+
+@dataclass(eq=False)
+class ServerContext:
+    settings: ServerSettings
+    admin_key_hash: str
+    database: AsyncEngine
+    sessionmaker: async_sessionmaker
+    writer: TurnWriter
+    pool: EnginePool
+    tokenizer: Tokenizer
+    sessions: SessionRegistry
+    admission: Admission = field(default_factory=Admission)
+    default_run_id: str = ""
+    key_cache: dict[str, tuple[str, str | None, str | None]] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.model_name
+
+    @property
+    def context_length(self) -> int | None:
+        return self.pool.context_length

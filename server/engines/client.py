@@ -1,0 +1,189 @@
+"""An async client for one engine's native HTTP API (SGLang or the embedded engine).
+
+It turns ``/generate`` answers (whole or streamed, cumulative or incremental) into
+:class:`Piece` objects: the new token ids with their logprobs and the weight version of each
+token, plus the finish reason when the request ended. Failures come out as two exceptions:
+:class:`EngineUnavailable` (the engine is gone, timed out or broke: try another) and
+:class:`EngineRejected` (it refused the request: do not retry). Every call has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+CONTROL_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+WEIGHTS_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+
+
+class EngineError(Exception):
+    pass
+
+
+class EngineUnavailable(EngineError):
+    """The engine did not answer, answered 5xx, or broke off: another engine may serve."""
+
+
+class EngineRejected(EngineError):
+    """The engine refused the request (4xx): retrying elsewhere would not help."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Piece:
+    """New output of a generate request: tokens since the last piece, and the end if it ended."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[float, int]]] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    finish_reason: dict | None = None
+    prompt_tokens: int | None = None
+    # On the final piece of a request: the version of every token of that request, by span.
+    all_versions: list[str] | None = None
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    error = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(error, dict):
+        return str(error.get("message", error))
+    return str(error)
+
+
+def _versions_from_spans(meta: dict, count: int) -> list[str] | None:
+    spans = meta.get("weight_versions")
+    if not spans:
+        return None
+    versions = [str(meta.get("weight_version", ""))] * count
+    for span in spans:
+        for index in range(span["start"], min(span["end"], count)):
+            versions[index] = str(span["version"])
+    return versions
+
+
+def piece_from_output(output: dict, already: int = 0, cumulative: bool = True) -> Piece:
+    """The new part of one /generate output; ``already`` tokens were seen before (cumulative)."""
+    meta = output.get("meta_info", {})
+    start = already if cumulative else 0
+    ids = list(output.get("output_ids", []))[start:]
+    entries = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or []
+    finish = meta.get("finish_reason")
+    piece = Piece(
+        ids=ids,
+        logprobs=[float(e[0]) for e in entries[start:]],
+        top=[[(float(t[0]), int(t[1])) for t in (pos or [])] for pos in tops[start:]],
+        versions=[str(meta.get("weight_version", ""))] * len(ids),
+        finish_reason=finish,
+        prompt_tokens=meta.get("prompt_tokens"),
+    )
+    if len(piece.logprobs) != len(ids):
+        raise EngineUnavailable(f"engine sent {len(ids)} tokens but {len(piece.logprobs)} logprobs")
+    if finish is not None:
+        total = meta.get("completion_tokens", already + len(ids) if cumulative else len(ids))
+        piece.all_versions = _versions_from_spans(meta, int(total))
+    return piece
+
+
+class EngineClient:
+    def __init__(self, url: str, http: httpx.AsyncClient, generate_timeout: float) -> None:
+        self.url = url.rstrip("/")
+        self._http = http
+        self._generate_timeout = httpx.Timeout(generate_timeout, connect=5.0)
+
+    async def _post(self, path: str, body: dict, timeout: httpx.Timeout) -> httpx.Response:
+        try:
+            response = await self._http.post(f"{self.url}{path}", json=body, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"{self.url}{path}: {exc!r}") from exc
+        self._raise_for_status(response)
+        return response
+
+    def _raise_for_status(self, response: httpx.Response) -> None:
+        if response.status_code >= 500:
+            raise EngineUnavailable(f"{response.url}: {response.status_code}")
+        if response.status_code >= 400:
+            raise EngineRejected(response.status_code, _error_message(response))
+
+    async def _get(self, path: str) -> dict:
+        try:
+            response = await self._http.get(f"{self.url}{path}", timeout=CONTROL_TIMEOUT)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"{self.url}{path}: {exc!r}") from exc
+        self._raise_for_status(response)
+        return response.json()
+
+    # ----- generation ---------------------------------------------------------------------
+
+    async def generate(self, body: dict) -> Piece:
+        response = await self._post("/generate", {**body, "stream": False}, self._generate_timeout)
+        return piece_from_output(response.json())
+
+    async def generate_stream(self, body: dict, incremental: bool) -> AsyncIterator[Piece]:
+        """Pieces as the engine streams them; the last one carries the finish reason."""
+        seen = 0
+        request = self._http.build_request(
+            "POST", f"{self.url}/generate", json={**body, "stream": True},
+            timeout=self._generate_timeout,
+        )  # fmt: skip
+        try:
+            response = await self._http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"{self.url}/generate: {exc!r}") from exc
+        try:
+            if response.status_code >= 400:
+                await response.aread()
+                self._raise_for_status(response)
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    return
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise EngineUnavailable(f"{self.url}: {chunk['error']}")
+                piece = piece_from_output(chunk, seen, cumulative=not incremental)
+                seen += len(piece.ids)
+                yield piece
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"{self.url}/generate broke off: {exc!r}") from exc
+        finally:
+            await response.aclose()
+        raise EngineUnavailable(f"{self.url}/generate ended without [DONE]")
+
+    # ----- control --------------------------------------------------------------------------
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self._post("/pause_generation", {"mode": mode}, WEIGHTS_TIMEOUT)
+
+    async def resume(self) -> None:
+        await self._post("/continue_generation", {}, CONTROL_TIMEOUT)
+
+    async def update_weights_from_disk(self, model_path: str, version: str) -> dict[str, Any]:
+        body = {"model_path": model_path, "weight_version": version, "flush_cache": True}
+        return (await self._post("/update_weights_from_disk", body, WEIGHTS_TIMEOUT)).json()
+
+    async def update_weight_version(self, version: str) -> None:
+        body = {"new_version": version, "abort_all_requests": False}
+        await self._post("/update_weight_version", body, CONTROL_TIMEOUT)
+
+    async def abort(self, rid: str) -> None:
+        await self._post("/abort_request", {"rid": rid}, CONTROL_TIMEOUT)
+
+    async def model_info(self) -> dict:
+        return await self._get("/model_info")
+
+    async def server_info(self) -> dict:
+        return await self._get("/server_info")

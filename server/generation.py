@@ -1,0 +1,155 @@
+"""One completion through the engines, uninterrupted as the client sees it.
+
+An engine answers a request with ``finish_reason.type == "abort"`` when a weight swap pauses it
+(or it is aborted); this module then resubmits prompt + tokens so far with the remaining budget,
+on the same engine, which holds the request until the swap is done. An engine that fails is
+left for another one, again resuming from the tokens already received. Each token keeps the
+policy version that sampled it. This module knows nothing about chat, sessions or the store.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from server.engines.client import EngineUnavailable, Piece
+from server.engines.pool import EnginePool, EngineState, NoEngineAvailable
+
+MAX_RESUMES = 32  # swaps or engine failures one completion may live through
+ENGINE_WAIT_S = 10.0  # how long a request waits for an engine to come (back) into rotation
+_TRAILING_NUMBER = re.compile(r"(\d+)$")
+
+
+def parse_version(version: str) -> int:
+    """proxrl versions are integers; SGLang's start-up "default" is version 0."""
+    match = _TRAILING_NUMBER.search(version)
+    return int(match.group(1)) if match else 0
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    top_logprobs: int = 0
+    ignore_eos: bool = False
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[float, int]]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: dict = field(default_factory=dict)
+    engine: str | None = None
+    resumes: int = 0
+
+    def add(self, piece: Piece) -> None:
+        self.ids += piece.ids
+        self.logprobs += piece.logprobs
+        self.top += piece.top
+        self.versions += [parse_version(v) for v in piece.versions]
+
+
+OnPiece = Callable[[Piece], Awaitable[None]]
+
+
+def engine_body(request: SamplingRequest, so_far: list[int], rid: str) -> dict:
+    params: dict = {
+        "max_new_tokens": request.max_tokens - len(so_far),
+        "temperature": request.temperature,
+        "skip_special_tokens": False,
+    }
+    if request.stop:
+        params["stop"] = list(request.stop)
+    if request.stop_token_ids:
+        params["stop_token_ids"] = list(request.stop_token_ids)
+    if request.seed is not None:
+        params["sampling_seed"] = request.seed
+    if request.ignore_eos:
+        params["ignore_eos"] = True
+    body = {
+        "input_ids": request.prompt_ids + so_far,
+        "sampling_params": params,
+        "return_logprob": True,
+        "rid": rid,
+    }
+    if request.top_logprobs:
+        body["top_logprobs_num"] = request.top_logprobs
+    return body
+
+
+async def _attempt(
+    engine: EngineState,
+    body: dict,
+    stream: bool,
+    completion: Completion,
+    on_piece: OnPiece | None,
+) -> dict:
+    """One engine request; returns its finish reason. Tokens land in ``completion`` as they come."""
+    start = len(completion.ids)
+    final: Piece | None = None
+    engine.in_flight += 1
+    try:
+        if stream:
+            pieces = engine.client.generate_stream(body, engine.incremental_streaming)
+            async for piece in pieces:
+                completion.add(piece)
+                engine.served_tokens += len(piece.ids)
+                if on_piece is not None and piece.ids:
+                    await on_piece(piece)
+                final = piece if piece.finish_reason is not None else final
+        else:
+            final = await engine.client.generate(body)
+            completion.add(final)
+            engine.served_tokens += len(final.ids)
+            if on_piece is not None and final.ids:
+                await on_piece(final)
+    finally:
+        engine.in_flight -= 1
+    if final is None or final.finish_reason is None:
+        raise EngineUnavailable(f"{engine.url} ended the request without a finish reason")
+    if final.all_versions is not None:  # spans on the final output are authoritative
+        count = len(completion.ids) - start
+        completion.versions[start:] = [parse_version(v) for v in final.all_versions[-count:]]
+    return final.finish_reason
+
+
+async def complete(
+    pool: EnginePool,
+    request: SamplingRequest,
+    rid: str,
+    prefer: str | None = None,
+    stream: bool = False,
+    on_piece: OnPiece | None = None,
+) -> Completion:
+    """Sample one completion of ``request``, resuming across weight swaps and engine failures."""
+    completion = Completion(prompt_ids=request.prompt_ids)
+    failed: set[str] = set()
+    while True:
+        if not pool.healthy and not await pool.wait_for_engine(ENGINE_WAIT_S):
+            raise NoEngineAvailable("no engine is available to serve this request")
+        engine = pool.pick(prefer=completion.engine or prefer, avoid=failed)
+        completion.engine = engine.url
+        body = engine_body(request, completion.ids, f"{rid}-{completion.resumes}")
+        try:
+            reason = await _attempt(engine, body, stream, completion, on_piece)
+        except EngineUnavailable as exc:
+            pool.mark_down(engine, str(exc))
+            failed.add(engine.url)
+            reason = {"type": "abort", "message": str(exc)}
+        if reason.get("type") != "abort":
+            completion.finish_reason = reason
+            return completion
+        if len(completion.ids) >= request.max_tokens:  # aborted with the budget spent
+            completion.finish_reason = {"type": "length", "length": request.max_tokens}
+            return completion
+        completion.resumes += 1
+        if completion.resumes > MAX_RESUMES:
+            raise NoEngineAvailable(f"gave up after {MAX_RESUMES} interruptions: {reason}")

@@ -1,0 +1,54 @@
+"""The proxy's app factory and ``proxrl serve``."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from server import errors
+from server.deps import Ctx
+from server.routers import admin, openai, runs, sessions
+from server.settings import ServerSettings
+from server.startup import server_context
+
+
+def create_app(settings: ServerSettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async with server_context(settings) as ctx:
+            app.state.ctx = ctx
+            yield
+
+    app = FastAPI(title="proxrl", summary="An OpenAI-compatible RL proxy", lifespan=lifespan)
+    errors.install(app)
+    for router in (openai.router, sessions.router, runs.router, admin.router):
+        app.include_router(router)
+
+    @app.get("/health", tags=["health"], summary="200 while an engine is in rotation")
+    async def health(ctx: Ctx) -> JSONResponse:
+        healthy = len(ctx.pool.healthy)
+        body = {"status": "ok" if healthy else "no engine", "engines_healthy": healthy}
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    return app
+
+
+def serve(settings: ServerSettings) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if settings.admin_key is None:
+        key = f"proxrl-admin-{secrets.token_urlsafe(24)}"
+        settings = settings.model_copy(update={"admin_key": key})
+        print(f"admin key (generated; choose one with --admin-key or PROXRL_ADMIN_KEY): {key}")
+    print(f"proxrl serves {settings.model_name} at {settings.base_url}/v1")
+    print(f"store: {settings.database_url}", flush=True)
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)

@@ -1,0 +1,188 @@
+"""Request bodies of the OpenAI-compatible API, validated; responses are built as plain dicts.
+
+Fields OpenAI defines that would change what is sampled in a way the trainer cannot account
+for (penalties, logit bias, top_p < 1, constrained output, forced tool calls) are refused with a
+400 that names them; fields that do not touch sampling (user, metadata, store, ...) are
+accepted and ignored. Unknown fields are ignored, as many agent frameworks send extras.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from server.errors import BadRequest
+
+MAX_N = 16
+MAX_STOP = 16
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class ToolCallIn(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template expects it ("developer" is a system message)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
+        if isinstance(self.content, list):
+            out["content"] = "".join(part.text for part in self.content)
+        else:
+            out["content"] = self.content
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+class FunctionDef(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _Sampling(_Lenient):
+    """What chat and text completions share."""
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def refuse_untrainable(self) -> None:
+        if self.top_p is not None and self.top_p < 1:
+            raise BadRequest(
+                "top_p < 1 truncates the sampling distribution, so the logprobs proxrl records "
+                "would not be the behaviour policy's; leave top_p unset or 1.",
+                param="top_p",
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise BadRequest(
+                    f"{name} changes the sampling distribution, which training could not "
+                    "account for; leave it unset or 0.",
+                    param=name,
+                )
+        if self.logit_bias:
+            raise BadRequest(
+                "logit_bias is not supported: it would bias what is trained.", "logit_bias"
+            )
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP or any(not s for s in stops):
+            raise BadRequest(f"stop takes up to {MAX_STOP} non-empty strings.", param="stop")
+        return tuple(stops)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def refuse_untrainable(self) -> None:
+        super().refuse_untrainable()
+        if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
+            raise BadRequest(
+                "tool_choice 'required' or a named function would need constrained decoding, "
+                "which proxrl does not do; use 'auto' or 'none'.",
+                param="tool_choice",
+            )
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise BadRequest(
+                "response_format other than text needs constrained decoding, which proxrl does "
+                "not do.",
+                param="response_format",
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true.", param="top_logprobs")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def refuse_untrainable(self) -> None:
+        super().refuse_untrainable()
+        if self.suffix:
+            raise BadRequest("suffix (insertion) is not supported.", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise BadRequest("best_of is not supported; use n.", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise BadRequest("echo with logprobs (prompt logprobs) is not supported.", "echo")
+
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise BadRequest("prompt is empty.", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]

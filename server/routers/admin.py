@@ -1,0 +1,32 @@
+"""/admin: publish weights, see the engines."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from server import weights
+from server.deps import AdminDep, Ctx
+from server.schemas import WeightsIn, WeightsOut
+
+router = APIRouter(prefix="/admin", tags=["admin"])
+
+
+@router.post("/weights", response_model=WeightsOut, summary="Swap new weights into every engine")
+async def publish_weights(body: WeightsIn, ctx: Ctx, _: AdminDep) -> WeightsOut:
+    return await weights.publish(ctx, body.run_id, body.model_path, body.version)
+
+
+@router.get("/engines", summary="Each engine's URL, health, load and served version")
+async def engines(ctx: Ctx, _: AdminDep) -> list[dict]:
+    return [
+        {
+            "url": e.url,
+            "healthy": e.healthy,
+            "in_flight": e.in_flight,
+            "weight_version": e.weight_version,
+            "served_tokens": e.served_tokens,
+            "failures": e.failures,
+            "last_error": e.last_error,
+        }
+        for e in ctx.pool.engines
+    ]

@@ -1,0 +1,100 @@
+"""The OpenAI-compatible routes, under /v1 and under /sessions/{session_id}/v1."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header
+from fastapi.responses import StreamingResponse
+
+from server import auth, chat, completions
+from server.deps import CallerDep, Ctx
+from server.errors import Conflict, Unauthorized
+from server.openai_schemas import ChatCompletionRequest, CompletionRequest
+from server.session_state import SessionState
+
+router = APIRouter(tags=["OpenAI-compatible"])
+SessionHeader = Annotated[str | None, Header(alias="X-Session-Id")]
+SSE = "text/event-stream"
+
+
+async def _open_session(
+    ctx: Ctx, caller: auth.Caller, path: str | None, header: str | None
+) -> SessionState:
+    state = await auth.session_for_generation(ctx, caller, path, header)
+    if state.status != "open":
+        raise Conflict(
+            f"The session is {state.status}; it takes no more turns.", code="session_closed"
+        )
+    return state
+
+
+async def _chat(ctx: Ctx, state: SessionState, body: ChatCompletionRequest) -> Any:
+    if body.stream:
+        return StreamingResponse(
+            await chat.chat_completion_stream(ctx, state, body), media_type=SSE
+        )
+    return await chat.chat_completion(ctx, state, body)
+
+
+async def _completion(ctx: Ctx, state: SessionState, body: CompletionRequest) -> Any:
+    if body.stream:
+        stream = await completions.text_completion_stream(ctx, state, body)
+        return StreamingResponse(stream, media_type=SSE)
+    return await completions.text_completion(ctx, state, body)
+
+
+@router.post("/v1/chat/completions", summary="Chat completion in the caller's session")
+async def chat_completions(
+    body: ChatCompletionRequest, ctx: Ctx, caller: CallerDep, x_session_id: SessionHeader = None
+):
+    return await _chat(ctx, await _open_session(ctx, caller, None, x_session_id), body)
+
+
+@router.post(
+    "/sessions/{session_id}/v1/chat/completions", summary="Chat completion, session in the path"
+)
+async def session_chat_completions(
+    session_id: str, body: ChatCompletionRequest, ctx: Ctx, caller: CallerDep
+):
+    return await _chat(ctx, await _open_session(ctx, caller, session_id, None), body)
+
+
+@router.post("/v1/completions", summary="Text completion in the caller's session")
+async def text_completions(
+    body: CompletionRequest, ctx: Ctx, caller: CallerDep, x_session_id: SessionHeader = None
+):
+    return await _completion(ctx, await _open_session(ctx, caller, None, x_session_id), body)
+
+
+@router.post(
+    "/sessions/{session_id}/v1/completions", summary="Text completion, session in the path"
+)
+async def session_text_completions(
+    session_id: str, body: CompletionRequest, ctx: Ctx, caller: CallerDep
+):
+    return await _completion(ctx, await _open_session(ctx, caller, session_id, None), body)
+
+
+def _models(ctx: Ctx) -> dict:
+    card = {
+        "id": ctx.model_name,
+        "object": "model",
+        "created": int(ctx.started_at),
+        "owned_by": "proxrl",
+        "max_model_len": ctx.context_length,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.get("/v1/models", summary="The served model")
+async def list_models(ctx: Ctx, caller: CallerDep) -> dict:
+    if caller.kind == "anonymous":
+        raise Unauthorized("Missing API key.", code="invalid_api_key")
+    return _models(ctx)
+
+
+@router.get("/sessions/{session_id}/v1/models", summary="The served model (session path)")
+async def session_models(session_id: str, ctx: Ctx, caller: CallerDep) -> dict:
+    await auth.session_for_generation(ctx, caller, session_id, None)
+    return _models(ctx)

@@ -1,0 +1,57 @@
+"""/rl/runs: runs, their config, and the trainer's claims."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body
+
+from server import auth, runs
+from server.deps import AdminDep, CallerDep, Ctx
+from server.schemas import ClaimIn, ClaimOut, RunCreate, RunCreated, RunOut
+from server.store import runs as store_runs
+
+router = APIRouter(prefix="/rl", tags=["runs"])
+
+
+@router.post("/runs", response_model=RunCreated, status_code=201, summary="Create a run")
+async def create_run(body: RunCreate, ctx: Ctx, _: AdminDep) -> dict:
+    run, key = await runs.create_run(ctx, body.name, body.config)
+    return {**await runs.run_view(ctx, run), "api_key": key}
+
+
+@router.get("/runs", response_model=list[RunOut], summary="List runs")
+async def list_runs(ctx: Ctx, _: AdminDep, limit: int = 100, offset: int = 0) -> list[dict]:
+    async with ctx.sessionmaker() as db:
+        found = await store_runs.list_runs(db, min(max(limit, 1), 1000), max(offset, 0))
+    return [await runs.run_view(ctx, run) for run in found]
+
+
+@router.get("/runs/{run_id}", response_model=RunOut, summary="A run, its counts and version")
+async def get_run(run_id: str, ctx: Ctx, caller: CallerDep) -> dict:
+    run = await runs.get_run(ctx, run_id)
+    auth.require_run_access(caller, run.id)
+    return await runs.run_view(ctx, run)
+
+
+@router.patch("/runs/{run_id}", response_model=RunOut, summary="Change a run's config")
+async def patch_run(
+    run_id: str, ctx: Ctx, _: AdminDep, config: Annotated[dict[str, Any], Body(embed=True)]
+) -> dict:
+    return await runs.run_view(ctx, await runs.update_config(ctx, run_id, config))
+
+
+@router.post("/runs/{run_id}/claims", response_model=ClaimOut, summary="Claim trainable sessions")
+async def claim(run_id: str, body: ClaimIn, ctx: Ctx, _: AdminDep) -> ClaimOut:
+    run = await runs.get_run(ctx, run_id)
+    return await runs.claim(ctx, run, body.max_sessions, body.lease_s, body.group_size)
+
+
+@router.post("/claims/{claim_id}/confirm", summary="Mark a claim's sessions consumed")
+async def confirm_claim(claim_id: str, ctx: Ctx, _: AdminDep) -> dict:
+    return {"claim_id": claim_id, "consumed": await runs.finish_claim(ctx, claim_id, True)}
+
+
+@router.post("/claims/{claim_id}/release", summary="Give a claim's sessions back")
+async def release_claim(claim_id: str, ctx: Ctx, _: AdminDep) -> dict:
+    return {"claim_id": claim_id, "released": await runs.finish_claim(ctx, claim_id, False)}

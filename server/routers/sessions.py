@@ -1,0 +1,45 @@
+"""/rl/sessions: create sessions, read them back, reward them, end them."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from server import auth, sessions
+from server.deps import CallerDep, Ctx
+from server.errors import Forbidden, Unauthorized
+from server.schemas import RewardIn, RewardOut, SessionCreate, SessionCreated, SessionOut
+
+router = APIRouter(prefix="/rl/sessions", tags=["sessions"])
+
+
+@router.post("", response_model=SessionCreated, status_code=201, summary="Start a session")
+async def create_session(body: SessionCreate, ctx: Ctx, caller: CallerDep) -> SessionCreated:
+    if caller.kind == "anonymous":
+        raise Unauthorized("Creating a session needs the admin key or a run key.")
+    if caller.kind == "session":
+        raise Forbidden("A session key cannot create sessions.")
+    run_id = body.run_id or caller.run_id or ctx.default_run_id
+    auth.require_run_access(caller, run_id)
+    return await sessions.create_session(ctx, run_id, body.task_id, body.group_id, body.metadata)
+
+
+@router.get("/{session_id}", response_model=SessionOut, summary="A session, its turns and rows")
+async def get_session(session_id: str, ctx: Ctx, caller: CallerDep) -> SessionOut:
+    session = await sessions.get_session(ctx, session_id)
+    auth.require_session_access(caller, session.run_id, session.id)
+    return await sessions.session_view(ctx, session)
+
+
+@router.post("/{session_id}/reward", response_model=RewardOut, summary="Reward a session or turn")
+async def reward(session_id: str, body: RewardIn, ctx: Ctx, caller: CallerDep) -> RewardOut:
+    session = await sessions.get_session(ctx, session_id)
+    auth.require_session_access(caller, session.run_id, session.id)
+    return await sessions.post_reward(ctx, session_id, body.reward, body.completion_id)
+
+
+@router.post("/{session_id}/end", summary="End a session")
+async def end(session_id: str, ctx: Ctx, caller: CallerDep) -> dict:
+    session = await sessions.get_session(ctx, session_id)
+    auth.require_session_access(caller, session.run_id, session.id)
+    ended = await sessions.end_session(ctx, session_id)
+    return {"session_id": session_id, "status": ended.status}

@@ -1,0 +1,147 @@
+"""Bodies and answers of the REST API under /rl and /admin (documented at /docs)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+
+from server.run_config import RunConfig
+
+
+class RunCreate(BaseModel):
+    name: str = Field("run", max_length=200, description="A name for people.")
+    config: RunConfig = Field(default_factory=RunConfig, description="The run's configuration.")
+
+
+class RunOut(BaseModel):
+    id: str
+    name: str
+    model: str
+    config: dict[str, Any]
+    policy_version: int = Field(description="The version of the weights the engines serve.")
+    is_default: bool
+    created_at: datetime
+    sessions: dict[str, int] = Field(description="Sessions by status.")
+    totals: dict[str, int] = Field(description="Turns, tokens and multi-turn breaks.")
+
+
+class RunCreated(RunOut):
+    api_key: str = Field(description="The run's key; shown once.")
+
+
+class SessionCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str | None = Field(None, description="The run (default: the server's default run).")
+    task_id: str | None = Field(None, max_length=200, description="The task (for baselines).")
+    group_id: str | None = Field(None, max_length=200, description="The GRPO group.")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Anything of yours.")
+
+
+class SessionCreated(BaseModel):
+    session_id: str
+    run_id: str
+    api_key: str = Field(description="Use it as the OpenAI api_key; shown once.")
+    base_url: str = Field(description="Point the agent's OpenAI client here.")
+    status: str
+
+
+class RewardIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reward: StrictFloat | StrictInt = Field(allow_inf_nan=False, description="A finite number.")
+    completion_id: str | None = Field(None, description="Reward one turn instead of the session.")
+
+
+class RewardOut(BaseModel):
+    session_id: str
+    target: str = Field(description='"session", or the rewarded completion_id.')
+    reward: float
+    created: bool = Field(description="False when the same reward was already there.")
+    status: str
+
+
+class TurnOut(BaseModel):
+    completion_id: str
+    request_id: str
+    turn_index: int
+    row_index: int
+    extends_previous: bool
+    messages: list[Any] | None
+    tools: list[Any] | None
+    response: dict[str, Any]
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    versions: list[int] = Field(description="The policy version of each completion token.")
+    finish_reason: str
+    sampling: dict[str, Any]
+    engine: str | None
+    resubmits: int
+    reward: float | None
+    created_at: datetime
+
+
+class RowOut(BaseModel):
+    row_index: int
+    input_ids: list[int]
+    loss_mask: list[int] = Field(description="1 on tokens the model sampled, 0 on the rest.")
+    logprobs: list[float]
+    versions: list[int]
+    turns: list[dict[str, Any]]
+
+
+class SessionOut(BaseModel):
+    session_id: str
+    run_id: str
+    task_id: str | None
+    group_id: str | None
+    metadata: dict[str, Any]
+    status: str
+    created_at: datetime
+    ended_at: datetime | None
+    turn_count: int
+    row_count: int
+    breaks: int
+    reward: float | None
+    rewards: dict[str, float]
+    turns: list[TurnOut] = Field(default_factory=list)
+    rows: list[RowOut] = Field(default_factory=list)
+
+
+class ClaimIn(BaseModel):
+    max_sessions: int = Field(ge=1, le=100_000, description="At most this many sessions.")
+    lease_s: float | None = Field(None, gt=0, description="Default: the run's claim_lease_s.")
+    group_size: int | None = Field(None, ge=1, description="Default: the run's group_size.")
+
+
+class ClaimedSessionOut(BaseModel):
+    session_id: str
+    task_id: str | None
+    group_id: str | None
+    metadata: dict[str, Any]
+    reward: float | None
+    rows: list[RowOut]
+
+
+class ClaimOut(BaseModel):
+    claim_id: str
+    expires_at: datetime
+    sessions: list[ClaimedSessionOut]
+
+
+class WeightsIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(description="A Hugging Face directory the engines can read.")
+    version: int | None = Field(None, ge=0, description="Default: the current version + 1.")
+    run_id: str | None = Field(None, description="Default: the server's default run.")
+
+
+class WeightsOut(BaseModel):
+    run_id: str
+    policy_version: int
+    engines: list[dict[str, Any]]
+    pause_seconds: float = Field(description="How long generation was paused for the swap.")

@@ -1,0 +1,138 @@
+"""Sessions as the REST API sees them: create (admission), show, reward, end."""
+
+from __future__ import annotations
+
+from server.context import ServerContext
+from server.errors import Conflict, NotFound
+from server.run_config import RunConfig
+from server.schemas import RewardOut, RowOut, SessionCreated, SessionOut, TurnOut
+from server.store import claims, rewards, runs
+from server.store import sessions as store
+from server.store.packing import unpack_floats, unpack_ints
+from server.store.rewards import SESSION_TARGET
+from server.store.tables import Session
+from server.store.turns import session_turns
+
+
+async def create_session(
+    ctx: ServerContext,
+    run_id: str,
+    task_id: str | None,
+    group_id: str | None,
+    metadata: dict,
+) -> SessionCreated:
+    """A new session once the run's staleness bound admits it (waits, then 429)."""
+    async with ctx.admission.lock(run_id):
+
+        async def check() -> tuple[bool, RunConfig]:
+            async with ctx.sessionmaker() as db:
+                run = await runs.get_run(db, run_id)
+                if run is None:
+                    raise NotFound(f"No run {run_id!r}.", code="run_not_found")
+                config = RunConfig.model_validate(run.config)
+                limit = config.admission_limit(run.policy_version)
+                if limit is None:
+                    return True, config
+                return await store.admitted_count(db, run_id) < limit, config
+
+        await ctx.admission.wait_for_room(check)
+        async with ctx.sessionmaker() as db, db.begin():
+            session, key = await store.create_session(db, run_id, task_id, group_id, metadata)
+    return SessionCreated(
+        session_id=session.id,
+        run_id=run_id,
+        api_key=key,
+        base_url=f"{ctx.settings.base_url}/v1",
+        status=session.status,
+    )
+
+
+async def get_session(ctx: ServerContext, session_id: str) -> Session:
+    async with ctx.sessionmaker() as db:
+        session = await store.get_session(db, session_id)
+    if session is None:
+        raise NotFound(f"No session {session_id!r}.", code="session_not_found")
+    return session
+
+
+async def session_view(ctx: ServerContext, session: Session) -> SessionOut:
+    """The session with its turns (exact tokens) and the training rows built from them."""
+    async with ctx.sessionmaker() as db:
+        turns = await session_turns(db, session.id)
+        targets = (await rewards.rewards_of(db, [session.id]))[session.id]
+        (claimed,) = await claims.sessions_with_rows(db, [session])
+    return SessionOut(
+        session_id=session.id,
+        run_id=session.run_id,
+        task_id=session.task_id,
+        group_id=session.group_id,
+        metadata=session.meta,
+        status=session.status,
+        created_at=session.created_at,
+        ended_at=session.ended_at,
+        turn_count=session.turn_count,
+        row_count=session.row_count,
+        breaks=session.breaks,
+        reward=targets.get(SESSION_TARGET),
+        rewards=targets,
+        turns=[
+            TurnOut(
+                completion_id=t.completion_id,
+                request_id=t.request_id,
+                turn_index=t.turn_index,
+                row_index=t.row_index,
+                extends_previous=t.extends_previous,
+                messages=t.messages,
+                tools=t.tools,
+                response=t.response,
+                prompt_ids=unpack_ints(t.prompt_ids),
+                completion_ids=unpack_ints(t.completion_ids),
+                logprobs=unpack_floats(t.logprobs),
+                versions=unpack_ints(t.versions),
+                finish_reason=t.finish_reason,
+                sampling=t.sampling,
+                engine=t.engine,
+                resubmits=t.resubmits,
+                reward=targets.get(t.completion_id),
+                created_at=t.created_at,
+            )
+            for t in turns
+        ],
+        rows=[RowOut(**vars(row)) for row in claimed.rows],
+    )
+
+
+async def post_reward(
+    ctx: ServerContext, session_id: str, value: float, completion_id: str | None
+) -> RewardOut:
+    async with ctx.sessionmaker() as db, db.begin():
+        session = await store.get_session(db, session_id)
+        if session is None:
+            raise NotFound(f"No session {session_id!r}.", code="session_not_found")
+        try:
+            reward, created = await rewards.add_reward(db, session, float(value), completion_id)
+        except rewards.RewardConflict as exc:
+            raise Conflict(str(exc), param="reward", code="reward_conflict") from exc
+        except rewards.RewardsClosed as exc:
+            raise Conflict(str(exc), code="rewards_closed") from exc
+        except rewards.UnknownCompletion as exc:
+            raise NotFound(str(exc), param="completion_id", code="completion_not_found") from exc
+        status = session.status
+    ctx.sessions.set_status(session_id, status)
+    return RewardOut(
+        session_id=session_id,
+        target=reward.target,
+        reward=reward.value,
+        created=created,
+        status=status,
+    )
+
+
+async def end_session(ctx: ServerContext, session_id: str) -> Session:
+    async with ctx.sessionmaker() as db, db.begin():
+        session = await store.get_session(db, session_id)
+        if session is None:
+            raise NotFound(f"No session {session_id!r}.", code="session_not_found")
+        await store.end_session(db, session)
+    ctx.sessions.set_status(session_id, session.status)
+    return session

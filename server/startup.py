@@ -1,0 +1,142 @@
+"""Build the server's resources at start and release them at stop (the app's lifespan).
+
+In order: migrate the store, load the tokenizer, start embedded engines (unless --engines
+names running ones), check the engines, make sure the default run exists and the engines serve
+its current version, then keep applying session deadlines in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+
+from server.context import ServerContext
+from server.engine.launcher import EngineProcess
+from server.engines.pool import EnginePool
+from server.run_config import RunConfig
+from server.session_state import SessionRegistry
+from server.settings import ServerSettings
+from server.store import database, runs
+from server.store import sessions as store_sessions
+from server.store.keys import hash_key
+from server.store.tables import Run
+from server.store.writer import TurnWriter
+from server.tokenization import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def launch_engines(settings: ServerSettings) -> list[EngineProcess]:
+    """Start --num-engines embedded engines on loopback and wait until they serve."""
+    logs = settings.data_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // settings.num_engines)
+    flags = [
+        "--incremental-streaming-output",
+        *("--max-running-requests", str(settings.engine_max_running_requests)),
+        *("--num-threads", str(threads)),
+    ]
+    engines = [
+        EngineProcess(settings.model, logs / f"engine-{index}.log", *flags)
+        for index in range(settings.num_engines)
+    ]
+    try:
+        for engine in engines:
+            engine.wait_ready()
+    except Exception:
+        for engine in engines:
+            engine.stop()
+        raise
+    log.info("started %d embedded engine(s): %s", len(engines), [e.url for e in engines])
+    return engines
+
+
+async def ensure_default_run(ctx: ServerContext) -> Run:
+    async with ctx.sessionmaker() as db, db.begin():
+        run = await runs.default_run(db)
+        if run is None:
+            config = RunConfig().model_dump()
+            run, key = await runs.create_run(db, "default", ctx.model_name, config, True)
+            log.info("created the default run %s (run key %s)", run.id, key)
+    return run
+
+
+async def serve_current_version(ctx: ServerContext, run: Run) -> None:
+    """Engines that came up with other weights than the run's version load that version."""
+    wanted = str(run.policy_version)
+    for engine in ctx.pool.healthy:
+        if engine.weight_version == wanted or (
+            run.weights_path is None and run.policy_version == 0
+        ):
+            continue
+        if run.weights_path is None:
+            log.warning(
+                "engine %s serves %s, the run is at %s with no weights path",
+                engine.url,
+                engine.weight_version,
+                wanted,
+            )
+            continue
+        await engine.client.update_weights_from_disk(run.weights_path, wanted)
+        engine.weight_version = wanted
+
+
+async def sweep(ctx: ServerContext) -> None:
+    """Apply session and reward deadlines every --sweep-interval-s seconds."""
+    while True:
+        await asyncio.sleep(ctx.settings.sweep_interval_s)
+        try:
+            async with ctx.sessionmaker() as db, db.begin():
+                changed = await store_sessions.expire(db)
+        except Exception:
+            log.exception("applying session deadlines failed")
+            continue
+        for session_id, status in changed.items():
+            ctx.sessions.set_status(session_id, status)
+        if changed:
+            await ctx.admission.notify()
+
+
+@contextlib.asynccontextmanager
+async def server_context(settings: ServerSettings) -> AsyncIterator[ServerContext]:
+    if settings.admin_key is None:
+        raise ValueError("the server needs an admin key (serve() generates one)")
+    url = settings.database_url
+    await asyncio.to_thread(database.upgrade, url)
+    db_engine = database.connect(url)
+    maker = database.sessionmaker(db_engine)
+    tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, settings.model)
+    launched = [] if settings.engine_urls else await asyncio.to_thread(launch_engines, settings)
+    urls = settings.engine_urls or [engine.url for engine in launched]
+    pool = EnginePool(urls, settings.request_timeout_s, settings.health_interval_s)
+    writer = TurnWriter(maker)
+    sweeper: asyncio.Task | None = None
+    try:
+        await pool.start()
+        writer.start()
+        ctx = ServerContext(
+            settings=settings,
+            admin_key_hash=hash_key(settings.admin_key),
+            database=db_engine,
+            sessionmaker=maker,
+            writer=writer,
+            pool=pool,
+            tokenizer=tokenizer,
+            sessions=SessionRegistry(maker, tokenizer),
+        )
+        run = await ensure_default_run(ctx)
+        ctx.default_run_id = run.id
+        await serve_current_version(ctx, run)
+        sweeper = asyncio.create_task(sweep(ctx), name="proxrl-sweeper")
+        yield ctx
+    finally:
+        if sweeper is not None:
+            sweeper.cancel()
+        await writer.stop()
+        await pool.stop()
+        for engine in launched:
+            await asyncio.to_thread(engine.stop)
+        await db_engine.dispose()

@@ -1,0 +1,85 @@
+"""Connecting to the store and migrating it.
+
+Users give one SQLAlchemy URL (``sqlite:///path.db``, ``postgresql://user@host/db``); the
+server talks to it through SQLAlchemy's asyncio layer (aiosqlite, psycopg) and Alembic migrates
+it through the matching synchronous driver. SQLite runs in WAL mode, so readers never block the
+writer and a crashed process loses nothing that was committed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+
+MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+SQLITE_PRAGMAS = (
+    "PRAGMA journal_mode=WAL",
+    "PRAGMA synchronous=NORMAL",  # in WAL mode: durable across process crashes
+    "PRAGMA foreign_keys=ON",
+    "PRAGMA busy_timeout=10000",
+)
+
+
+def default_url(data_dir: Path) -> str:
+    return f"sqlite:///{(data_dir / 'proxrl.db').resolve()}"
+
+
+def _with_driver(url: str, sqlite: str, postgres: str) -> str:
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        return parsed.set(drivername=sqlite).render_as_string(hide_password=False)
+    if backend in ("postgresql", "postgres"):
+        return parsed.set(drivername=postgres).render_as_string(hide_password=False)
+    raise ValueError(f"unsupported database {backend!r}: use sqlite:// or postgresql://")
+
+
+def async_url(url: str) -> str:
+    return _with_driver(url, "sqlite+aiosqlite", "postgresql+psycopg")
+
+
+def sync_url(url: str) -> str:
+    return _with_driver(url, "sqlite", "postgresql+psycopg")
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    for pragma in SQLITE_PRAGMAS:
+        cursor.execute(pragma)
+    cursor.close()
+
+
+def connect(url: str) -> AsyncEngine:
+    engine = create_async_engine(async_url(url), pool_pre_ping=True)
+    if engine.dialect.name == "sqlite":
+        Path(make_url(url).database or "").parent.mkdir(parents=True, exist_ok=True)
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def sessionmaker(engine: AsyncEngine) -> async_sessionmaker:
+    return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("sqlalchemy.url", sync_url(url).replace("%", "%%"))
+    return config
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Migrate the database at ``url`` up to ``revision`` (blocking; creates SQLite files)."""
+    if make_url(url).get_backend_name() == "sqlite":
+        Path(make_url(url).database or "").parent.mkdir(parents=True, exist_ok=True)
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    command.downgrade(alembic_config(url), revision)

@@ -1,0 +1,88 @@
+"""Rewards for a whole session or for one of its turns: idempotent, conflicts refused."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server.store import sessions
+from server.store.tables import Reward, Session, Turn, utcnow
+
+SESSION_TARGET = "session"
+
+
+class RewardConflict(Exception):
+    def __init__(self, existing: float) -> None:
+        super().__init__(f"a different reward ({existing}) was already posted for this target")
+        self.existing = existing
+
+
+class RewardsClosed(Exception):
+    def __init__(self, status: str) -> None:
+        super().__init__(f"the session is {status}; it takes no more rewards")
+        self.status = status
+
+
+class UnknownCompletion(Exception):
+    def __init__(self, completion_id: str) -> None:
+        super().__init__(f"no turn with completion_id {completion_id!r} in this session")
+
+
+async def add_reward(
+    db: AsyncSession, session: Session, value: float, completion_id: str | None = None
+) -> tuple[Reward, bool]:
+    """Record a reward; returns it and whether it is new. Reposting the same value is a no-op."""
+    if session.status in (sessions.CLAIMED, sessions.CONSUMED, sessions.DROPPED):
+        raise RewardsClosed(session.status)
+    if completion_id is not None:
+        turn = await db.scalar(
+            select(Turn.id).where(
+                Turn.session_id == session.id, Turn.completion_id == completion_id
+            )
+        )
+        if turn is None:
+            raise UnknownCompletion(completion_id)
+    target = completion_id or SESSION_TARGET
+    existing = await _existing(db, session.id, target)
+    if existing is None:
+        reward = Reward(
+            session_id=session.id, target=target, completion_id=completion_id, value=value
+        )
+        try:
+            async with db.begin_nested():
+                db.add(reward)
+        except IntegrityError:  # the same target, posted concurrently
+            existing = await _existing(db, session.id, target)
+        else:
+            _mark_rewarded(session)
+            return reward, True
+    assert existing is not None
+    if existing.value != value:
+        raise RewardConflict(existing.value)
+    return existing, False
+
+
+async def _existing(db: AsyncSession, session_id: str, target: str) -> Reward | None:
+    query = select(Reward).where(Reward.session_id == session_id, Reward.target == target)
+    return (await db.scalars(query)).first()
+
+
+def _mark_rewarded(session: Session) -> None:
+    session.rewarded = True
+    if session.status == sessions.ENDED:
+        session.status = sessions.TRAINABLE
+        session.trainable_at = utcnow()
+
+
+async def rewards_of(db: AsyncSession, session_ids: list[str]) -> dict[str, dict[str, float]]:
+    """{session_id: {target: value}} for the given sessions."""
+    rows = await db.execute(
+        select(Reward.session_id, Reward.target, Reward.value).where(
+            Reward.session_id.in_(session_ids)
+        )
+    )
+    out: dict[str, dict[str, float]] = {sid: {} for sid in session_ids}
+    for session_id, target, value in rows.all():
+        out[session_id][target] = value
+    return out

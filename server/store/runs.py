@@ -1,0 +1,88 @@
+"""Runs: create, find, configure, and count what they hold."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server.store.keys import new_id, new_key
+from server.store.tables import Run, Session, Turn
+
+
+async def create_run(
+    db: AsyncSession, name: str, model: str, config: dict[str, Any], is_default: bool = False
+) -> tuple[Run, str]:
+    """A new run and its API key (returned once; only its hash is stored)."""
+    key, key_hash = new_key("proxrl-run")
+    run = Run(
+        id=new_id("run"),
+        name=name,
+        model=model,
+        config=config,
+        api_key_hash=key_hash,
+        is_default=is_default,
+    )
+    db.add(run)
+    await db.flush()
+    return run, key
+
+
+async def get_run(db: AsyncSession, run_id: str) -> Run | None:
+    return await db.get(Run, run_id)
+
+
+async def default_run(db: AsyncSession) -> Run | None:
+    return (await db.scalars(select(Run).where(Run.is_default))).first()
+
+
+async def list_runs(db: AsyncSession, limit: int = 100, offset: int = 0) -> list[Run]:
+    query = select(Run).order_by(Run.created_at.desc()).limit(limit).offset(offset)
+    return list(await db.scalars(query))
+
+
+async def run_by_key_hash(db: AsyncSession, key_hash: str) -> Run | None:
+    return (await db.scalars(select(Run).where(Run.api_key_hash == key_hash))).first()
+
+
+async def set_config(db: AsyncSession, run_id: str, config: dict[str, Any]) -> None:
+    await db.execute(update(Run).where(Run.id == run_id).values(config=config))
+
+
+async def set_policy_version(
+    db: AsyncSession, run_id: str, version: int, weights_path: str | None
+) -> None:
+    values = {"policy_version": version, "weights_path": weights_path}
+    await db.execute(update(Run).where(Run.id == run_id).values(**values))
+
+
+async def session_counts(db: AsyncSession, run_id: str) -> dict[str, int]:
+    """Sessions of the run by status."""
+    query = (
+        select(Session.status, func.count())
+        .where(Session.run_id == run_id)
+        .group_by(Session.status)
+    )
+    return {status: count for status, count in (await db.execute(query)).all()}
+
+
+async def run_totals(db: AsyncSession, run_id: str) -> dict[str, int]:
+    """Turns, tokens and multi-turn breaks recorded in the run."""
+    turns = await db.execute(
+        select(
+            func.count(Turn.id),
+            func.coalesce(func.sum(Turn.prompt_tokens), 0),
+            func.coalesce(func.sum(Turn.completion_tokens), 0),
+        ).where(Turn.run_id == run_id)
+    )
+    count, prompt_tokens, completion_tokens = turns.one()
+    breaks = await db.scalar(
+        select(func.coalesce(func.sum(Session.breaks), 0)).where(Session.run_id == run_id)
+    )
+    return {
+        "turns": int(count),
+        "prompt_tokens": int(prompt_tokens),
+        "completion_tokens": int(completion_tokens),
+        "breaks": int(breaks or 0),
+    }

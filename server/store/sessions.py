@@ -1,0 +1,144 @@
+"""Sessions: their lifecycle (open -> ended -> trainable -> claimed -> consumed | dropped).
+
+A session is trainable once it is ended and rewarded. Deadlines (``expire``) end idle sessions
+and resolve sessions whose reward never came, as the run's config says.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server.run_config import RunConfig
+from server.store.keys import new_id, new_key
+from server.store.tables import Reward, Run, Session, utcnow
+
+OPEN, ENDED, TRAINABLE, CLAIMED, CONSUMED, DROPPED = (
+    "open",
+    "ended",
+    "trainable",
+    "claimed",
+    "consumed",
+    "dropped",
+)
+STATUSES = (OPEN, ENDED, TRAINABLE, CLAIMED, CONSUMED, DROPPED)
+
+
+async def create_session(
+    db: AsyncSession,
+    run_id: str,
+    task_id: str | None,
+    group_id: str | None,
+    metadata: dict[str, Any],
+) -> tuple[Session, str]:
+    key, key_hash = new_key("proxrl-sess")
+    session = Session(
+        id=new_id("sess"),
+        run_id=run_id,
+        task_id=task_id,
+        group_id=group_id,
+        meta=metadata,
+        api_key_hash=key_hash,
+    )
+    db.add(session)
+    await db.flush()
+    return session, key
+
+
+async def get_session(db: AsyncSession, session_id: str) -> Session | None:
+    return await db.get(Session, session_id)
+
+
+async def session_by_key_hash(db: AsyncSession, key_hash: str) -> Session | None:
+    return (await db.scalars(select(Session).where(Session.api_key_hash == key_hash))).first()
+
+
+async def end_session(db: AsyncSession, session: Session, now: datetime | None = None) -> None:
+    """End an open session (ending twice is a no-op); rewarded, it becomes trainable."""
+    if session.status != OPEN:
+        return
+    now = now or utcnow()
+    session.ended_at = now
+    session.status = TRAINABLE if session.rewarded else ENDED
+    if session.rewarded:
+        session.trainable_at = now
+
+
+async def admitted_count(db: AsyncSession, run_id: str) -> int:
+    """Sessions the run has admitted that may still be trained (all but dropped ones)."""
+    query = select(func.count()).where(Session.run_id == run_id, Session.status != DROPPED)
+    return int(await db.scalar(query) or 0)
+
+
+async def expire(db: AsyncSession, now: datetime | None = None) -> dict[str, str]:
+    """Apply every run's deadlines: idle open sessions end, unrewarded ended ones resolve.
+    Returns the sessions that changed, with their new status."""
+    now = now or utcnow()
+    changed: dict[str, str] = {}
+    for run in await db.scalars(select(Run)):
+        config = RunConfig.model_validate(run.config)
+        if config.idle_timeout_s is not None:
+            idle = now - timedelta(seconds=config.idle_timeout_s)
+            stale = await db.scalars(
+                select(Session).where(
+                    Session.run_id == run.id,
+                    Session.status == OPEN,
+                    Session.last_activity_at < idle,
+                )
+            )
+            for session in stale:
+                await end_session(db, session, now)
+                changed[session.id] = session.status
+        if config.reward_timeout_s is not None:
+            deadline = now - timedelta(seconds=config.reward_timeout_s)
+            late = await db.scalars(
+                select(Session).where(
+                    Session.run_id == run.id,
+                    Session.status == ENDED,
+                    Session.ended_at < deadline,
+                )
+            )
+            for session in list(late):
+                await _resolve_missing_reward(db, session, config, now)
+                changed[session.id] = session.status
+    return changed
+
+
+async def _resolve_missing_reward(
+    db: AsyncSession, session: Session, config: RunConfig, now: datetime
+) -> None:
+    if config.on_missing_reward == "drop":
+        session.status = DROPPED
+        return
+    db.add(Reward(session_id=session.id, target="session", value=config.default_reward))
+    session.rewarded = True
+    session.status = TRAINABLE
+    session.trainable_at = now
+
+
+async def touch(db: AsyncSession, session_id: str, **values: Any) -> None:
+    await db.execute(
+        update(Session).where(Session.id == session_id).values(last_activity_at=utcnow(), **values)
+    )
+
+
+async def list_sessions(
+    db: AsyncSession,
+    run_id: str | None = None,
+    status: str | None = None,
+    task_id: str | None = None,
+    limit: int = 50,
+    offset: int = 0,
+) -> list[Session]:
+    query = select(Session)
+    if run_id is not None:
+        query = query.where(Session.run_id == run_id)
+    if status is not None:
+        query = query.where(Session.status == status)
+    if task_id is not None:
+        query = query.where(Session.task_id == task_id)
+    query = query.order_by(Session.created_at.desc()).limit(limit).offset(offset)
+    return list(await db.scalars(query))

@@ -1,0 +1,137 @@
+"""SQLAlchemy tables of the trajectory store. Alembic migrations in migrations/ create them."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator):
+    """Timezone-aware UTC datetimes on every backend (SQLite returns them naive)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime: store UTC-aware datetimes")
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: ClassVar = {datetime: UTCDateTime, dict[str, Any]: JSON}
+
+
+class Run(Base):
+    """One training job: a model, its config, and the policy version the engines serve."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    model: Mapped[str] = mapped_column(String(500))
+    config: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    weights_path: Mapped[str | None] = mapped_column(String(1000))  # where that version lives
+    api_key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    is_default: Mapped[bool] = mapped_column(default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Session(Base):
+    """One agent episode in a run; its status moves open -> ended -> trainable -> claimed ->
+    consumed, or to dropped when its reward never comes."""
+
+    __tablename__ = "sessions"
+    __table_args__ = (
+        Index("ix_sessions_run_status", "run_id", "status"),
+        Index("ix_sessions_run_group", "run_id", "group_id"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"))
+    task_id: Mapped[str | None] = mapped_column(String(200))
+    group_id: Mapped[str | None] = mapped_column(String(200))
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    api_key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    status: Mapped[str] = mapped_column(String(16), default="open")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_activity_at: Mapped[datetime] = mapped_column(default=utcnow)
+    ended_at: Mapped[datetime | None]
+    trainable_at: Mapped[datetime | None]
+    rewarded: Mapped[bool] = mapped_column(default=False)
+    turn_count: Mapped[int] = mapped_column(Integer, default=0)
+    row_count: Mapped[int] = mapped_column(Integer, default=0)
+    breaks: Mapped[int] = mapped_column(Integer, default=0)
+    engine: Mapped[str | None] = mapped_column(String(500))
+    claim_id: Mapped[str | None] = mapped_column(String(64), index=True)
+    claim_expires_at: Mapped[datetime | None]
+    consumed_at: Mapped[datetime | None]
+
+
+class Turn(Base):
+    """One sampled completion: the exact prompt and completion tokens, with the logprob and
+    the policy version of every completion token."""
+
+    __tablename__ = "turns"
+    __table_args__ = (Index("ix_turns_session_index", "session_id", "turn_index"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"))
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
+    completion_id: Mapped[str] = mapped_column(String(100), unique=True)
+    request_id: Mapped[str] = mapped_column(String(100))
+    turn_index: Mapped[int] = mapped_column(Integer)
+    row_index: Mapped[int] = mapped_column(Integer)
+    extends_previous: Mapped[bool] = mapped_column(default=False)
+    messages: Mapped[list[Any] | None] = mapped_column(JSON)
+    tools: Mapped[list[Any] | None] = mapped_column(JSON)
+    response: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    prompt_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    completion_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    versions: Mapped[bytes] = mapped_column(LargeBinary)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str] = mapped_column(String(32))
+    sampling: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    engine: Mapped[str | None] = mapped_column(String(500))
+    resubmits: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Reward(Base):
+    """A reward for a whole session (target "session") or for one turn (target = its id)."""
+
+    __tablename__ = "rewards"
+    __table_args__ = (UniqueConstraint("session_id", "target", name="uq_rewards_target"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
+    target: Mapped[str] = mapped_column(String(100))
+    completion_id: Mapped[str | None] = mapped_column(String(100))
+    value: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

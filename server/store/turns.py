@@ -1,0 +1,114 @@
+"""Turns: written in batches by the server, read back as the exact tokens that were served."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server.store.packing import pack_floats, pack_ints, unpack_floats, unpack_ints
+from server.store.rows import TurnTokens
+from server.store.tables import Session, Turn, utcnow
+
+
+@dataclass
+class TurnRecord:
+    """One served completion, as plain data, ready to store."""
+
+    session_id: str
+    run_id: str
+    completion_id: str
+    request_id: str
+    turn_index: int
+    row_index: int
+    extends_previous: bool
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    messages: list[Any] | None = None
+    tools: list[Any] | None = None
+    response: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    engine: str | None = None
+    resubmits: int = 0
+    new_row: bool = True  # this turn opened a row
+    is_break: bool = False  # ...because it did not extend the previous turn
+
+
+def _to_row(record: TurnRecord) -> Turn:
+    return Turn(
+        session_id=record.session_id,
+        run_id=record.run_id,
+        completion_id=record.completion_id,
+        request_id=record.request_id,
+        turn_index=record.turn_index,
+        row_index=record.row_index,
+        extends_previous=record.extends_previous,
+        messages=record.messages,
+        tools=record.tools,
+        response=record.response,
+        prompt_ids=pack_ints(record.prompt_ids),
+        completion_ids=pack_ints(record.completion_ids),
+        logprobs=pack_floats(record.logprobs),
+        versions=pack_ints(record.versions),
+        prompt_tokens=len(record.prompt_ids),
+        completion_tokens=len(record.completion_ids),
+        finish_reason=record.finish_reason,
+        sampling=record.sampling,
+        engine=record.engine,
+        resubmits=record.resubmits,
+    )
+
+
+async def insert_turns(db: AsyncSession, records: list[TurnRecord]) -> None:
+    """Add the turns and bump their sessions' counters (one statement per session)."""
+    db.add_all([_to_row(r) for r in records])
+    by_session: dict[str, list[TurnRecord]] = {}
+    for record in records:
+        by_session.setdefault(record.session_id, []).append(record)
+    now = utcnow()
+    for session_id, group in by_session.items():
+        await db.execute(
+            update(Session)
+            .where(Session.id == session_id)
+            .values(
+                turn_count=Session.turn_count + len(group),
+                row_count=Session.row_count + sum(r.new_row for r in group),
+                breaks=Session.breaks + sum(r.is_break for r in group),
+                last_activity_at=now,
+                engine=group[-1].engine,
+            )
+        )
+
+
+async def session_turns(db: AsyncSession, session_id: str) -> list[Turn]:
+    query = select(Turn).where(Turn.session_id == session_id).order_by(Turn.turn_index)
+    return list(await db.scalars(query))
+
+
+async def last_request_turns(db: AsyncSession, session_id: str) -> list[Turn]:
+    """The turns of the session's most recent request (several when it asked for n > 1)."""
+    last = await db.scalar(select(func.max(Turn.turn_index)).where(Turn.session_id == session_id))
+    if last is None:
+        return []
+    request_id = await db.scalar(
+        select(Turn.request_id).where(Turn.session_id == session_id, Turn.turn_index == last)
+    )
+    query = select(Turn).where(Turn.session_id == session_id, Turn.request_id == request_id)
+    return list(await db.scalars(query.order_by(Turn.turn_index)))
+
+
+def tokens_of(turn: Turn, reward: float | None = None) -> TurnTokens:
+    return TurnTokens(
+        completion_id=turn.completion_id,
+        row_index=turn.row_index,
+        prompt_ids=unpack_ints(turn.prompt_ids),
+        completion_ids=unpack_ints(turn.completion_ids),
+        logprobs=unpack_floats(turn.logprobs),
+        versions=unpack_ints(turn.versions),
+        reward=reward,
+    )

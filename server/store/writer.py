@@ -1,0 +1,90 @@
+"""Batched turn writes off the request path: many requests, one transaction.
+
+Each request hands its turns to the writer and awaits their commit before it answers, so a
+turn the client has seen is always stored; concurrent requests share one transaction, so the
+store keeps up with serving. Write latency and volume are kept for /metrics and the bench.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from server.store.turns import TurnRecord, insert_turns
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WriterStats:
+    batches: int = 0
+    turns: int = 0
+    tokens: int = 0
+    seconds: float = 0.0  # time spent in transactions
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+class TurnWriter:
+    def __init__(self, sessionmaker: async_sessionmaker, max_batch: int = 256) -> None:
+        self._sessionmaker = sessionmaker
+        self._max_batch = max_batch
+        self._queue: asyncio.Queue[tuple[list[TurnRecord], asyncio.Future]] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self.stats = WriterStats()
+        self.last_batch_seconds = 0.0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="proxrl-turn-writer")
+
+    async def stop(self) -> None:
+        """Write what is queued, then stop."""
+        await self._queue.join()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def write(self, records: list[TurnRecord]) -> None:
+        """Store ``records``; returns once they are committed (raises if they could not be)."""
+        if not records:
+            return
+        done = asyncio.get_running_loop().create_future()
+        await self._queue.put((records, done))
+        await done
+
+    async def _run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self._max_batch and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            await self._commit(batch)
+            for _ in batch:
+                self._queue.task_done()
+
+    async def _commit(self, batch: list[tuple[list[TurnRecord], asyncio.Future]]) -> None:
+        records = [record for records, _ in batch for record in records]
+        started = time.perf_counter()
+        try:
+            async with self._sessionmaker() as db, db.begin():
+                await insert_turns(db, records)
+        except Exception as exc:
+            log.exception("writing %d turns failed", len(records))
+            for _, done in batch:
+                if not done.done():
+                    done.set_exception(exc)
+            return
+        elapsed = time.perf_counter() - started
+        self.last_batch_seconds = elapsed
+        self.stats.batches += 1
+        self.stats.turns += len(records)
+        self.stats.tokens += sum(len(r.prompt_ids) + len(r.completion_ids) for r in records)
+        self.stats.seconds += elapsed
+        for _, done in batch:
+            if not done.done():
+                done.set_result(None)
