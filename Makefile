@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test test-fast lint format bench demo clean
+.PHONY: venv system-deps test test-fast lint format bench demo clean
 
 venv: $(STAMP)
 
@@ -18,7 +18,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-test: venv
+# PostgreSQL for the tests that run the store on Postgres (Debian's package; needs root).
+system-deps:
+	@command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+	  echo "installing PostgreSQL (apt-get install postgresql) for the tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; }
+
+test: venv system-deps
 	$(PY) -m pytest -q
 
 test-fast: venv

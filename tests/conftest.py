@@ -17,6 +17,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_tiny_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
 
 
+@pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL server for the session; ``postgres.new_database()`` gives a fresh URL."""
+    from tests.postgres import PostgresServer
+
+    server = PostgresServer().start()
+    yield server
+    server.stop()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
         import torch
