@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from server.detokenize import IncrementalDecoder
 from server.generation import Completion
+from server.stop_strings import held_back
 from server.tokenization import Tokenizer
 
 
@@ -32,17 +33,6 @@ def finish_reason(completion: Completion, tool_calls: bool = False) -> str:
     return "length" if completion.finish_reason.get("type") == "length" else "stop"
 
 
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest end of ``text`` that could still grow into a stop string."""
-    longest = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if stop.startswith(text[-size:]):
-                longest = size
-                break
-    return longest
-
-
 class TextStreamer:
     """Streamed text of one completion: deltas safe to send, and the rest at the end."""
 
@@ -53,8 +43,11 @@ class TextStreamer:
 
     def push(self, ids: list[int]) -> str:
         self._pending += self._decoder.push(ids)
-        keep = _held_back(self._pending, self._stops)
-        ready = self._pending[: len(self._pending) - keep]
+        found = [self._pending.find(stop) for stop in self._stops if stop in self._pending]
+        if found:  # a whole stop string: nothing from it on is ever sent
+            ready = self._pending[: min(found)]
+        else:
+            ready = self._pending[: len(self._pending) - held_back(self._pending, self._stops)]
         self._pending = self._pending[len(ready) :]
         return ready
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.engine.sequence import Sequence
+from server.stop_strings import held_back
 
 Decode = Callable[..., str]  # decode(ids, skip_special_tokens=...) -> str
 
@@ -42,17 +43,9 @@ def output_text(seq: Sequence, n: int, decode: Decode) -> str:
     return text
 
 
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing characters must wait: half a character, or the start of a stop."""
-    if text.endswith("\ufffd"):
-        return 1
-    longest = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if stop.startswith(text[-size:]):
-                longest = size
-                break
-    return longest
+def _must_wait(text: str, stops: tuple[str, ...]) -> bool:
+    """Half a character at the end, or the start of a stop string."""
+    return text.endswith("\ufffd") or held_back(text, stops) > 0
 
 
 def _logprob_entries(
@@ -151,7 +144,7 @@ class StreamRenderer:
         seq, decode = self.seq, self.options.decode
         final = seq.finished and n == len(seq.output_ids)
         text = output_text(seq, n, decode)
-        if not final and _held_back(text, seq.params.stop):
+        if not final and _must_wait(text, seq.params.stop):
             return None
         out: dict[str, Any]
         if self.incremental:

@@ -1,0 +1,115 @@
+"""Admission (the staleness bound), stop-string handling in streamed text, engine bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from server.admission import Admission, admits
+from server.choices import TextStreamer, final_text
+from server.errors import TooManyRequests
+from server.generation import Completion, SamplingRequest, engine_body, parse_version
+from server.run_config import RunConfig
+from server.tokenization import Tokenizer
+
+
+@pytest.mark.parametrize(
+    ("admitted", "version", "eta", "expected"),
+    [(0, 0, 0, True), (3, 0, 0, True), (4, 0, 0, False), (4, 1, 0, True), (11, 0, 2, True),
+     (12, 0, 2, False), (15, 1, 2, True), (16, 1, 2, False)],
+)  # fmt: skip
+def test_admits_follows_areal(admitted, version, eta, expected):
+    config = RunConfig(batch_size=4, max_staleness=eta)
+    assert config.admission_limit(version) == (eta + version + 1) * 4
+    assert admits(admitted, config, version) is expected
+
+
+def test_no_batch_size_admits_everything():
+    assert admits(10**9, RunConfig(), 0)
+
+
+def test_waiting_then_admitted_when_notified():
+    async def scenario():
+        admission = Admission()
+        room = {"open": False}
+
+        async def check():
+            return room["open"], RunConfig(batch_size=1, admission_wait_s=10)
+
+        waiter = asyncio.create_task(admission.wait_for_room(check))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        room["open"] = True
+        started = time.monotonic()
+        await admission.notify()
+        await asyncio.wait_for(waiter, 2)
+        return time.monotonic() - started, admission.waits
+
+    elapsed, waits = asyncio.run(scenario())
+    assert waits == 1 and elapsed < 1.0
+
+
+def test_refused_with_retry_after_when_the_wait_runs_out():
+    async def scenario():
+        async def check():
+            return False, RunConfig(batch_size=1, admission_wait_s=0.2)
+
+        await Admission().wait_for_room(check)
+
+    with pytest.raises(TooManyRequests) as refused:
+        asyncio.run(scenario())
+    assert refused.value.status == 429
+    assert int(refused.value.headers["Retry-After"]) >= 1
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir) -> Tokenizer:
+    return Tokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_streamed_text_never_shows_a_stop_string(tokenizer):
+    text = "The answer is 42. Observation: more"
+    ids = tokenizer.encode(text)
+    stop = "Observation:"
+    cut = next(i for i in range(len(ids)) if stop in tokenizer.decode(ids[: i + 1]))
+    completion = Completion(prompt_ids=[1], ids=ids[: cut + 1])
+    completion.finish_reason = {"type": "stop", "matched": stop}
+    streamer, streamed = TextStreamer(tokenizer, (stop,)), ""
+    for token in completion.ids:
+        streamed += streamer.push([token])
+        assert "Obs" not in streamed
+    streamed += streamer.finish(completion)
+    assert streamed == final_text(tokenizer, completion) == "The answer is 42. "
+
+
+def test_final_text_drops_a_matched_stop_token(tokenizer):
+    ids = tokenizer.encode("ok") + tokenizer.encode("<tool_call>")
+    completion = Completion(prompt_ids=[1], ids=ids)
+    completion.finish_reason = {"type": "stop", "matched": ids[-1]}
+    assert final_text(tokenizer, completion) == "ok"
+
+
+def test_engine_body_resumes_with_the_tokens_so_far():
+    request = SamplingRequest(
+        prompt_ids=[1, 2], max_tokens=10, temperature=0.5, stop=("x",), seed=7, top_logprobs=2
+    )
+    body = engine_body(request, [3, 4, 5], "rid-1")
+    assert body["input_ids"] == [1, 2, 3, 4, 5]
+    assert body["sampling_params"] == {
+        "max_new_tokens": 7,
+        "temperature": 0.5,
+        "skip_special_tokens": False,
+        "stop": ["x"],
+        "sampling_seed": 7,
+    }
+    assert body["return_logprob"] is True and body["top_logprobs_num"] == 2
+    assert body["rid"] == "rid-1"
+
+
+@pytest.mark.parametrize(
+    ("version", "expected"), [("0", 0), ("17", 17), ("default", 0), ("step-12", 12)]
+)
+def test_parse_version(version, expected):
+    assert parse_version(version) == expected
