@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand
 
 from server.engine.settings import EngineSettings
@@ -62,6 +62,14 @@ class ServeCommand(ServerSettings):
 class DbMigrate(BaseModel):
     db: str = Field(description="SQLAlchemy URL of the store, e.g. sqlite:///data/proxrl.db.")
     revision: str | None = Field(None, description="Target revision (default: head / base).")
+
+    @field_validator("db")
+    @classmethod
+    def _supported(cls, value: str) -> str:
+        from server.store.database import sync_url
+
+        sync_url(value)
+        return value
 
 
 class DbUpgrade(DbMigrate):

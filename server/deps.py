@@ -9,6 +9,7 @@ from fastapi import Depends, Header, Request
 
 from server import auth
 from server.context import ServerContext
+from server.errors import Unauthorized
 
 
 def get_context(request: Request) -> ServerContext:
@@ -23,6 +24,16 @@ async def get_caller(ctx: Ctx, authorization: Annotated[str | None, Header()] = 
 
 
 CallerDep = Annotated[auth.Caller, Depends(get_caller)]
+
+
+async def get_keyed(caller: CallerDep) -> auth.Caller:
+    """Any valid key (checked before anything is looked up, so no key learns nothing)."""
+    if caller.kind == "anonymous":
+        raise Unauthorized("Missing API key: 'Authorization: Bearer <key>'.")
+    return caller
+
+
+KeyedDep = Annotated[auth.Caller, Depends(get_keyed)]
 
 
 async def get_admin(caller: CallerDep) -> auth.Caller:

@@ -9,22 +9,14 @@ policy version that sampled it. This module knows nothing about chat, sessions o
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from server.engines.client import EngineUnavailable, Piece
-from server.engines.pool import EnginePool, EngineState, NoEngineAvailable
+from server.engines.pool import EnginePool, EngineState, NoEngineAvailable, parse_version
 
 MAX_RESUMES = 32  # swaps or engine failures one completion may live through
 ENGINE_WAIT_S = 10.0  # how long a request waits for an engine to come (back) into rotation
-_TRAILING_NUMBER = re.compile(r"(\d+)$")
-
-
-def parse_version(version: str) -> int:
-    """proxrl versions are integers; SGLang's start-up "default" is version 0."""
-    match = _TRAILING_NUMBER.search(version)
-    return int(match.group(1)) if match else 0
 
 
 @dataclass(frozen=True)

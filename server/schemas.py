@@ -112,7 +112,12 @@ class SessionOut(BaseModel):
 
 
 class ClaimIn(BaseModel):
-    max_sessions: int = Field(ge=1, le=100_000, description="At most this many sessions.")
+    max_sessions: int = Field(
+        ge=1,
+        le=100_000,
+        description="At most this many sessions; a GRPO group is never split, so the first "
+        "group is claimed whole even if it is larger.",
+    )
     lease_s: float | None = Field(None, gt=0, description="Default: the run's claim_lease_s.")
     group_size: int | None = Field(None, ge=1, description="Default: the run's group_size.")
 

@@ -22,22 +22,26 @@ async def create_session(
     metadata: dict,
 ) -> SessionCreated:
     """A new session once the run's staleness bound admits it (waits, then 429)."""
-    async with ctx.admission.lock(run_id):
+    created: list = []
 
-        async def check() -> tuple[bool, RunConfig]:
+    async def check() -> tuple[bool, RunConfig]:
+        async with ctx.admission.lock(run_id):  # held for one check + create, never a wait
             async with ctx.sessionmaker() as db:
                 run = await runs.get_run(db, run_id)
                 if run is None:
                     raise NotFound(f"No run {run_id!r}.", code="run_not_found")
                 config = RunConfig.model_validate(run.config)
                 limit = config.admission_limit(run.policy_version)
-                if limit is None:
-                    return True, config
-                return await store.admitted_count(db, run_id) < limit, config
+                room = limit is None or await store.admitted_count(db, run_id) < limit
+            if room:
+                async with ctx.sessionmaker() as db, db.begin():
+                    created.append(
+                        await store.create_session(db, run_id, task_id, group_id, metadata)
+                    )
+            return room, config
 
-        await ctx.admission.wait_for_room(check)
-        async with ctx.sessionmaker() as db, db.begin():
-            session, key = await store.create_session(db, run_id, task_id, group_id, metadata)
+    await ctx.admission.wait_for_room(check)
+    session, key = created[0]
     return SessionCreated(
         session_id=session.id,
         run_id=run_id,

@@ -130,6 +130,7 @@ async def server_context(settings: ServerSettings) -> AsyncIterator[ServerContex
         run = await ensure_default_run(ctx)
         ctx.default_run_id = run.id
         await serve_current_version(ctx, run)
+        pool.expected_version = run.policy_version
         sweeper = asyncio.create_task(sweep(ctx), name="proxrl-sweeper")
         yield ctx
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 from dataclasses import dataclass
 
 import httpx
@@ -21,6 +22,13 @@ from server.engines.client import EngineClient, EngineError
 log = logging.getLogger(__name__)
 
 AFFINITY_SLACK = 4  # a session's engine may have this many more requests than the least loaded
+_TRAILING_NUMBER = re.compile(r"(\d+)$")
+
+
+def parse_version(version: str) -> int:
+    """proxrl versions are integers; SGLang's start-up "default" is version 0."""
+    match = _TRAILING_NUMBER.search(version)
+    return int(match.group(1)) if match else 0
 
 
 class NoEngineAvailable(Exception):
@@ -63,6 +71,8 @@ class EnginePool:
         self._round_robin = itertools.count()
         self.update_lock = asyncio.Lock()  # one weight swap at a time
         self.swaps: list[dict] = []  # version, pause_seconds, at: one per swap
+        # The version every engine must serve to be in rotation (None: any).
+        self.expected_version: int | None = None
 
     async def start(self) -> None:
         await asyncio.gather(*(self.check(engine) for engine in self.engines))
@@ -126,10 +136,14 @@ class EnginePool:
         except (EngineError, ValueError) as exc:
             self.mark_down(engine, str(exc))
             return False
-        if not engine.healthy:
-            log.info("engine %s in rotation (version %s)", engine.url, info.get("weight_version"))
-        engine.healthy = True
         engine.weight_version = str(info.get("weight_version"))
+        expected = self.expected_version
+        if expected is not None and parse_version(engine.weight_version) != expected:
+            self.mark_down(engine, f"serves version {engine.weight_version}, not {expected}")
+            return False
+        if not engine.healthy:
+            log.info("engine %s in rotation (version %s)", engine.url, engine.weight_version)
+        engine.healthy = True
         return True
 
     async def _health_loop(self) -> None:

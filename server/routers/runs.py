@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body
 
 from server import auth, runs
-from server.deps import AdminDep, CallerDep, Ctx
+from server.deps import AdminDep, Ctx, KeyedDep
 from server.schemas import ClaimIn, ClaimOut, RunCreate, RunCreated, RunOut
 from server.store import runs as store_runs
 
@@ -28,7 +28,7 @@ async def list_runs(ctx: Ctx, _: AdminDep, limit: int = 100, offset: int = 0) ->
 
 
 @router.get("/runs/{run_id}", response_model=RunOut, summary="A run, its counts and version")
-async def get_run(run_id: str, ctx: Ctx, caller: CallerDep) -> dict:
+async def get_run(run_id: str, ctx: Ctx, caller: KeyedDep) -> dict:
     run = await runs.get_run(ctx, run_id)
     auth.require_run_access(caller, run.id)
     return await runs.run_view(ctx, run)

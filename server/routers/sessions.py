@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from server import auth, sessions
-from server.deps import CallerDep, Ctx
+from server.deps import CallerDep, Ctx, KeyedDep
 from server.errors import Forbidden, Unauthorized
 from server.schemas import RewardIn, RewardOut, SessionCreate, SessionCreated, SessionOut
 
@@ -24,21 +24,21 @@ async def create_session(body: SessionCreate, ctx: Ctx, caller: CallerDep) -> Se
 
 
 @router.get("/{session_id}", response_model=SessionOut, summary="A session, its turns and rows")
-async def get_session(session_id: str, ctx: Ctx, caller: CallerDep) -> SessionOut:
+async def get_session(session_id: str, ctx: Ctx, caller: KeyedDep) -> SessionOut:
     session = await sessions.get_session(ctx, session_id)
     auth.require_session_access(caller, session.run_id, session.id)
     return await sessions.session_view(ctx, session)
 
 
 @router.post("/{session_id}/reward", response_model=RewardOut, summary="Reward a session or turn")
-async def reward(session_id: str, body: RewardIn, ctx: Ctx, caller: CallerDep) -> RewardOut:
+async def reward(session_id: str, body: RewardIn, ctx: Ctx, caller: KeyedDep) -> RewardOut:
     session = await sessions.get_session(ctx, session_id)
     auth.require_session_access(caller, session.run_id, session.id)
     return await sessions.post_reward(ctx, session_id, body.reward, body.completion_id)
 
 
 @router.post("/{session_id}/end", summary="End a session")
-async def end(session_id: str, ctx: Ctx, caller: CallerDep) -> dict:
+async def end(session_id: str, ctx: Ctx, caller: KeyedDep) -> dict:
     session = await sessions.get_session(ctx, session_id)
     auth.require_session_access(caller, session.run_id, session.id)
     ended = await sessions.end_session(ctx, session_id)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import case, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -55,7 +55,7 @@ async def add_reward(
         except IntegrityError:  # the same target, posted concurrently
             existing = await _existing(db, session.id, target)
         else:
-            _mark_rewarded(session)
+            await _mark_rewarded(db, session)
             return reward, True
     assert existing is not None
     if existing.value != value:
@@ -68,11 +68,25 @@ async def _existing(db: AsyncSession, session_id: str, target: str) -> Reward | 
     return (await db.scalars(query)).first()
 
 
-def _mark_rewarded(session: Session) -> None:
-    session.rewarded = True
-    if session.status == sessions.ENDED:
-        session.status = sessions.TRAINABLE
-        session.trainable_at = utcnow()
+async def _mark_rewarded(db: AsyncSession, session: Session) -> None:
+    ended = Session.status == sessions.ENDED
+    result = await db.execute(
+        update(Session)
+        .where(
+            Session.id == session.id,
+            Session.status.in_((sessions.OPEN, sessions.ENDED, sessions.TRAINABLE)),
+        )
+        .values(
+            rewarded=True,
+            trainable_at=case((ended, utcnow()), else_=Session.trainable_at),
+            status=case((ended, sessions.TRAINABLE), else_=Session.status),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    if not result.rowcount:  # type: ignore[attr-defined]
+        await db.refresh(session)
+        raise RewardsClosed(session.status)
+    await db.refresh(session)
 
 
 async def rewards_of(db: AsyncSession, session_ids: list[str]) -> dict[str, dict[str, float]]:

@@ -6,15 +6,18 @@ and resolve sessions whose reward never came, as the run's config says.
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import case, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.run_config import RunConfig
 from server.store.keys import new_id, new_key
 from server.store.tables import Reward, Run, Session, utcnow
+
+log = logging.getLogger(__name__)
 
 OPEN, ENDED, TRAINABLE, CLAIMED, CONSUMED, DROPPED = (
     "open",
@@ -61,10 +64,17 @@ async def end_session(db: AsyncSession, session: Session, now: datetime | None =
     if session.status != OPEN:
         return
     now = now or utcnow()
-    session.ended_at = now
-    session.status = TRAINABLE if session.rewarded else ENDED
-    if session.rewarded:
-        session.trainable_at = now
+    await db.execute(
+        update(Session)
+        .where(Session.id == session.id, Session.status == OPEN)
+        .values(
+            ended_at=now,
+            status=case((Session.rewarded, TRAINABLE), else_=ENDED),
+            trainable_at=case((Session.rewarded, now), else_=None),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    await db.refresh(session)
 
 
 async def admitted_count(db: AsyncSession, run_id: str) -> int:
@@ -102,7 +112,12 @@ async def expire(db: AsyncSession, now: datetime | None = None) -> dict[str, str
                 )
             )
             for session in list(late):
-                await _resolve_missing_reward(db, session, config, now)
+                try:
+                    async with db.begin_nested():
+                        await _resolve_missing_reward(db, session, config, now)
+                except Exception:  # one bad session must not stop the deadlines of the rest
+                    log.exception("resolving the missing reward of %s failed", session.id)
+                    continue
                 changed[session.id] = session.status
     return changed
 
@@ -110,6 +125,10 @@ async def expire(db: AsyncSession, now: datetime | None = None) -> dict[str, str
 async def _resolve_missing_reward(
     db: AsyncSession, session: Session, config: RunConfig, now: datetime
 ) -> None:
+    if session.rewarded:
+        session.status = TRAINABLE
+        session.trainable_at = now
+        return
     if config.on_missing_reward == "drop":
         session.status = DROPPED
         return
