@@ -41,6 +41,7 @@ format: venv
 
 bench: venv
 	$(PY) bench/engine.py
+	$(PY) bench/proxy.py
 
 demo: venv
 	$(PY) examples/engine_demo.py

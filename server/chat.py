@@ -288,8 +288,8 @@ async def _stream(
             role = {"role": "assistant", "content": ""}
             first = {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
             yield sse({**head, "choices": [first]})
-        async for chunk in drain(sampling, queue):
-            yield sse({**head, "choices": chunk})
+        async for chunks in drain(sampling, queue):
+            yield "".join(sse({**head, "choices": chunk}) for chunk in chunks)
         completions = sampling.result()
         served, tail = [], []
         for stream, cid, completion in zip(streams, plan.completion_ids, completions, strict=True):

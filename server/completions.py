@@ -152,8 +152,8 @@ async def _stream(
         if plan.echo:
             for index in range(len(streamers)):
                 yield sse({**head, "choices": [choice(index, plan.echo)]})
-        async for item in drain(sampling, queue):
-            yield sse({**head, "choices": [item]})
+        async for items in drain(sampling, queue):
+            yield "".join(sse({**head, "choices": [item]}) for item in items)
         completions = sampling.result()
         served, tail = [], []
         for index, (cid, completion) in enumerate(

@@ -29,10 +29,7 @@ class ServerContext:
     default_run_id: str = ""
     key_cache: dict[str, tuple[str, str | None, str | None]] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
-
-    @property
-    def model_name(self) -> str:
-        return self.settings.model_name
+    model_name: str = ""  # the served model's name, fixed at start
 
     @property
     def context_length(self) -> int | None:

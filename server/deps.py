@@ -12,7 +12,7 @@ from server.context import ServerContext
 from server.errors import Unauthorized
 
 
-def get_context(request: Request) -> ServerContext:
+async def get_context(request: Request) -> ServerContext:
     return request.app.state.ctx
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import sys
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -44,6 +45,8 @@ def serve(settings: ServerSettings) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # Threads that hand results back (the turn writer) should not wait 5 ms for the GIL.
+    sys.setswitchinterval(0.001)
     if settings.admin_key is None:
         key = f"proxrl-admin-{secrets.token_urlsafe(24)}"
         settings = settings.model_copy(update={"admin_key": key})

@@ -33,7 +33,8 @@ def launch_engines(settings: ServerSettings) -> list[EngineProcess]:
     """Start --num-engines embedded engines on loopback and wait until they serve."""
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // settings.num_engines)
+    # Leave a core to the proxy: an engine whose OpenMP threads lose a core to it stalls.
+    threads = max(1, ((os.cpu_count() or 1) - 1) // settings.num_engines)
     flags = [
         "--incremental-streaming-output",
         *("--max-running-requests", str(settings.engine_max_running_requests)),
@@ -107,12 +108,13 @@ async def server_context(settings: ServerSettings) -> AsyncIterator[ServerContex
     url = settings.database_url
     await asyncio.to_thread(database.upgrade, url)
     db_engine = database.connect(url)
+    writer_engine = database.connect_sync(url)
     maker = database.sessionmaker(db_engine)
     tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, settings.model)
     launched = [] if settings.engine_urls else await asyncio.to_thread(launch_engines, settings)
     urls = settings.engine_urls or [engine.url for engine in launched]
     pool = EnginePool(urls, settings.request_timeout_s, settings.health_interval_s)
-    writer = TurnWriter(maker)
+    writer = TurnWriter(writer_engine)
     sweeper: asyncio.Task | None = None
     try:
         await pool.start()
@@ -126,6 +128,7 @@ async def server_context(settings: ServerSettings) -> AsyncIterator[ServerContex
             pool=pool,
             tokenizer=tokenizer,
             sessions=SessionRegistry(maker, tokenizer),
+            model_name=settings.model_name,
         )
         run = await ensure_default_run(ctx)
         ctx.default_run_id = run.id
@@ -141,3 +144,4 @@ async def server_context(settings: ServerSettings) -> AsyncIterator[ServerContex
         for engine in launched:
             await asyncio.to_thread(engine.stop)
         await db_engine.dispose()
+        writer_engine.dispose()

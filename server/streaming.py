@@ -13,15 +13,23 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def drain(work: asyncio.Task, queue: asyncio.Queue) -> AsyncIterator[Any]:
-    """Items ``work`` puts on ``queue``, as they come, until it is done and nothing is left."""
-    while not (work.done() and queue.empty()):
-        getter = asyncio.ensure_future(queue.get())
-        await asyncio.wait({getter, work}, return_when=asyncio.FIRST_COMPLETED)
-        if getter.done():
-            yield getter.result()
-        else:
-            getter.cancel()
+_DONE = object()
+
+
+async def drain(work: asyncio.Task, queue: asyncio.Queue) -> AsyncIterator[list[Any]]:
+    """What ``work`` puts on ``queue``, in batches of whatever is already waiting (one write
+    each), until ``work`` is done."""
+    work.add_done_callback(lambda _: queue.put_nowait(_DONE))
+    while True:
+        batch = [await queue.get()]
+        while not queue.empty():
+            batch.append(queue.get_nowait())
+        done = batch[-1] is _DONE
+        items = [item for item in batch if item is not _DONE]
+        if items:
+            yield items
+        if done:
+            return
 
 
 async def guarded(events: AsyncIterator[str], work: asyncio.Task) -> AsyncIterator[str]:

@@ -58,7 +58,7 @@ class _Unauthorized(Exception):
     pass
 
 
-def _engine(request: Request) -> EngineService:
+async def _engine(request: Request) -> EngineService:
     return request.app.state.engine
 
 
@@ -69,11 +69,11 @@ def _check_key(request: Request, admin: bool) -> None:
         raise _Unauthorized()
 
 
-def _user(request: Request) -> None:
+async def _user(request: Request) -> None:
     _check_key(request, admin=False)
 
 
-def _admin(request: Request) -> None:
+async def _admin(request: Request) -> None:
     _check_key(request, admin=True)
 
 

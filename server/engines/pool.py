@@ -15,7 +15,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from server.engines.client import EngineClient, EngineError
 
@@ -59,9 +59,9 @@ class EnginePool:
         generate_timeout: float = 600.0,
         health_interval: float = 2.0,
     ) -> None:
-        self._http = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512),
-            timeout=httpx.Timeout(30.0, connect=5.0),
+        self._http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=2048, limit_per_host=1024),
+            timeout=aiohttp.ClientTimeout(total=30.0, connect=5.0),
         )
         self.engines = [
             EngineState(EngineClient(url, self._http, generate_timeout)) for url in urls
@@ -82,7 +82,7 @@ class EnginePool:
         if self._health_task is not None:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
-        await self._http.aclose()
+        await self._http.close()
 
     @property
     def healthy(self) -> list[EngineState]:

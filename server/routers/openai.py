@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from server import auth, chat, completions
 from server.deps import CallerDep, Ctx
@@ -34,14 +34,14 @@ async def _chat(ctx: Ctx, state: SessionState, body: ChatCompletionRequest) -> A
         return StreamingResponse(
             await chat.chat_completion_stream(ctx, state, body), media_type=SSE
         )
-    return await chat.chat_completion(ctx, state, body)
+    return JSONResponse(await chat.chat_completion(ctx, state, body))
 
 
 async def _completion(ctx: Ctx, state: SessionState, body: CompletionRequest) -> Any:
     if body.stream:
         stream = await completions.text_completion_stream(ctx, state, body)
         return StreamingResponse(stream, media_type=SSE)
-    return await completions.text_completion(ctx, state, body)
+    return JSONResponse(await completions.text_completion(ctx, state, body))
 
 
 @router.post("/v1/chat/completions", summary="Chat completion in the caller's session")

@@ -13,7 +13,7 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import event
+from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
@@ -56,10 +56,21 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 
 
 def connect(url: str) -> AsyncEngine:
-    engine = create_async_engine(async_url(url), pool_pre_ping=True)
-    if engine.dialect.name == "sqlite":
+    local = make_url(url).get_backend_name() == "sqlite"  # a file: no connection to go stale
+    engine = create_async_engine(async_url(url), pool_pre_ping=not local)
+    if local:
         Path(make_url(url).database or "").parent.mkdir(parents=True, exist_ok=True)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def connect_sync(url: str) -> Engine:
+    """A synchronous engine on the same database (for the turn writer's thread)."""
+    engine = create_engine(
+        sync_url(url), pool_pre_ping=make_url(url).get_backend_name() != "sqlite"
+    )
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
     return engine
 
 

@@ -1,0 +1,559 @@
+"""What the proxy costs: chat requests through ``proxrl serve`` vs the same generation sent to the
+engine directly, with the trajectory store on, on one machine and in one run.
+
+One embedded engine serves the tiny model; one proxy (``python -m server.cli serve``) is
+attached to it and stores every turn in SQLite under a temporary data dir. Each scenario runs
+the same requests on both sides, phase after phase (direct, proxy, direct, proxy, ...):
+
+- proxy: the ``openai`` SDK's ``AsyncOpenAI`` on a session's ``base_url``/``api_key``, one
+  session per client, ``chat.completions.create`` with ``max_tokens`` and a ``seed``;
+- direct: httpx ``POST /generate`` to the engine with the body the proxy itself sends
+  (``server.generation.engine_body``): the same prompt ids (the chat template rendered and
+  encoded here, checked against the prompt ids the store recorded), the same ``max_new_tokens``
+  and ``sampling_seed``. The engine draws a seeded request's samples from its own generator, so
+  both sides produce the same tokens and stop at the same EOS: the same work. (OpenAI's API has
+  no ``ignore_eos``; the seed makes it unnecessary.) Tokens are counted as each side reports them
+  (``usage.completion_tokens``, ``meta_info.completion_tokens``).
+
+Scenarios: 1 client sending requests one after another; N clients at once, each in its own
+session; and 1 client streaming (latency is time to the last token). Reported per scenario:
+completion tokens/s on both sides (median over rounds) and their ratio (target >= 0.95), median
+request latency on both sides (over every request of every round) and the difference (target
+< 2 ms at 1 client), and the store's write load: prompt + completion tokens stored during a
+proxy phase (read back from ``GET /rl/sessions/{id}``) per second of that phase. That is the
+rate the store kept up with, not its capacity: each answer waits for its turn's commit, so the
+writes are inside the proxy's latency. Also reported: CPU time per request of the proxy process
+(and, in the JSON, of the engine and of this client on each side), read from /proc; on a shared
+machine it is steadier than wall time and says what the proxy's cost is made of.
+
+The proxy, the engine and this client share the CPUs. The engine runs ``--engine-threads`` torch
+threads (default 1): on a 2-core machine, an engine with 2 OpenMP threads stalls whenever the
+proxy or the client takes a core from one of them (a 1-token request's median went from 15 ms
+to 300 ms in our runs), which would measure CPU contention rather than the proxy; with a GPU,
+the engine's compute does not compete with the proxy at all.
+
+What it does not measure: several engines, Postgres, multi-turn prompt splicing, tool calls,
+logprobs in the answer, or GPUs. Results go to stdout and to bench/results/proxy.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import httpx  # noqa: E402
+from openai import AsyncOpenAI  # noqa: E402
+
+from server.engine.launcher import EngineProcess  # noqa: E402
+from server.generation import SamplingRequest, engine_body  # noqa: E402
+from server.tokenization import Tokenizer  # noqa: E402
+from tests.support import ProxyProcess  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "proxy.json"
+LOG_DIR = ROOT / ".cache" / "bench"
+SEED = 0
+TEMPERATURE = 1.0
+# A request on the tiny model takes well under a second; one that takes this long has stalled.
+REQUEST_TIMEOUT_S = 120.0
+TARGET_RATIO = 0.95
+TARGET_ADDED_MS = 2.0
+SYSTEM = "You are a careful assistant. Answer briefly."
+WORDS = "apple river stone cloud seven green lamp quiet number table window forty".split()
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """One chat turn and what the engine sees of it."""
+
+    messages: list[dict[str, str]]
+    prompt_ids: list[int]
+    seed: int
+
+
+@dataclass
+class PhaseResult:
+    """One side of one scenario in one round."""
+
+    seconds: float
+    completion_tokens: list[int]  # per request, in (client, request) order
+    latencies: list[float]  # seconds, per request, same order
+    cpu_seconds: dict[str, float]  # CPU time of the engine, the proxy and this client
+    stored_tokens: int = 0  # proxy phases: prompt + completion tokens the store holds for it
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(self.completion_tokens) / self.seconds
+
+    def cpu_ms_per_request(self, process: str) -> float:
+        return 1000 * self.cpu_seconds[process] / len(self.latencies)
+
+
+@dataclass
+class Scenario:
+    key: str
+    label: str
+    clients: list[list[ChatRequest]]  # each client's requests, sent one after another
+    stream: bool = False
+    direct: list[PhaseResult] = field(default_factory=list)
+    proxy: list[PhaseResult] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CpuMeter:
+    """CPU seconds used so far by the engine, the proxy and this process (Linux /proc)."""
+
+    engine_pid: int
+    proxy_pid: int
+
+    def read(self) -> dict[str, float]:
+        return {
+            "engine": _process_cpu(self.engine_pid),
+            "proxy": _process_cpu(self.proxy_pid),
+            "client": time.process_time(),
+        }
+
+
+def _process_cpu(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads; NaN where /proc is missing."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ensure_model() -> Path:
+    """proxrl's tiny test model, built once under .cache/ (it is deterministic)."""
+    model_dir = ROOT / ".cache" / "models" / "tiny"
+    if not (model_dir / "model.safetensors").exists():
+        from server.engine.tiny_model import create_tiny_model
+
+        create_tiny_model(model_dir, "tiny")
+    return model_dir
+
+
+def make_requests(tokenizer: Tokenizer, rng: random.Random, count: int) -> list[ChatRequest]:
+    """Single-turn chats with prompts of ~30..70 tokens, each with its own sampling seed."""
+    requests = []
+    for _ in range(count):
+        a, b = rng.randint(1, 999), rng.randint(1, 999)
+        filler = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 24)))
+        messages = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"What is {a} + {b}? Context: {filler}."},
+        ]
+        text = tokenizer.render(messages, add_generation_prompt=True)
+        requests.append(ChatRequest(messages, tokenizer.encode(text), rng.randrange(2**31)))
+    return requests
+
+
+def split(requests: list[ChatRequest], clients: int) -> list[list[ChatRequest]]:
+    per = len(requests) // clients
+    return [requests[i * per : (i + 1) * per] for i in range(clients)]
+
+
+async def run_clients(
+    clients: list[list[ChatRequest]],
+    send: Callable[[int, ChatRequest], Awaitable[int]],
+    meter: CpuMeter,
+) -> PhaseResult:
+    """Every client sends its requests one after another, all clients at once."""
+    tokens = [[0] * len(c) for c in clients]
+    latencies = [[0.0] * len(c) for c in clients]
+
+    async def client(index: int) -> None:
+        for j, request in enumerate(clients[index]):
+            started = time.perf_counter()
+            tokens[index][j] = await send(index, request)
+            latencies[index][j] = time.perf_counter() - started
+
+    cpu_before, started = meter.read(), time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(len(clients))))
+    seconds, cpu_after = time.perf_counter() - started, meter.read()
+    cpu = {name: cpu_after[name] - cpu_before[name] for name in cpu_before}
+    return PhaseResult(
+        seconds, [n for c in tokens for n in c], [x for c in latencies for x in c], cpu
+    )
+
+
+# --- the two sides ----------------------------------------------------------------------------
+
+
+async def direct_phase(
+    url: str, scenario: Scenario, max_tokens: int, meter: CpuMeter
+) -> PhaseResult:
+    """The scenario's requests straight to the engine's /generate, as the proxy would send them."""
+    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
+    limits = httpx.Limits(max_connections=len(scenario.clients) + 1)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+
+        async def send(_: int, request: ChatRequest) -> int:
+            sampling = SamplingRequest(
+                request.prompt_ids, max_tokens, TEMPERATURE, seed=request.seed
+            )
+            body = engine_body(sampling, [], f"bench-{uuid.uuid4().hex}-0")
+            if not scenario.stream:
+                reply = await http.post(f"{url}/generate", json=body)
+                reply.raise_for_status()
+                return reply.json()["meta_info"]["completion_tokens"]
+            tokens = 0
+            async with http.stream("POST", f"{url}/generate", json={**body, "stream": True}) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        tokens = json.loads(line[6:])["meta_info"]["completion_tokens"]
+            return tokens
+
+        return await run_clients(scenario.clients, send, meter)
+
+
+async def new_sessions(proxy: ProxyProcess, count: int) -> list[dict]:
+    """``count`` new sessions (admin key): id, api_key, base_url."""
+    async with httpx.AsyncClient(headers=proxy.admin, timeout=60) as http:
+        replies = [
+            await http.post(f"{proxy.url}/rl/sessions", json={"task_id": "bench"})
+            for _ in range(count)
+        ]
+    for reply in replies:
+        reply.raise_for_status()
+    return [reply.json() for reply in replies]
+
+
+async def proxy_phase(
+    proxy: ProxyProcess, model: str, scenario: Scenario, max_tokens: int, meter: CpuMeter
+) -> PhaseResult:
+    """The scenario's requests through the proxy with the openai SDK, a session per client."""
+    sessions = await new_sessions(proxy, len(scenario.clients))  # not timed
+    sdks = [
+        AsyncOpenAI(
+            base_url=s["base_url"], api_key=s["api_key"], max_retries=0, timeout=REQUEST_TIMEOUT_S
+        )
+        for s in sessions
+    ]
+
+    async def send(index: int, request: ChatRequest) -> int:
+        sdk = sdks[index]
+        common = {"model": model, "messages": request.messages, "max_tokens": max_tokens}
+        common |= {"temperature": TEMPERATURE, "seed": request.seed}
+        if not scenario.stream:
+            answer = await sdk.chat.completions.create(**common)
+            return answer.usage.completion_tokens
+        chunks = await sdk.chat.completions.create(
+            **common, stream=True, stream_options={"include_usage": True}
+        )
+        tokens = 0
+        async for chunk in chunks:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return tokens
+
+    try:
+        result = await run_clients(scenario.clients, send, meter)
+    finally:
+        for sdk in sdks:
+            await sdk.close()
+    result.stored_tokens = check_stored(proxy, scenario, sessions, result)
+    return result
+
+
+def check_stored(
+    proxy: ProxyProcess, scenario: Scenario, sessions: list[dict], result: PhaseResult
+) -> int:
+    """Tokens the store holds for a phase's sessions, after checking every turn is there with
+    the prompt ids the direct side used and the completion length the client was told."""
+    stored, told = 0, iter(result.completion_tokens)
+    for session, requests in zip(sessions, scenario.clients, strict=True):
+        turns = proxy.get_session(session["session_id"])["turns"]
+        if len(turns) != len(requests):
+            raise RuntimeError(f"{len(turns)} turns stored for {len(requests)} requests")
+        for turn, request in zip(turns, requests, strict=True):
+            if turn["prompt_ids"] != request.prompt_ids:
+                raise RuntimeError("the proxy's prompt ids differ from the direct side's")
+            if len(turn["completion_ids"]) != next(told):
+                raise RuntimeError("a stored completion differs from the usage the client got")
+            stored += len(turn["prompt_ids"]) + len(turn["completion_ids"])
+    return stored
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def timed(label: str, run: Callable[[], PhaseResult]) -> PhaseResult:
+    """One phase, with a progress line."""
+    print(f"  {label} ...", end="", flush=True)
+    result = run()
+    print(f" {result.seconds:.2f}s, {sum(result.completion_tokens)} tokens", flush=True)
+    return result
+
+
+def measure(
+    engine: EngineProcess, proxy: ProxyProcess, model: str, scenarios: list[Scenario], args
+) -> None:
+    meter = CpuMeter(engine.process.pid, proxy.process.pid)
+
+    def direct(s: Scenario) -> PhaseResult:
+        return asyncio.run(direct_phase(engine.url, s, args.max_tokens, meter))
+
+    def through_proxy(s: Scenario) -> PhaseResult:
+        return asyncio.run(proxy_phase(proxy, model, s, args.max_tokens, meter))
+
+    print("warm-up")
+    for scenario in scenarios:
+        first = [c[:3] for c in scenario.clients]
+        short = Scenario(scenario.key, scenario.label, first, stream=scenario.stream)
+        timed(f"direct {scenario.label}", lambda s=short: direct(s))
+        timed(f"proxy  {scenario.label}", lambda s=short: through_proxy(s))
+    for round_ in range(1, args.rounds + 1):
+        print(f"round {round_}/{args.rounds}")
+        for scenario in scenarios:
+            scenario.direct.append(timed(f"direct {scenario.label}", lambda s=scenario: direct(s)))
+            scenario.proxy.append(
+                timed(f"proxy  {scenario.label}", lambda s=scenario: through_proxy(s))
+            )
+
+
+def summarize(scenario: Scenario) -> dict:
+    """Medians over rounds (throughput) and over every request of every round (latency)."""
+    direct_tps = statistics.median(r.tokens_per_second for r in scenario.direct)
+    proxy_tps = statistics.median(r.tokens_per_second for r in scenario.proxy)
+    direct_ms = 1000 * statistics.median(x for r in scenario.direct for x in r.latencies)
+    proxy_ms = 1000 * statistics.median(x for r in scenario.proxy for x in r.latencies)
+    requests = sum(len(r.latencies) for r in scenario.proxy)
+    same = sum(
+        a == b
+        for d, p in zip(scenario.direct, scenario.proxy, strict=True)
+        for a, b in zip(d.completion_tokens, p.completion_tokens, strict=True)
+    )
+    return {
+        "clients": len(scenario.clients),
+        "requests_per_client": len(scenario.clients[0]),
+        "stream": scenario.stream,
+        "completion_tokens_per_round": statistics.median(
+            sum(r.completion_tokens) for r in scenario.proxy
+        ),
+        "requests_with_equal_token_counts": f"{same}/{requests}",
+        "direct_tok_s": direct_tps,
+        "proxy_tok_s": proxy_tps,
+        "ratio": proxy_tps / direct_tps,
+        "direct_p50_ms": direct_ms,
+        "proxy_p50_ms": proxy_ms,
+        "added_ms": proxy_ms - direct_ms,
+        "stored_tok_s": statistics.median(r.stored_tokens / r.seconds for r in scenario.proxy),
+        # CPU per request, median of rounds: where the proxy's cost goes, less noisy than wall time
+        "proxy_cpu_ms_per_request": cpu_ms(scenario.proxy, "proxy"),
+        "engine_cpu_ms_per_request": {
+            "direct": cpu_ms(scenario.direct, "engine"),
+            "proxy": cpu_ms(scenario.proxy, "engine"),
+        },
+        "client_cpu_ms_per_request": {
+            "direct": cpu_ms(scenario.direct, "client"),
+            "proxy": cpu_ms(scenario.proxy, "client"),
+        },
+    }
+
+
+def cpu_ms(results: list[PhaseResult], process: str) -> float:
+    return statistics.median(r.cpu_ms_per_request(process) for r in results)
+
+
+def markdown_table(rows: dict[str, dict], labels: dict[str, str]) -> str:
+    lines = [
+        "| scenario | tokens | direct tok/s | proxy tok/s | ratio | direct p50 ms "
+        "| proxy p50 ms | added ms | stored tok/s | proxy CPU ms/req |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key, row in rows.items():
+        lines.append(
+            f"| {labels[key]} | {row['completion_tokens_per_round']:.0f} "
+            f"| {row['direct_tok_s']:.0f} | {row['proxy_tok_s']:.0f} | {row['ratio']:.3f} "
+            f"| {row['direct_p50_ms']:.1f} | {row['proxy_p50_ms']:.1f} | {row['added_ms']:+.1f} "
+            f"| {row['stored_tok_s']:.0f} | {row['proxy_cpu_ms_per_request']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def verdicts(rows: dict[str, dict]) -> list[str]:
+    out = []
+    for key, row in rows.items():
+        ok = row["ratio"] >= TARGET_RATIO
+        out.append(f"{key}: ratio {row['ratio']:.3f} {'meets' if ok else 'MISSES'} >= 0.95")
+    single = rows["single"]
+    ok = single["added_ms"] < TARGET_ADDED_MS
+    out.append(f"single: {single['added_ms']:+.2f} ms added {'meets' if ok else 'MISSES'} < 2 ms")
+    return out
+
+
+def machine() -> dict:
+    return {
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def save(report: dict) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=5,
+        help="Rounds of (direct, proxy) per scenario after a warm-up; medians are reported "
+        "(default: 5).",
+    )
+    parser.add_argument(
+        "--clients",
+        type=positive_int,
+        default=32,
+        help="Concurrent clients in the concurrent scenario, one session each (default: 32).",
+    )
+    parser.add_argument(
+        "--requests",
+        type=positive_int,
+        default=30,
+        help="Requests the single client sends one after another per phase, streaming or "
+        "not (default: 30).",
+    )
+    parser.add_argument(
+        "--requests-per-client",
+        type=positive_int,
+        default=4,
+        help="Requests each of the concurrent clients sends per phase (default: 4).",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=32,
+        help="max_tokens of every request; a request ends sooner only at EOS, on both sides "
+        "alike (default: 32).",
+    )
+    parser.add_argument(
+        "--engine-threads",
+        type=positive_int,
+        default=1,
+        help="torch threads of the engine; the proxy and this client need the other cores "
+        "(default: 1).",
+    )
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    # A SIGTERM (a timeout, say) unwinds the with-blocks, so the engine and the proxy stop too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = time.perf_counter()
+    host = machine()
+    print(f"machine: {host['cpu_count']} CPUs, Python {host['python']}, {host['platform']}")
+    model_dir = ensure_model()
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    rng = random.Random(SEED)
+    scenarios = [
+        Scenario("single", "1 client", [make_requests(tokenizer, rng, args.requests)]),
+        Scenario(
+            "concurrent",
+            f"{args.clients} clients",
+            split(
+                make_requests(tokenizer, rng, args.clients * args.requests_per_client), args.clients
+            ),
+        ),
+        Scenario(
+            "single_stream",
+            "1 client, streaming",
+            [make_requests(tokenizer, rng, args.requests)],
+            stream=True,
+        ),
+    ]
+    print(
+        f"model: tiny; max_tokens {args.max_tokens}; 1 client x {args.requests} requests, "
+        f"{args.clients} clients x {args.requests_per_client} requests; engine with "
+        f"{args.engine_threads} torch thread(s)"
+    )
+
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    print("starting the engine and the proxy ...", flush=True)
+    engine_log = LOG_DIR / "proxy-bench-engine.log"
+    with (
+        tempfile.TemporaryDirectory(prefix="proxrl-bench-") as data_dir,
+        EngineProcess(
+            model_dir,
+            engine_log,
+            "--incremental-streaming-output",
+            *("--num-threads", str(args.engine_threads)),
+        ) as engine,
+        ProxyProcess(model_dir, Path(data_dir), "--engines", engine.url) as proxy,
+    ):
+        measure(engine, proxy, model_dir.name, scenarios, args)
+
+    rows = {s.key: summarize(s) for s in scenarios}
+    table = markdown_table(rows, {s.key: s.label for s in scenarios})
+    total = time.perf_counter() - started
+    print(f"\n{table}\n")
+    print(
+        "tok/s: completion tokens per second, median of rounds; p50: median request latency "
+        "(streaming: to the last token) over all rounds; ratio = proxy / direct, measured in "
+        "this run; stored tok/s: prompt + completion tokens stored per second of proxy phase; "
+        "proxy CPU ms/req: CPU time of the proxy process per request, median of rounds"
+    )
+    for line in verdicts(rows):
+        print(line)
+    print(f"total {total:.0f}s")
+    save(
+        {
+            "machine": host,
+            "args": vars(args),
+            "table": table,
+            "rows": rows,
+            "phases": {
+                s.key: {
+                    side: [
+                        {
+                            "seconds": r.seconds,
+                            "completion_tokens": sum(r.completion_tokens),
+                            "stored_tokens": r.stored_tokens,
+                            "p50_ms": 1000 * statistics.median(r.latencies),
+                            "cpu_seconds": r.cpu_seconds,
+                        }
+                        for r in results
+                    ]
+                    for side, results in (("direct", s.direct), ("proxy", s.proxy))
+                }
+                for s in scenarios
+            },
+            "total_seconds": total,
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
