@@ -49,8 +49,13 @@ async def identify(ctx: ServerContext, authorization: str | None) -> Caller:
         return Caller("admin")
     cached = ctx.key_cache.get(key_hash)
     if cached is None:
+        # Keys are issued before anyone can use them, so one unknown now stays unknown.
+        if key_hash in ctx.unknown_keys:
+            raise Unauthorized("Invalid API key.", code="invalid_api_key")
         cached = await _lookup(ctx, key_hash)
         if cached is None:
+            if len(ctx.unknown_keys) < KEY_CACHE_LIMIT:
+                ctx.unknown_keys.add(key_hash)
             raise Unauthorized("Invalid API key.", code="invalid_api_key")
         if len(ctx.key_cache) < KEY_CACHE_LIMIT:
             ctx.key_cache[key_hash] = cached

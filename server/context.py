@@ -28,6 +28,7 @@ class ServerContext:
     admission: Admission = field(default_factory=Admission)
     default_run_id: str = ""
     key_cache: dict[str, tuple[str, str | None, str | None]] = field(default_factory=dict)
+    unknown_keys: set[str] = field(default_factory=set)
     started_at: float = field(default_factory=time.time)
     model_name: str = ""  # the served model's name, fixed at start
 

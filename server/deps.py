@@ -26,6 +26,20 @@ async def get_caller(ctx: Ctx, authorization: Annotated[str | None, Header()] = 
 CallerDep = Annotated[auth.Caller, Depends(get_caller)]
 
 
+async def get_path_caller(
+    ctx: Ctx, authorization: Annotated[str | None, Header()] = None
+) -> auth.Caller:
+    """For /sessions/{id}/v1/...: the session id in the path is the credential, so a key
+    proxrl did not issue (an agent's fixed key) counts as no key rather than a wrong one."""
+    try:
+        return await auth.identify(ctx, authorization)
+    except Unauthorized:
+        return auth.Caller("anonymous")
+
+
+PathCallerDep = Annotated[auth.Caller, Depends(get_path_caller)]
+
+
 async def get_keyed(caller: CallerDep) -> auth.Caller:
     """Any valid key (checked before anything is looked up, so no key learns nothing)."""
     if caller.kind == "anonymous":

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Header
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server import auth, chat, completions
-from server.deps import CallerDep, Ctx
+from server.deps import CallerDep, Ctx, PathCallerDep
 from server.errors import Conflict, Unauthorized
 from server.openai_schemas import ChatCompletionRequest, CompletionRequest
 from server.session_state import SessionState
@@ -55,7 +55,7 @@ async def chat_completions(
     "/sessions/{session_id}/v1/chat/completions", summary="Chat completion, session in the path"
 )
 async def session_chat_completions(
-    session_id: str, body: ChatCompletionRequest, ctx: Ctx, caller: CallerDep
+    session_id: str, body: ChatCompletionRequest, ctx: Ctx, caller: PathCallerDep
 ):
     return await _chat(ctx, await _open_session(ctx, caller, session_id, None), body)
 
@@ -71,7 +71,7 @@ async def text_completions(
     "/sessions/{session_id}/v1/completions", summary="Text completion, session in the path"
 )
 async def session_text_completions(
-    session_id: str, body: CompletionRequest, ctx: Ctx, caller: CallerDep
+    session_id: str, body: CompletionRequest, ctx: Ctx, caller: PathCallerDep
 ):
     return await _completion(ctx, await _open_session(ctx, caller, session_id, None), body)
 
@@ -95,6 +95,6 @@ async def list_models(ctx: Ctx, caller: CallerDep) -> dict:
 
 
 @router.get("/sessions/{session_id}/v1/models", summary="The served model (session path)")
-async def session_models(session_id: str, ctx: Ctx, caller: CallerDep) -> dict:
+async def session_models(session_id: str, ctx: Ctx, caller: PathCallerDep) -> dict:
     await auth.session_for_generation(ctx, caller, session_id, None)
     return _models(ctx)
