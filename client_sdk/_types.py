@@ -1,0 +1,121 @@
+"""What the REST API answers, as TypedDicts: plain dicts at run time, typed for the reader.
+
+They mirror the server's JSON (``/docs`` on a running server is the reference); timestamps
+stay ISO-8601 strings. This module knows nothing about HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+
+class Run(TypedDict):
+    """A run: one training job."""
+
+    id: str
+    name: str
+    model: str
+    config: dict[str, Any]
+    policy_version: int
+    """The version of the weights the engines serve."""
+    is_default: bool
+    created_at: str
+    sessions: dict[str, int]
+    """Sessions by status (open, ended, trainable, claimed, consumed, dropped)."""
+    totals: dict[str, int]
+    """turns, prompt_tokens, completion_tokens, breaks."""
+
+
+class RunCreated(Run):
+    """A new run, with its key (shown only this once)."""
+
+    api_key: str
+
+
+class RunMetrics(TypedDict):
+    """A run's counters, as GET /rl/runs/{id} reports them."""
+
+    run_id: str
+    policy_version: int
+    sessions: dict[str, int]
+    totals: dict[str, int]
+
+
+class SessionCreated(TypedDict):
+    session_id: str
+    run_id: str
+    api_key: str
+    base_url: str
+    status: str
+
+
+class Turn(TypedDict):
+    """One model call: its exact tokens, logprobs and the policy version of each token."""
+
+    completion_id: str
+    request_id: str
+    turn_index: int
+    row_index: int
+    extends_previous: bool
+    messages: list[Any] | None
+    tools: list[Any] | None
+    response: dict[str, Any]
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    """The sampled token ids (not completion identifiers: that is ``completion_id``)."""
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    sampling: dict[str, Any]
+    engine: str | None
+    resubmits: int
+    reward: float | None
+    created_at: str
+
+
+class Row(TypedDict):
+    """One training row: merged turns, loss mask 1 on sampled tokens."""
+
+    row_index: int
+    input_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    turns: list[dict[str, Any]]
+
+
+class SessionDetail(TypedDict):
+    """A stored session with its turns and the training rows built from them."""
+
+    session_id: str
+    run_id: str
+    task_id: str | None
+    group_id: str | None
+    metadata: dict[str, Any]
+    status: str
+    created_at: str
+    ended_at: str | None
+    turn_count: int
+    row_count: int
+    breaks: int
+    reward: float | None
+    rewards: dict[str, float]
+    """By target: "session" or a completion_id."""
+    turns: list[Turn]
+    rows: list[Row]
+
+
+class RewardResult(TypedDict):
+    session_id: str
+    target: str
+    """"session", or the rewarded completion_id."""
+    reward: float
+    created: bool
+    """False when the same reward was already there (posting it again is a no-op)."""
+    status: str
+
+
+class SessionEnded(TypedDict):
+    session_id: str
+    status: str
+    """"ended", or "trainable" when it already had a reward."""
