@@ -102,6 +102,15 @@ class DbCommands(BaseModel):
         CliApp.run_subcommand(self)
 
 
+class TrainCommand(BaseModel):
+    """Train a run with asynchronous decoupled PPO (Ray + FSDP2); `proxrl train --help`."""
+
+    def cli_cmd(self) -> None:  # `main` hands `train` to the trainer's own parser
+        from trainer.cli import main as train_main
+
+        train_main([])
+
+
 class Proxrl(
     BaseSettings,
     cli_prog_name="proxrl",
@@ -119,6 +128,7 @@ class Proxrl(
     serve: CliSubCommand[ServeCommand] = Field(
         description="The proxy: OpenAI-compatible serving, sessions, rewards, the store."
     )
+    train: CliSubCommand[TrainCommand] = Field(description=TrainCommand.__doc__)
     db: CliSubCommand[DbCommands] = Field(description=DbCommands.__doc__)
 
     def cli_cmd(self) -> None:
@@ -129,6 +139,11 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if not args:
         args = ["--help"]
+    if args[0] == "train":  # its options come from the trainer's dataclasses, not pydantic
+        from trainer.cli import main as train_main
+
+        train_main(args[1:])
+        return
     try:
         CliApp.run(Proxrl, cli_args=args)
     except ValidationError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from server.context import ServerContext
@@ -20,6 +21,8 @@ async def run_view(ctx: ServerContext, run: Run) -> dict[str, Any]:
         id=run.id,
         name=run.name,
         model=run.model,
+        model_path=str(Path(ctx.settings.model).resolve()),
+        weights_path=run.weights_path,
         config=run.config,
         policy_version=run.policy_version,
         is_default=run.is_default,

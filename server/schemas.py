@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
 
 from server.run_config import RunConfig
 
@@ -19,6 +19,10 @@ class RunOut(BaseModel):
     id: str
     name: str
     model: str
+    model_path: str = Field(description="The model directory the server started from.")
+    weights_path: str | None = Field(
+        description="The directory of the weights last published from disk (null: the start)."
+    )
     config: dict[str, Any]
     policy_version: int = Field(description="The version of the weights the engines serve.")
     is_default: bool
@@ -93,6 +97,22 @@ class RowOut(BaseModel):
     turns: list[dict[str, Any]]
 
 
+SessionStatus = Literal["open", "ended", "trainable", "claimed", "consumed", "dropped"]
+
+
+class SessionSummary(BaseModel):
+    session_id: str
+    run_id: str
+    task_id: str | None
+    group_id: str | None
+    status: str
+    created_at: datetime
+    ended_at: datetime | None
+    turn_count: int
+    row_count: int
+    breaks: int
+
+
 class SessionOut(BaseModel):
     session_id: str
     run_id: str
@@ -137,12 +157,50 @@ class ClaimOut(BaseModel):
     sessions: list[ClaimedSessionOut]
 
 
+class DistributedWeightsIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    group_name: str = Field(description="The group formed with POST /admin/weights/group.")
+    names: list[str] = Field(min_length=1, description="Parameter names, in broadcast order.")
+    dtypes: list[str] = Field(description="torch dtype name of each, e.g. float32.")
+    shapes: list[list[int]] = Field(description="Shape of each.")
+    load_format: str | None = Field(None, description='"flattened_bucket": one flat broadcast.')
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> DistributedWeightsIn:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError("names, dtypes and shapes must have the same length")
+        return self
+
+
 class WeightsIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model_path: str = Field(description="A Hugging Face directory the engines can read.")
+    model_path: str | None = Field(
+        None, description="A Hugging Face directory the engines can read."
+    )
+    distributed: DistributedWeightsIn | None = Field(
+        None,
+        description="Instead of model_path: the engines receive the weights from the trainer's "
+        "broadcast over the named torch.distributed group while this call holds them paused.",
+    )
     version: int | None = Field(None, ge=0, description="Default: the current version + 1.")
     run_id: str | None = Field(None, description="Default: the server's default run.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> WeightsIn:
+        if (self.model_path is None) == (self.distributed is None):
+            raise ValueError("give exactly one of model_path and distributed")
+        return self
+
+
+class WeightGroupIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    master_address: str = Field(description="Where the trainer (rank 0) hosts the rendezvous.")
+    master_port: int = Field(ge=1, le=65535)
+    group_name: str = Field("weight_update_group", min_length=1)
+    backend: Literal["gloo", "nccl"] = Field("nccl", description="gloo for CPU engines.")
 
 
 class WeightsOut(BaseModel):

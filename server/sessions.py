@@ -5,7 +5,7 @@ from __future__ import annotations
 from server.context import ServerContext
 from server.errors import Conflict, NotFound
 from server.run_config import RunConfig
-from server.schemas import RewardOut, RowOut, SessionCreated, SessionOut, TurnOut
+from server.schemas import RewardOut, RowOut, SessionCreated, SessionOut, SessionSummary, TurnOut
 from server.store import claims, rewards, runs
 from server.store import sessions as store
 from server.store.packing import unpack_floats, unpack_ints
@@ -57,6 +57,33 @@ async def get_session(ctx: ServerContext, session_id: str) -> Session:
     if session is None:
         raise NotFound(f"No session {session_id!r}.", code="session_not_found")
     return session
+
+
+async def list_sessions(
+    ctx: ServerContext,
+    run_id: str | None,
+    status: str | None,
+    task_id: str | None,
+    limit: int,
+    offset: int,
+) -> list[SessionSummary]:
+    async with ctx.sessionmaker() as db:
+        found = await store.list_sessions(db, run_id, status, task_id, limit, offset)
+    return [
+        SessionSummary(
+            session_id=s.id,
+            run_id=s.run_id,
+            task_id=s.task_id,
+            group_id=s.group_id,
+            status=s.status,
+            created_at=s.created_at,
+            ended_at=s.ended_at,
+            turn_count=s.turn_count,
+            row_count=s.row_count,
+            breaks=s.breaks,
+        )
+        for s in found
+    ]
 
 
 async def session_view(ctx: ServerContext, session: Session) -> SessionOut:

@@ -12,20 +12,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from server.context import ServerContext
 from server.engines.client import EngineError, EngineRejected
 from server.engines.pool import EngineState
 from server.errors import BadGateway, BadRequest, NotFound, Unavailable
-from server.schemas import WeightsOut
+from server.schemas import DistributedWeightsIn, WeightGroupIn, WeightsIn, WeightsOut
 from server.store import runs
 
 log = logging.getLogger(__name__)
 
 
-async def _load(engine: EngineState, model_path: str, version: int) -> dict:
+Loader = Callable[[EngineState], Awaitable[dict[str, Any]]]
+
+
+def from_disk(model_path: str, version: int) -> Loader:
+    return lambda engine: engine.client.update_weights_from_disk(model_path, str(version))
+
+
+def from_broadcast(body: DistributedWeightsIn, version: int) -> Loader:
+    payload = body.model_dump(exclude_none=True)
+    return lambda engine: engine.client.update_weights_from_distributed(payload, str(version))
+
+
+async def _load(engine: EngineState, loader: Loader) -> dict:
     try:
-        result = await engine.client.update_weights_from_disk(model_path, str(version))
+        result = await loader(engine)
     except EngineRejected as exc:  # the engine read the request and refused it
         return {"url": engine.url, "success": False, "message": str(exc), "refused": True}
     except EngineError as exc:
@@ -33,9 +47,9 @@ async def _load(engine: EngineState, model_path: str, version: int) -> dict:
     return {"url": engine.url, "success": bool(result.get("success")), **result}
 
 
-async def publish(
-    ctx: ServerContext, run_id: str | None, model_path: str, version: int | None
-) -> WeightsOut:
+async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
+    """Swap the weights ``body`` names into every engine in rotation, as a new version."""
+    run_id, version = body.run_id, body.version
     async with ctx.sessionmaker() as db:
         run = await runs.get_run(db, run_id or ctx.default_run_id)
     if run is None:
@@ -50,15 +64,21 @@ async def publish(
         paused = await asyncio.gather(
             *(e.client.pause("abort") for e in engines), return_exceptions=True
         )
+        if body.distributed is not None:
+            loader = from_broadcast(body.distributed, version)
+            source = f"the broadcast on {body.distributed.group_name!r}"
+        else:
+            loader = from_disk(str(body.model_path), version)
+            source = str(body.model_path)
         try:
-            results = await asyncio.gather(*(_load(e, model_path, version) for e in engines))
+            results = await asyncio.gather(*(_load(e, loader) for e in engines))
         finally:
             await asyncio.gather(*(e.client.resume() for e in engines), return_exceptions=True)
         pause_seconds = time.perf_counter() - started
         if not any(r["success"] for r in results):  # nothing changed: no engine is to blame
-            message = f"No engine loaded {model_path}: {results[0].get('message')}"
+            message = f"No engine loaded {source}: {results[0].get('message')}"
             if all(r.get("refused") for r in results):
-                raise BadRequest(message, param="model_path")
+                raise BadRequest(message, param="model_path" if body.model_path else "distributed")
             raise BadGateway(message)
         pool.expected_version = version
         for engine, pause_error, result in zip(engines, paused, results, strict=True):
@@ -68,9 +88,30 @@ async def publish(
                 engine.weight_version = str(version)
     pool.swaps.append({"version": version, "pause_seconds": pause_seconds, "at": time.time()})
     async with ctx.sessionmaker() as db, db.begin():
-        await runs.set_policy_version(db, run.id, version, model_path)
+        await runs.set_policy_version(db, run.id, version, body.model_path)
     await ctx.admission.notify()
-    log.info("published version %d from %s (paused %.3fs)", version, model_path, pause_seconds)
+    log.info("published version %d from %s (paused %.3fs)", version, source, pause_seconds)
     return WeightsOut(
         run_id=run.id, policy_version=version, engines=results, pause_seconds=pause_seconds
     )
+
+
+async def form_group(ctx: ServerContext, body: WeightGroupIn) -> dict[str, Any]:
+    """Every engine in rotation joins the trainer's weight group (the trainer is rank 0)."""
+    engines = ctx.pool.healthy
+    if not engines:
+        raise Unavailable("No engine is in rotation to join a weight group.")
+    world_size = len(engines) + 1
+
+    async def join(rank: int, engine: EngineState) -> dict[str, Any]:
+        request = {**body.model_dump(), "rank_offset": rank, "world_size": world_size}
+        try:
+            return {"url": engine.url, **await engine.client.init_weights_update_group(request)}
+        except EngineError as exc:
+            return {"url": engine.url, "success": False, "message": str(exc)}
+
+    results = await asyncio.gather(*(join(i + 1, e) for i, e in enumerate(engines)))
+    if not all(r.get("success") for r in results):
+        failed = [r for r in results if not r.get("success")]
+        raise BadGateway(f"Not every engine joined {body.group_name!r}: {failed}")
+    return {"group_name": body.group_name, "world_size": world_size, "engines": results}

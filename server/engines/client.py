@@ -184,6 +184,28 @@ class EngineClient:
         body = {"model_path": model_path, "weight_version": version, "flush_cache": True}
         return await self._post("/update_weights_from_disk", body, WEIGHTS_TIMEOUT)
 
+    async def init_weights_update_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._post("/init_weights_update_group", body, WEIGHTS_TIMEOUT)
+
+    async def update_weights_from_distributed(
+        self, body: dict[str, Any], version: str
+    ) -> dict[str, Any]:
+        """Receive a broadcast inside a weight-update session (0.5.23 needs one; older builds
+        answer 404 to the session calls and load directly)."""
+        try:
+            await self._post("/begin_weight_update", {"selector": "all"}, CONTROL_TIMEOUT)
+            in_session = True
+        except EngineRejected as exc:
+            if exc.status != 404:
+                raise
+            in_session = False
+        try:
+            body = {**body, "weight_version": version, "flush_cache": True}
+            return await self._post("/update_weights_from_distributed", body, WEIGHTS_TIMEOUT)
+        finally:
+            if in_session:
+                await self._post("/end_weight_update", {}, CONTROL_TIMEOUT)
+
     async def update_weight_version(self, version: str) -> None:
         body = {"new_version": version, "abort_all_requests": False}
         await self._post("/update_weight_version", body, CONTROL_TIMEOUT)

@@ -6,14 +6,19 @@ from fastapi import APIRouter
 
 from server import weights
 from server.deps import AdminDep, Ctx
-from server.schemas import WeightsIn, WeightsOut
+from server.schemas import WeightGroupIn, WeightsIn, WeightsOut
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
 
 @router.post("/weights", response_model=WeightsOut, summary="Swap new weights into every engine")
 async def publish_weights(body: WeightsIn, ctx: Ctx, _: AdminDep) -> WeightsOut:
-    return await weights.publish(ctx, body.run_id, body.model_path, body.version)
+    return await weights.publish(ctx, body)
+
+
+@router.post("/weights/group", summary="Have every engine join the trainer's weight group")
+async def weight_group(body: WeightGroupIn, ctx: Ctx, _: AdminDep) -> dict:
+    return await weights.form_group(ctx, body)
 
 
 @router.get("/engines", summary="Each engine's URL, health, load and served version")

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Query
 
 from server import auth, sessions
-from server.deps import CallerDep, Ctx, KeyedDep
+from server.deps import AdminDep, CallerDep, Ctx, KeyedDep
 from server.errors import Forbidden, Unauthorized
-from server.schemas import RewardIn, RewardOut, SessionCreate, SessionCreated, SessionOut
+from server.schemas import (
+    RewardIn,
+    RewardOut,
+    SessionCreate,
+    SessionCreated,
+    SessionOut,
+    SessionStatus,
+    SessionSummary,
+)
 
 router = APIRouter(prefix="/rl/sessions", tags=["sessions"])
 
@@ -21,6 +31,19 @@ async def create_session(body: SessionCreate, ctx: Ctx, caller: CallerDep) -> Se
     run_id = body.run_id or caller.run_id or ctx.default_run_id
     auth.require_run_access(caller, run_id)
     return await sessions.create_session(ctx, run_id, body.task_id, body.group_id, body.metadata)
+
+
+@router.get("", response_model=list[SessionSummary], summary="List sessions, newest first")
+async def list_sessions(
+    ctx: Ctx,
+    _: AdminDep,
+    run_id: str | None = None,
+    status: SessionStatus | None = None,
+    task_id: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> list[SessionSummary]:
+    return await sessions.list_sessions(ctx, run_id, status, task_id, limit, offset)
 
 
 @router.get("/{session_id}", response_model=SessionOut, summary="A session, its turns and rows")

@@ -1,0 +1,336 @@
+"""Packing, balancing, minibatches, packed tensors and shifted logprobs.
+
+Numerics: float64 logprobs agree with a per-row float64 reference to 1e-12; float32 to 1e-5;
+bfloat16 logits (upcast inside) agree with float64 on the same bfloat16 values to 1e-5.
+Planning: budgets exact; balance within the LPT bound (4/3 - 1/(3m)) of a brute-force optimum;
+pack within first-fit decreasing's bound 11/9 OPT + 6/9 of a brute-force optimum.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from trainer.batching import balance, minibatches, pack, packed, padded, shift_logprobs
+
+TOL64 = 1e-12
+
+
+def assert_partition(groups: list[list[int]], n: int) -> None:
+    flat = [i for group in groups for i in group]
+    assert sorted(flat) == list(range(n))
+
+
+# --- pack ---------------------------------------------------------------------------------
+
+
+def test_pack_by_hand():
+    # decreasing: 6 (row 1), 5 (row 3), 4 (row 0), 3 (row 2), 2 (row 4); budget 10
+    assert pack([4, 6, 3, 5, 2], 10) == [[0, 1], [2, 3, 4]]
+
+
+def set_partitions(n: int):
+    """Every way to split rows 0..n-1 into unlabelled groups (Bell(n) of them)."""
+    if n == 0:
+        yield []
+        return
+    for partition in set_partitions(n - 1):
+        for g in range(len(partition)):
+            yield [*partition[:g], [*partition[g], n - 1], *partition[g + 1 :]]
+        yield [*partition, [n - 1]]
+
+
+def brute_force_bins(lengths: list[int], budget: int) -> int:
+    """Fewest micro-batches over every partition of the rows (small cases only)."""
+    return min(
+        len(p)
+        for p in set_partitions(len(lengths))
+        if all(sum(lengths[i] for i in g) <= budget for g in p)
+    )
+
+
+def test_pack_invariants_and_quality_on_random_cases():
+    rng = random.Random(0)
+    for _ in range(150):
+        budget = rng.randint(8, 40)
+        n = rng.randint(0, 7)
+        lengths = [rng.randint(1, budget) for _ in range(n)]
+        groups = pack(lengths, budget)
+        assert_partition(groups, n)
+        loads = [sum(lengths[i] for i in g) for g in groups]
+        assert all(0 < load <= budget for load in loads)
+        assert all(g == sorted(g) for g in groups)
+        # first fit: a later micro-batch's rows never fit into an earlier one's room
+        assert all(
+            loads[a] + loads[b] > budget for a, b in itertools.combinations(range(len(loads)), 2)
+        )
+        if n:
+            assert len(groups) <= 11 / 9 * brute_force_bins(lengths, budget) + 6 / 9
+
+
+def test_pack_is_deterministic_and_breaks_ties_by_index():
+    lengths = [3, 3, 3, 3, 3]
+    assert pack(lengths, 6) == [[0, 1], [2, 3], [4]]
+    assert pack(lengths, 6) == pack(list(lengths), 6)
+
+
+def test_pack_of_nothing_is_nothing():
+    assert pack([], 10) == []
+
+
+def test_a_row_over_the_budget_is_refused_with_a_fix():
+    with pytest.raises(ValueError, match=r"row 1 has 11 tokens.*budget of 10.*raise"):
+        pack([3, 11], 10)
+
+
+@pytest.mark.parametrize(("lengths", "budget"), [([1], 0), ([0, 2], 4)])
+def test_pack_refuses_bad_input(lengths, budget):
+    with pytest.raises(ValueError):
+        pack(lengths, budget)
+
+
+# --- balance ------------------------------------------------------------------------------
+
+
+def test_balance_by_hand():
+    # largest first to the lightest: 7->p0, 5->p1, 4->p1 (5 < 7), 3->p0 (7 < 9), 1->p1 (9 < 10)
+    assert balance([5, 7, 1, 4, 3], 2) == [[1, 4], [0, 2, 3]]
+
+
+def brute_force_makespan(lengths: list[int], parts: int) -> int:
+    """Smallest possible largest part over every partition into at most ``parts`` groups."""
+    return min(
+        max(sum(lengths[i] for i in g) for g in p)
+        for p in set_partitions(len(lengths))
+        if len(p) <= parts
+    )
+
+
+def test_balance_invariants_and_quality_on_random_cases():
+    rng = random.Random(1)
+    for _ in range(150):
+        parts = rng.randint(1, 4)
+        n = rng.randint(0, 8)
+        lengths = [rng.randint(1, 50) for _ in range(n)]
+        shares = balance(lengths, parts)
+        assert len(shares) == parts
+        assert_partition(shares, n)
+        assert sum(1 for s in shares if not s) == max(0, parts - n)
+        if n:
+            largest = max(sum(lengths[i] for i in s) for s in shares)
+            optimum = brute_force_makespan(lengths, parts)
+            assert largest <= (4 / 3 - 1 / (3 * parts)) * optimum + 1e-9
+
+
+def test_balance_equal_rows_spread_evenly():
+    shares = balance([10] * 10, 4)
+    assert sorted(len(s) for s in shares) == [2, 2, 3, 3]
+
+
+def test_balance_is_deterministic():
+    lengths = [random.Random(2).randint(1, 30) for _ in range(40)]
+    assert balance(lengths, 3) == balance(list(lengths), 3)
+
+
+def test_balance_refuses_no_parts():
+    with pytest.raises(ValueError, match="parts"):
+        balance([1, 2], 0)
+
+
+# --- minibatches --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n_rows", "count", "expected"),
+    [
+        (7, 3, [[0, 1, 2], [3, 4], [5, 6]]),
+        (6, 3, [[0, 1], [2, 3], [4, 5]]),
+        (2, 5, [[0], [1]]),
+        (4, 1, [[0, 1, 2, 3]]),
+        (0, 2, []),
+    ],
+)
+def test_minibatches(n_rows, count, expected):
+    assert minibatches(n_rows, count) == expected
+
+
+def test_minibatches_are_contiguous_and_nearly_equal():
+    for n_rows in range(0, 30):
+        for count in range(1, 8):
+            runs = minibatches(n_rows, count)
+            assert [i for run in runs for i in run] == list(range(n_rows))
+            assert len(runs) == min(count, n_rows)
+            sizes = [len(run) for run in runs]
+            assert not sizes or max(sizes) - min(sizes) <= 1
+
+
+def test_minibatches_refuse_a_zero_count():
+    with pytest.raises(ValueError, match="count"):
+        minibatches(4, 0)
+
+
+# --- packed / padded ----------------------------------------------------------------------
+
+
+def test_packed_concatenates_rows_and_fields():
+    batch = packed(
+        [[5, 6, 7], [8], [9, 10]],
+        logprobs=[[0.0, -0.5, -1.5], [0.0], [0.0, -2.0]],
+        loss_mask=[[0, 1, 1], [0], [0, 1]],
+    )
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9, 10]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 0, 0, 1]]
+    assert batch.sequence_ids.tolist() == [0, 0, 0, 1, 2, 2]
+    assert batch.cu_seqlens.tolist() == [0, 3, 4, 6]
+    assert batch.cu_seqlens.dtype == torch.int32
+    assert batch.input_ids.dtype == batch.position_ids.dtype == torch.long
+    assert batch["logprobs"].tolist() == [0.0, -0.5, -1.5, 0.0, 0.0, -2.0]
+    assert batch["logprobs"].dtype == torch.float32
+    assert batch["loss_mask"].dtype == torch.long
+    assert (batch.num_tokens, batch.num_rows, batch.lengths) == (6, 3, [3, 1, 2])
+
+
+def test_packed_keeps_tensor_dtypes():
+    rows = [[1, 2], [3]]
+    values = [
+        torch.tensor([0.5, 0.25], dtype=torch.float64),
+        torch.tensor([1.0], dtype=torch.float64),
+    ]
+    assert packed(rows, advantages=values)["advantages"].dtype == torch.float64
+
+
+def test_packed_refuses_misaligned_fields():
+    with pytest.raises(ValueError, match=r"loss_mask\[1\] has shape \(1,\), expected \(2,\)"):
+        packed([[1, 2], [3, 4]], loss_mask=[[0, 1], [0]])
+    with pytest.raises(ValueError, match="loss_mask has 1 rows, expected 2"):
+        packed([[1, 2], [3, 4]], loss_mask=[[0, 1]])
+
+
+def test_packed_refuses_empty_input():
+    with pytest.raises(ValueError, match="no rows"):
+        packed([])
+    with pytest.raises(ValueError, match="row 1 has length 0"):
+        packed([[1], []])
+
+
+def test_padded_right_pads_with_a_mask():
+    batch = padded([[5, 6, 7], [8], [9, 10]], pad_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7], [8, 0, 0], [9, 10, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
+
+
+# --- shift_logprobs -----------------------------------------------------------------------
+
+VOCAB = 17
+ROWS = [[3, 1, 4, 1, 5], [9], [2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2]]
+
+
+def row_reference(logits_per_row: list[torch.Tensor], rows: list[list[int]]) -> torch.Tensor:
+    """Each row alone, the ordinary way: log_softmax(logits[:-1]) at the next token, 0 first."""
+    out = []
+    for logits, row in zip(logits_per_row, rows, strict=True):
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        targets = torch.tensor(row[1:])
+        out.append(
+            torch.cat(
+                [torch.zeros(1, dtype=torch.float64), logp[:-1].gather(-1, targets[:, None])[:, 0]]
+            )
+        )
+    return torch.cat(out)
+
+
+def random_logits(rows, dtype=torch.float64, seed=0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(len(r), VOCAB, generator=g, dtype=torch.float64) * 3).to(dtype) for r in rows
+    ]
+
+
+def test_shift_logprobs_matches_a_per_row_reference_in_float64():
+    batch = packed(ROWS)
+    per_row = random_logits(ROWS)
+    out = shift_logprobs(torch.cat(per_row), batch.input_ids[0], batch.cu_seqlens)
+    assert out.dtype == torch.float64
+    assert torch.allclose(out, row_reference(per_row, ROWS), rtol=0, atol=TOL64)
+    assert out[batch.cu_seqlens[:-1].long()].tolist() == [0.0] * len(ROWS)
+
+
+def test_shift_logprobs_in_float32_and_bfloat16():
+    batch = packed(ROWS)
+    for dtype in (torch.float32, torch.bfloat16):
+        per_row = random_logits(ROWS, dtype=dtype, seed=1)
+        out = shift_logprobs(torch.cat(per_row), batch.input_ids[0], batch.cu_seqlens)
+        assert out.dtype == torch.float32
+        assert torch.allclose(out.double(), row_reference(per_row, ROWS), rtol=0, atol=1e-5)
+
+
+def test_shift_logprobs_accepts_log_softmax_values():
+    batch = packed(ROWS)
+    logits = torch.cat(random_logits(ROWS, seed=2))
+    from_logits = shift_logprobs(logits, batch.input_ids[0], batch.cu_seqlens)
+    from_logp = shift_logprobs(torch.log_softmax(logits, -1), batch.input_ids[0], batch.cu_seqlens)
+    assert torch.allclose(from_logits, from_logp, rtol=0, atol=TOL64)
+
+
+def test_shift_logprobs_never_reads_across_rows():
+    batch = packed(ROWS)
+    logits = torch.cat(random_logits(ROWS, seed=3)).requires_grad_(True)
+    out = shift_logprobs(logits, batch.input_ids[0], batch.cu_seqlens)
+    out.sum().backward()
+    row_ends = (batch.cu_seqlens[1:] - 1).long()
+    # the last logits of a row predict past it: no value depends on them, no gradient reaches them
+    assert logits.grad[row_ends].abs().sum().item() == 0.0
+    poisoned = logits.detach().clone()
+    poisoned[row_ends] = float("nan")
+    again = shift_logprobs(poisoned, batch.input_ids[0], batch.cu_seqlens)
+    assert torch.equal(again, out.detach())
+
+
+def test_shift_logprobs_gradient_matches_the_per_row_reference():
+    batch = packed(ROWS)
+    per_row = [t.requires_grad_(True) for t in random_logits(ROWS, seed=4)]
+    weights = torch.randn(
+        batch.num_tokens, generator=torch.Generator().manual_seed(5), dtype=torch.float64
+    )
+    (row_reference(per_row, ROWS) * weights).sum().backward()
+    expected = torch.cat([t.grad for t in per_row])
+    logits = torch.cat([t.detach() for t in per_row]).requires_grad_(True)
+    (shift_logprobs(logits, batch.input_ids[0], batch.cu_seqlens) * weights).sum().backward()
+    assert torch.allclose(logits.grad, expected, rtol=0, atol=TOL64)
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding + Linear: each position's logits depend on its own token only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(6)
+        self.embed = torch.nn.Embedding(VOCAB, 8, dtype=torch.float64)
+        self.head = torch.nn.Linear(8, VOCAB, dtype=torch.float64)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(input_ids))
+
+
+def test_packed_forward_of_a_tiny_model_matches_unpacked_rows():
+    model = TinyLM()
+    batch = packed(ROWS)
+    logits = model(batch.input_ids)[0]
+    out = shift_logprobs(logits, batch.input_ids[0], batch.cu_seqlens)
+    unpacked = [model(torch.tensor(row)[None])[0] for row in ROWS]
+    assert torch.allclose(out, row_reference(unpacked, ROWS), rtol=0, atol=TOL64)
+
+
+def test_shift_logprobs_refuses_mismatched_shapes():
+    batch = packed(ROWS)
+    logits = torch.cat(random_logits(ROWS))
+    with pytest.raises(ValueError, match=r"logits \[T, V\]"):
+        shift_logprobs(logits[None], batch.input_ids, batch.cu_seqlens)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        shift_logprobs(logits, batch.input_ids[0], batch.cu_seqlens[:-1])

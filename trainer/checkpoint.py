@@ -1,0 +1,83 @@
+"""What a restarted trainer needs to go on exactly where the last checkpoint left off.
+
+A checkpoint is a directory ``checkpoints/step-NNNNNN`` holding the workers' model and optimizer
+(``train_state.pt``, written by the workers) and ``trainer.json``: the step, the policy version,
+the running baseline, and the claims whose sessions the checkpointed weights were trained on.
+
+Claims are confirmed (their sessions marked consumed) only once a checkpoint covers them, and
+every claim is written to a journal (``claims.jsonl``) the moment it is taken. On restart a
+journalled claim that the checkpoint covers is confirmed, and any other one is released, so
+no session is trained twice or skipped across a crash. This module only reads and writes files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class TrainerState:
+    step: int = 0
+    version: int = 0
+    baseline: dict[str, Any] = field(default_factory=dict)
+    covered_claims: list[str] = field(default_factory=list)
+
+
+class Checkpoints:
+    def __init__(self, output_dir: Path, keep: int) -> None:
+        self.root = output_dir / "checkpoints"
+        self.journal = output_dir / "claims.jsonl"
+        self.keep = keep
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step-{step:06d}"
+
+    def latest(self) -> tuple[Path, TrainerState] | None:
+        """The newest complete checkpoint (``trainer.json`` is written last)."""
+        for path in sorted(self.root.glob("step-*"), reverse=True):
+            marker = path / "trainer.json"
+            if marker.exists():
+                return path, TrainerState(**json.loads(marker.read_text()))
+        return None
+
+    def commit(self, path: Path, state: TrainerState) -> None:
+        """Mark the checkpoint at ``path`` complete, then prune older ones."""
+        _write_atomic(path / "trainer.json", json.dumps(asdict(state)))
+        done = [p for p in sorted(self.root.glob("step-*")) if (p / "trainer.json").exists()]
+        for old in done[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        for partial in self.root.glob("step-*"):
+            if not (partial / "trainer.json").exists() and partial != path:
+                shutil.rmtree(partial, ignore_errors=True)
+
+    # ----- the claim journal ----------------------------------------------------------------
+
+    def journal_claim(self, claim_id: str, step: int) -> None:
+        with self.journal.open("a") as f:
+            f.write(json.dumps({"claim_id": claim_id, "step": step}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def journalled(self) -> list[str]:
+        if not self.journal.exists():
+            return []
+        lines = self.journal.read_text().splitlines()
+        return [json.loads(line)["claim_id"] for line in lines if line.strip()]
+
+    def clear_journal(self) -> None:
+        _write_atomic(self.journal, "")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

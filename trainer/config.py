@@ -1,0 +1,375 @@
+"""The trainer's configuration: frozen dataclasses, one YAML file, dotted ``key=value`` overrides.
+
+Every field carries its help text in ``metadata["help"]``; ``describe()`` turns them into the
+``proxrl train --help`` listing. ``load_config`` refuses unknown keys, values of the wrong type
+and contradictory combinations at start, naming the field. This module knows nothing about
+Ray, torch or the server; it only parses and checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type, or contradicts another."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field_name = field_name
+
+
+def option(default: Any, help: str, **kwargs: Any) -> Any:
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        factory = default if callable(default) else (lambda d=default: type(d)(d))
+        return field(default_factory=factory, metadata={"help": help, **kwargs})
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "running"] = option(
+        "grpo",
+        "Advantage estimator: grpo (group mean/std), dr_grpo (group mean), rloo (leave one "
+        "out), reinforce_pp (batch mean/std) or running (per-task running baseline, for "
+        "online sessions without groups).",
+    )
+    group_size: int = option(
+        1,
+        "Sessions per GRPO group: a group is trained only once this many of its sessions are "
+        "trainable (1: no waiting). Sent to the server's run config.",
+    )
+    discount: float = option(
+        1.0, "Discount between turns of a multi-turn session (per-turn rewards), in [0, 1]."
+    )
+    baseline_momentum: float = option(
+        0.9, "Momentum of the per-task running baseline (advantage=running), in [0, 1)."
+    )
+    decoupled: bool = option(
+        True,
+        "Decoupled PPO: clip against the recomputed proximal policy and weight by "
+        "pi_prox / pi_behav. false: plain PPO, the behaviour policy is the proximal one.",
+    )
+    eps_clip: float = option(0.2, "PPO clip range below 1 (and above 1 unless eps_clip_high).")
+    eps_clip_high: float | None = option(
+        None, "PPO clip range above 1 (clip-higher); default: eps_clip."
+    )
+    dual_clip: float | None = option(
+        None, "Dual-clip constant c > 1 for negative advantages; default: off."
+    )
+    behaviour_cap: float | None = option(
+        5.0, "Cap on the behaviour importance weight pi_prox / pi_behav; null: no cap."
+    )
+    behaviour_mode: Literal["truncate", "token_mask", "sequence_mask"] = option(
+        "token_mask",
+        "What the cap does: truncate the weight, or mask the token / the whole sequence.",
+    )
+    kl_coef: float = option(0.0, "Weight of the k3 KL to the initial (reference) policy.")
+    stale: Literal["mask", "drop"] = option(
+        "mask",
+        "Tokens sampled more than max_staleness versions before the trained one: mask them "
+        "out of the loss, or drop the whole session.",
+    )
+    ppo_minibatches: int = option(1, "PPO minibatches (optimizer steps) per training step.")
+    max_tokens_per_microbatch: int = option(
+        4096, "Token budget of one packed (padding-free) micro-batch on a worker."
+    )
+    temperature: float = option(
+        1.0, "Sampling temperature of the served sessions: logits are divided by it."
+    )
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    beta1: float = option(0.9, "AdamW beta1.")
+    beta2: float = option(0.999, "AdamW beta2.")
+    eps: float = option(1e-8, "AdamW epsilon.")
+    grad_clip: float = option(1.0, "Clip the global gradient norm to this (0: off).")
+    warmup_steps: int = option(0, "Linear learning-rate warm-up over this many steps.")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    address: str | None = option(
+        None, "Ray cluster to join (ray.init(address=...)); default: a local Ray on this machine."
+    )
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "auto", "Where workers train: auto picks cuda when Ray gives them a GPU."
+    )
+    cpus_per_worker: float = option(1.0, "CPUs Ray reserves for each worker.")
+    threads_per_worker: int = option(0, "torch threads per worker (0: cpus_per_worker).")
+
+
+@dataclass(frozen=True)
+class PublishConfig:
+    mode: Literal["disk", "distributed"] = option(
+        "disk",
+        "disk: write safetensors and POST /admin/weights; distributed: broadcast the weights "
+        "to the engines over a torch.distributed group (the engines must reach this machine).",
+    )
+    keep_versions: int = option(3, "Weight directories kept on disk (older ones are removed).")
+    timeout_s: float = option(600.0, "Timeout of one publish call to the server.")
+    master_address: str = option(
+        "127.0.0.1", "distributed: address the engines use to reach the trainer's group."
+    )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    server: str = option(
+        "", "URL of a running `proxrl serve` (empty with `model`: start one here)."
+    )
+    admin_key: str = option("", "The server's admin key (default: $PROXRL_ADMIN_KEY).", secret=True)
+    run_id: str | None = option(None, "The run to train (default: the server's default run).")
+    model: str | None = option(
+        None,
+        "The model directory the run serves. With no `server`, proxrl starts `proxrl serve` "
+        "on it for a one-command local run; otherwise it is read from the server.",
+    )
+    output_dir: str = option("train-out", "Weights, checkpoints and logs go here.")
+    batch_size: int = option(8, "Sessions per training step.")
+    max_steps: int = option(100, "Training steps to run (across restarts).")
+    max_staleness: int = option(
+        1,
+        "Versions a sampled token may lag behind the policy it trains (0: synchronous). "
+        "Sent to the server, which admits sessions by the same bound.",
+    )
+    world_size: int = option(1, "FSDP2 workers (Ray actors) that train together.")
+    lr: float = option(1e-5, "Learning rate (AdamW).")
+    seed: int = option(0, "Seed of the workers' random state.")
+    checkpoint_every: int = option(10, "Checkpoint every N steps (and at the end).")
+    keep_checkpoints: int = option(2, "Checkpoints kept on disk.")
+    claim_wait_s: float = option(
+        1.0, "How long to wait between claims while too few sessions are trainable."
+    )
+    claim_lease_s: float = option(
+        1800.0,
+        "How long claimed sessions stay reserved for this trainer. Claims are confirmed at "
+        "each checkpoint, so this must outlast checkpoint_every steps; a crashed trainer's "
+        "claims are released when it restarts, or come back after this long.",
+    )
+    request_timeout_s: float = option(60.0, "Timeout of each call to the server.")
+    log_every: int = option(1, "Print a line every N steps.")
+    algorithm: AlgorithmConfig = field(
+        default_factory=AlgorithmConfig, metadata={"help": "The RL algorithm."}
+    )
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "The optimizer."})
+    cluster: ClusterConfig = field(
+        default_factory=ClusterConfig, metadata={"help": "Where the workers run."}
+    )
+    publish: PublishConfig = field(
+        default_factory=PublishConfig, metadata={"help": "How new weights reach the engines."}
+    )
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+def _positive(value: float, name: str) -> None:
+    if not value > 0:
+        raise ConfigError(name, f"must be > 0, got {value}")
+
+
+def check(config: TrainConfig) -> None:
+    """Ranges and contradictions, each failing with the field it is about."""
+    for name in ("batch_size", "max_steps", "world_size", "checkpoint_every", "log_every"):
+        _positive(getattr(config, name), name)
+    _positive(config.lr, "lr")
+    _positive(config.request_timeout_s, "request_timeout_s")
+    _positive(config.claim_lease_s, "claim_lease_s")
+    if config.max_staleness < 0:
+        raise ConfigError("max_staleness", f"must be >= 0, got {config.max_staleness}")
+    if config.keep_checkpoints < 1:
+        raise ConfigError("keep_checkpoints", "must be >= 1")
+    if config.claim_wait_s < 0:
+        raise ConfigError("claim_wait_s", "must be >= 0")
+    if not config.server and not config.model:
+        raise ConfigError("server", "give the URL of a running server, or `model` to start one")
+    algo = config.algorithm
+    _positive(algo.group_size, "algorithm.group_size")
+    if config.batch_size % algo.group_size:
+        raise ConfigError(
+            "algorithm.group_size",
+            f"batch_size {config.batch_size} must be a multiple of group_size {algo.group_size}",
+        )
+    if not 0 <= algo.discount <= 1:
+        raise ConfigError("algorithm.discount", "must be in [0, 1]")
+    if not 0 <= algo.baseline_momentum < 1:
+        raise ConfigError("algorithm.baseline_momentum", "must be in [0, 1)")
+    _positive(algo.eps_clip, "algorithm.eps_clip")
+    if algo.eps_clip_high is not None:
+        _positive(algo.eps_clip_high, "algorithm.eps_clip_high")
+    if algo.dual_clip is not None and algo.dual_clip <= 1:
+        raise ConfigError("algorithm.dual_clip", "must be > 1 (or null)")
+    if algo.behaviour_cap is not None and algo.behaviour_cap <= 1:
+        raise ConfigError("algorithm.behaviour_cap", "must be > 1 (or null for no cap)")
+    if algo.kl_coef < 0:
+        raise ConfigError("algorithm.kl_coef", "must be >= 0")
+    _positive(algo.ppo_minibatches, "algorithm.ppo_minibatches")
+    if algo.ppo_minibatches > config.batch_size:
+        raise ConfigError("algorithm.ppo_minibatches", "must be <= batch_size")
+    _positive(algo.max_tokens_per_microbatch, "algorithm.max_tokens_per_microbatch")
+    _positive(algo.temperature, "algorithm.temperature")
+    if config.optim.grad_clip < 0:
+        raise ConfigError("optim.grad_clip", "must be >= 0 (0: off)")
+    if config.optim.warmup_steps < 0:
+        raise ConfigError("optim.warmup_steps", "must be >= 0")
+    if config.optim.weight_decay < 0:
+        raise ConfigError("optim.weight_decay", "must be >= 0")
+    _positive(config.cluster.cpus_per_worker, "cluster.cpus_per_worker")
+    if config.cluster.threads_per_worker < 0:
+        raise ConfigError("cluster.threads_per_worker", "must be >= 0")
+    if config.publish.keep_versions < 1:
+        raise ConfigError("publish.keep_versions", "must be >= 1")
+    _positive(config.publish.timeout_s, "publish.timeout_s")
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+def _nested_class(hint: Any) -> type | None:
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """``value`` checked against the type ``hint`` (ints widen to floats, nothing else)."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            allowed = ", ".join(repr(a) for a in typing.get_args(hint))
+            raise ConfigError(name, f"must be one of {allowed}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, name)
+            except ConfigError:
+                continue
+        raise ConfigError(name, f"got {value!r}, which is none of the allowed types")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(name, f"must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(name, f"must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as text
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(name, f"must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(name, f"must be a string, got {value!r}")
+        return value
+    raise ConfigError(name, f"unsupported type {hint!r}")  # a bug in this module
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(name, f"unknown option (known here: {known})")
+        nested = _nested_class(hints[key])
+        if nested is not None:
+            if not isinstance(value, dict):
+                raise ConfigError(name, "must be a mapping of its fields")
+            kwargs[key] = _build(nested, value, f"{name}.")
+        else:
+            kwargs[key] = _coerce(value, hints[key], name)
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` → (["a", "b"], value parsed as YAML: 3, 0.1, true, null, text)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(text, "an override is key=value, e.g. algorithm.eps_clip=0.3")
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def merge_override(values: dict[str, Any], path: list[str], value: Any) -> None:
+    target = values
+    for part in path[:-1]:
+        existing = target.setdefault(part, {})
+        if not isinstance(existing, dict):
+            raise ConfigError(".".join(path), f"{part} is not a group of options")
+        target = existing
+    target[path[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The config from an optional YAML file, then each ``key=value`` in order."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(str(path), "the YAML file must be a mapping of options")
+        values = loaded
+    for text in overrides:
+        merge_override(values, *parse_override(text))
+    values.setdefault("admin_key", os.environ.get("PROXRL_ADMIN_KEY", ""))
+    return _build(TrainConfig, values)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config as plain data (secrets masked), for logs and checkpoints."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = to_dict(value)
+        else:
+            out[f.name] = "***" if f.metadata.get("secret") and value else value
+    return out
+
+
+def describe(cls: type = TrainConfig, prefix: str = "") -> list[str]:
+    """One line per field: dotted name, type, default, help."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        nested = _nested_class(hints[f.name])
+        if nested is not None:
+            lines.append(f"{prefix}{f.name}.*: {f.metadata['help']}")
+            lines += describe(nested, f"{prefix}{f.name}.")
+            continue
+        default = "" if f.metadata.get("secret") else f"={_show(f.default)}"
+        kind = _type_name(hints[f.name])
+        lines.append(f"  {prefix}{f.name} ({kind}{default}): {f.metadata['help']}")
+    return lines
+
+
+def _show(value: Any) -> str:
+    return (
+        "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    )
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "|".join(str(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint) if a is not type(None))
+    return getattr(hint, "__name__", str(hint))

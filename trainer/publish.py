@@ -1,0 +1,98 @@
+"""Getting a new policy version into the engines while they serve.
+
+``disk``: the workers write the weights as a Hugging Face directory (safetensors) and the
+server swaps them in (``POST /admin/weights``: pause, load, continue). ``distributed``: the
+trainer's rank 0 joins a torch.distributed group with every engine (through the server's
+``POST /admin/weights/group``) and broadcasts the weights into them while the server holds the
+engines paused (``POST /admin/weights`` with ``distributed``). Either way the server bumps the
+run's ``policy_version``; this module knows nothing about training.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from trainer.cluster import WorkerGroup
+from trainer.config import TrainConfig
+from trainer.server_api import ServerAPI
+
+log = logging.getLogger(__name__)
+
+GROUP_NAME = "proxrl_weights"
+
+
+class Publisher:
+    def __init__(
+        self,
+        config: TrainConfig,
+        server: ServerAPI,
+        run_id: str,
+        workers: WorkerGroup,
+        output_dir: Path,
+    ) -> None:
+        self.config = config.publish
+        self.server = server
+        self.run_id = run_id
+        self.workers = workers
+        self.weights_dir = output_dir / "weights"
+        self.metadata: dict | None = None
+
+    def publish(self, version: int) -> float:
+        """Serve the workers' current weights as ``version``; returns the seconds it took."""
+        started = time.perf_counter()
+        if self.config.mode == "disk":
+            self._publish_disk(version)
+        else:
+            self._publish_distributed(version)
+        return time.perf_counter() - started
+
+    def _publish_disk(self, version: int) -> None:
+        path = self.weights_dir / f"v{version:06d}"
+        self.workers.call("save_weights", str(path))
+        self.server.publish(self.run_id, str(path.resolve()), version, self.config.timeout_s)
+        versions = sorted(self.weights_dir.glob("v*"))
+        for old in versions[: -self.config.keep_versions]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _publish_distributed(self, version: int) -> None:
+        import ray
+
+        if self.metadata is None:
+            self._form_group()
+        assert self.metadata is not None
+        sending = self.workers.start("broadcast_weights")
+        self.server.publish_distributed(
+            self.run_id, version, self.metadata, GROUP_NAME, self.config.timeout_s
+        )
+        ray.get(sending, timeout=self.config.timeout_s)
+
+    def _form_group(self) -> None:
+        """Rank 0 and every engine form one group; the server tells the engines to join."""
+        import ray
+
+        engines = [e for e in self.server.engines() if e["healthy"]]
+        if not engines:
+            raise RuntimeError("no healthy engine to form a weight group with")
+        address = self.config.master_address
+        port = _free_port(address)
+        joining = self.workers.start(
+            "join_weight_group", address, port, len(engines) + 1, GROUP_NAME
+        )
+        backend = "nccl" if self.workers.info.get("device", "cpu").startswith("cuda") else "gloo"
+        with ThreadPoolExecutor(1) as pool:  # the rendezvous needs both sides at once
+            asking = pool.submit(self.server.init_weight_group, address, port, GROUP_NAME, backend)
+            ray.get(joining, timeout=self.config.timeout_s)
+            result = asking.result(timeout=self.config.timeout_s)
+        self.metadata = self.workers.call("weight_metadata")[0]
+        log.info("weight group %s formed with %d engine(s): %s", GROUP_NAME, len(engines), result)
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,101 @@
+"""Wire a training run together: the server (attached or started here), Ray, workers, loop.
+
+Everything started here is stopped on the way out, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+
+from trainer.checkpoint import TrainerState
+from trainer.cluster import LocalRay, WorkerGroup
+from trainer.config import TrainConfig
+from trainer.loop import Trainer, describe_start, install_signal_handlers, worker_settings
+from trainer.server_api import ServerAPI
+
+log = logging.getLogger("proxrl.trainer")
+
+
+class LocalServer:
+    """``proxrl serve`` on loopback for a one-command local run, stopped on exit."""
+
+    def __init__(self, model_dir: str, data_dir: Path, timeout_s: float = 300.0) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.admin_key = secrets.token_urlsafe(24)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = data_dir / "server.log"
+        command = [
+            sys.executable, "-m", "server.cli", "serve", "--model", model_dir,
+            "--port", str(port), "--data-dir", str(data_dir), "--log-level", "warning",
+        ]  # fmt: skip
+        env = {**os.environ, "PROXRL_ADMIN_KEY": self.admin_key}
+        self._log = self.log_path.open("w")
+        self.process = subprocess.Popen(
+            command, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        self._wait_ready(timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"proxrl serve exited; see {self.log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"proxrl serve did not start in {timeout_s:.0f}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+def train(config: TrainConfig, stack: ExitStack) -> TrainerState:
+    if not config.server:
+        assert config.model is not None  # checked by the config
+        server = LocalServer(config.model, Path(config.output_dir) / "server")
+        stack.callback(server.stop)
+        log.info("started proxrl serve at %s (admin key %s)", server.url, server.admin_key)
+        config = dataclasses.replace(config, server=server.url, admin_key=server.admin_key)
+    if not config.admin_key:
+        raise SystemExit("proxrl train: no admin key (admin_key=, --admin-key or PROXRL_ADMIN_KEY)")
+    api = ServerAPI(config.server, config.admin_key, config.request_timeout_s)
+    stack.callback(api.close)
+    trainer = Trainer(config, api)
+    stack.enter_context(
+        LocalRay(config.cluster, config.world_size * config.cluster.cpus_per_worker)
+    )
+    workers = WorkerGroup(
+        config.world_size, worker_settings(config, trainer.model_dir), config.cluster
+    )
+    stack.callback(workers.shutdown)
+    log.info(describe_start(config, trainer))
+    trainer.start(workers)
+    install_signal_handlers(trainer)
+    state = trainer.run()
+    log.info("done: step %d, version %d", state.step, state.version)
+    return state

@@ -1,0 +1,117 @@
+"""The trainer's calls to ``proxrl serve``: run config, claims, publishing weights, engines.
+
+Plain REST with the admin key, a timeout on every call, and retries on connection errors and
+5xx for the calls that are safe to repeat. This module knows the server's routes and nothing
+about training.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class ServerAPI:
+    def __init__(self, url: str, admin_key: str, timeout_s: float, retries: int = 5) -> None:
+        self.url = url.rstrip("/")
+        self.retries = retries
+        self.http = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {admin_key}"},
+            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+        )
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _call(self, method: str, path: str, retry: bool = True, **kwargs: Any) -> Any:
+        attempts = self.retries + 1 if retry else 1
+        for attempt in range(attempts):
+            try:
+                response = self.http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                if attempt + 1 == attempts:
+                    raise ServerError(f"{method} {path}: {exc!r}") from exc
+            else:
+                if response.status_code < 500 or attempt + 1 == attempts:
+                    return _result(method, path, response)
+            time.sleep(min(30.0, 0.5 * 2**attempt))
+            log.warning("%s %s failed; retrying (%d/%d)", method, path, attempt + 1, attempts)
+        raise AssertionError("unreachable")
+
+    # ----- runs -------------------------------------------------------------------------------
+
+    def default_run(self) -> dict:
+        for run in self._call("GET", "/rl/runs", params={"limit": 1000}):
+            if run.get("is_default"):
+                return run
+        raise ServerError("the server has no default run; name one with run_id=")
+
+    def run(self, run_id: str) -> dict:
+        return self._call("GET", f"/rl/runs/{run_id}")
+
+    def configure_run(self, run_id: str, config: dict[str, Any]) -> dict:
+        return self._call("PATCH", f"/rl/runs/{run_id}", json={"config": config})
+
+    # ----- claims -----------------------------------------------------------------------------
+
+    def claim(self, run_id: str, max_sessions: int, lease_s: float, group_size: int) -> dict:
+        body = {"max_sessions": max_sessions, "lease_s": lease_s, "group_size": group_size}
+        # Not retried: a claim that reached the server but whose answer was lost comes back
+        # when its lease runs out.
+        return self._call("POST", f"/rl/runs/{run_id}/claims", retry=False, json=body)
+
+    def confirm(self, claim_id: str) -> int:
+        return int(self._call("POST", f"/rl/claims/{claim_id}/confirm")["consumed"])
+
+    def release(self, claim_id: str) -> int:
+        return int(self._call("POST", f"/rl/claims/{claim_id}/release")["released"])
+
+    # ----- weights ----------------------------------------------------------------------------
+
+    def publish(self, run_id: str, model_path: str, version: int, timeout_s: float) -> dict:
+        body = {"run_id": run_id, "model_path": model_path, "version": version}
+        return self._call("POST", "/admin/weights", json=body, timeout=timeout_s)
+
+    def publish_distributed(
+        self, run_id: str, version: int, metadata: dict, group_name: str, timeout_s: float
+    ) -> dict:
+        body = {
+            "run_id": run_id,
+            "version": version,
+            "distributed": {"group_name": group_name, **metadata},
+        }
+        return self._call("POST", "/admin/weights", retry=False, json=body, timeout=timeout_s)
+
+    def init_weight_group(
+        self, master_address: str, master_port: int, group_name: str, backend: str
+    ) -> dict:
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return self._call("POST", "/admin/weights/group", retry=False, json=body)
+
+    def engines(self) -> list[dict]:
+        return self._call("GET", "/admin/engines")
+
+
+def _result(method: str, path: str, response: httpx.Response) -> Any:
+    if response.status_code >= 400:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:500]
+        raise ServerError(f"{method} {path}: HTTP {response.status_code}: {message}")
+    return response.json()

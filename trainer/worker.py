@@ -1,0 +1,402 @@
+"""One FSDP2 training worker: a member of a torch.distributed group, run as a Ray actor.
+
+A worker holds one shard of the model (``fully_shard`` per decoder layer, then the root) and of
+the AdamW state. Every call that touches the model is collective: the driver calls it on all
+workers at once, and gives every worker the same number of micro-batches (``MicroBatch`` may
+be empty; an empty one still runs a forward and backward so the collectives line up).
+
+The worker knows how to turn packed token rows into logprobs and a decoupled-PPO update; it
+knows nothing about sessions, rewards, the server or Ray (``cluster`` wraps it in an actor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from trainer.batching import packed, shift_logprobs
+from trainer.loss import decoupled_ppo_loss
+
+# Files of a model directory that are not weights: copied next to every published version.
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+@dataclass
+class MicroBatch:
+    """Rows packed together on one worker; per-token lists align with ``rows``."""
+
+    rows: list[list[int]] = field(default_factory=list)
+    loss_mask: list[list[int]] = field(default_factory=list)
+    behaviour: list[list[float]] = field(default_factory=list)
+    advantages: list[list[float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    model_dir: str
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    adam_eps: float
+    grad_clip: float
+    warmup_steps: int
+    temperature: float
+    decoupled: bool
+    eps_clip: float
+    eps_clip_high: float | None
+    dual_clip: float | None
+    behaviour_cap: float | None
+    behaviour_mode: str
+    kl_coef: float
+    seed: int
+    device: str  # "auto" | "cpu" | "cuda"
+    threads: int
+
+
+def pick_device(preference: str) -> torch.device:
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def load_sharded_model(model_dir: str, device: torch.device) -> torch.nn.Module:
+    """The Hugging Face model, each decoder layer and then the root wrapped by FSDP2."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    ).to(device)
+    mixed = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        reduce_dtype=torch.float32,
+    )
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mixed)
+    fully_shard(model, mp_policy=mixed)
+    return model
+
+
+class Worker:
+    def __init__(self, rank: int, world_size: int, settings: WorkerSettings) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.settings = settings
+        self.step_count = 0
+
+    # ----- setup ------------------------------------------------------------------------------
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 hosts the group's rendezvous (called on rank 0 only)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_address: str, master_port: int) -> dict[str, Any]:
+        settings = self.settings
+        if settings.threads > 0:
+            torch.set_num_threads(settings.threads)
+        self.device = pick_device(settings.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_address}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        torch.manual_seed(settings.seed)
+        self.model = load_sharded_model(settings.model_dir, self.device)
+        self.reference = None
+        if settings.kl_coef > 0:
+            self.reference = load_sharded_model(settings.model_dir, self.device)
+            self.reference.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=settings.lr,
+            betas=settings.betas,
+            eps=settings.adam_eps,
+            weight_decay=settings.weight_decay,
+        )
+        return {
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "device": str(self.device),
+        }
+
+    # ----- forward ----------------------------------------------------------------------------
+
+    def _forward(self, model: torch.nn.Module, micro: MicroBatch) -> tuple[torch.Tensor, Any]:
+        """Logprob of each packed token given the tokens before it in its row (0 at row starts)."""
+        rows = micro.rows or [[0]]  # an empty micro-batch still runs so collectives line up
+        batch = packed(rows)
+        input_ids = batch.input_ids.to(self.device)
+        logits = model(
+            input_ids=input_ids,
+            position_ids=batch.position_ids.to(self.device),
+            attention_mask=block_causal_mask(batch.sequence_ids.to(self.device)),
+            use_cache=False,
+        ).logits
+        logits = logits[0].float() / self.settings.temperature
+        return shift_logprobs(logits, input_ids[0], batch.cu_seqlens.to(self.device)), batch
+
+    @torch.no_grad()
+    def logprobs(self, micros: list[MicroBatch]) -> list[list[list[float]]]:
+        """Per micro-batch, per row, the current policy's logprob of each token."""
+        out = []
+        for micro in micros:
+            values, batch = self._forward(self.model, micro)
+            out.append(split_rows(values, batch.cu_seqlens, len(micro.rows)))
+        return out
+
+    # ----- the update -------------------------------------------------------------------------
+
+    def train_step(
+        self, minibatches: list[list[MicroBatch]], tokens: list[int]
+    ) -> dict[str, float]:
+        """One training step: proximal logprobs, then one optimizer step per PPO minibatch.
+
+        ``tokens[i]`` is the number of loss tokens in minibatch ``i`` over all workers, so each
+        micro-batch's loss is already a share of the global token mean.
+        """
+        started = time.perf_counter()
+        flat = [micro for minibatch in minibatches for micro in minibatch]
+        proximal = self._proximal(flat)
+        totals: dict[str, float] = {}
+        index = 0
+        for minibatch, count in zip(minibatches, tokens, strict=True):
+            self._set_lr()
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in minibatch:
+                stats = self._backward(micro, proximal[index], max(count, 1))
+                index += 1
+                for key, value in stats.items():
+                    totals[key] = totals.get(key, 0.0) + value
+            norm = self._clip_gradients()
+            totals["grad_norm_sum"] = totals.get("grad_norm_sum", 0.0) + norm
+            self.optimizer.step()
+        self.step_count += 1
+        totals["optimizer_steps"] = float(len(minibatches))
+        totals["seconds"] = time.perf_counter() - started
+        return totals
+
+    def _proximal(self, micros: list[MicroBatch]) -> list[torch.Tensor | None]:
+        """Logprobs under the weights at the start of the step (decoupled PPO's pi_prox)."""
+        if not self.settings.decoupled:
+            return [None] * len(micros)  # plain PPO: the behaviour policy is the proximal one
+        with torch.no_grad():
+            return [self._forward(self.model, micro)[0] for micro in micros]
+
+    def _backward(
+        self, micro: MicroBatch, proximal: torch.Tensor | None, total_tokens: int
+    ) -> dict[str, float]:
+        settings = self.settings
+        logprobs, batch = self._forward(self.model, micro)
+        device = self.device
+        if micro.rows:
+            mask = _flat(micro.loss_mask, torch.float32, device)
+            behaviour = _flat(micro.behaviour, torch.float32, device)
+            advantages = _flat(micro.advantages, torch.float32, device)
+        else:
+            mask = behaviour = advantages = torch.zeros_like(logprobs)
+        if proximal is None:
+            proximal = behaviour
+        reference = None
+        if self.reference is not None:
+            with torch.no_grad():
+                reference = self._forward(self.reference, micro)[0]
+        loss, stats = decoupled_ppo_loss(
+            logprobs,
+            proximal.detach(),
+            behaviour,
+            advantages,
+            mask,
+            total_tokens=total_tokens,
+            eps_clip=settings.eps_clip,
+            eps_clip_high=settings.eps_clip_high,
+            behaviour_cap=settings.behaviour_cap,
+            behaviour_mode=settings.behaviour_mode,  # type: ignore[arg-type]
+            sequence_ids=batch.sequence_ids.to(device),
+            dual_clip=settings.dual_clip,
+            kl_coef=settings.kl_coef,
+            reference_logprobs=reference,
+        )
+        # FSDP2 averages gradients over workers; each worker's loss is a share of the global sum.
+        (loss * self.world_size).backward()
+        out = {key: float(value) for key, value in stats.items()}
+        out["loss_sum"] = float(loss.detach())
+        return out
+
+    def _set_lr(self) -> None:
+        warmup = self.settings.warmup_steps
+        scale = min(1.0, (self.step_count + 1) / warmup) if warmup > 0 else 1.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.settings.lr * scale
+
+    def _clip_gradients(self) -> float:
+        limit = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
+        full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return float(full)
+
+    # ----- weights out ------------------------------------------------------------------------
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights on CPU (collective; complete on rank 0 only)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options)
+
+    def save_weights(self, out_dir: str) -> float:
+        """Write the weights as a Hugging Face directory (collective; rank 0 writes)."""
+        started = time.perf_counter()
+        state = self.full_state()
+        if self.rank == 0:
+            write_model_dir(state, Path(self.settings.model_dir), Path(out_dir), self._tied())
+        dist.barrier()
+        return time.perf_counter() - started
+
+    def weight_metadata(self) -> dict[str, list]:
+        """Names, dtypes and shapes of what ``broadcast_weights`` sends, in order."""
+        names, dtypes, shapes = [], [], []
+        for name, tensor in self.full_state().items():
+            if self._tied() and name == "lm_head.weight":
+                continue
+            names.append(name)
+            dtypes.append(str(tensor.dtype).removeprefix("torch."))
+            shapes.append(list(tensor.shape))
+        return {"names": names, "dtypes": dtypes, "shapes": shapes}
+
+    def _tied(self) -> bool:
+        return bool(getattr(self.model.config, "tie_word_embeddings", False))
+
+    # ----- the distributed weight path ----------------------------------------------------------
+
+    def join_weight_group(
+        self, master_address: str, master_port: int, world_size: int, group_name: str
+    ) -> bool:
+        """Rank 0 joins the engines' weight group as its rank 0 (the broadcast source)."""
+        if self.rank != 0:
+            return False
+        from server.engine.weights import join_group
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.weight_group = join_group(
+            master_address, master_port, 0, world_size, group_name, backend
+        )
+        return True
+
+    def broadcast_weights(self) -> float:
+        """Gather the full weights and broadcast them to the engines (collective)."""
+        started = time.perf_counter()
+        state = self.full_state()
+        if self.rank == 0:
+            for name, tensor in state.items():
+                if self._tied() and name == "lm_head.weight":
+                    continue
+                dist.broadcast(tensor.to(self.device), group=self.weight_group, group_src=0)
+        dist.barrier()
+        return time.perf_counter() - started
+
+    # ----- checkpoints --------------------------------------------------------------------------
+
+    def save_checkpoint(self, out_dir: str) -> None:
+        """Model and optimizer as full state dicts in ``out_dir`` (collective; rank 0 writes)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
+        if self.rank == 0:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            torch.save(
+                {"model": model_state, "optimizer": optim_state, "step_count": self.step_count},
+                out / "train_state.pt",
+            )
+        dist.barrier()
+
+    def load_checkpoint(self, in_dir: str) -> int:
+        """Restore model and optimizer from ``save_checkpoint``'s files (collective)."""
+        state: dict[str, Any] = {"model": {}, "optimizer": {}, "step_count": 0}
+        if self.rank == 0:
+            state = torch.load(Path(in_dir) / "train_state.pt", weights_only=True)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=options,
+        )
+        counts = [state["step_count"]]
+        dist.broadcast_object_list(counts, src=0)
+        self.step_count = int(counts[0])
+        return self.step_count
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def block_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
+    """[1, 1, T, T] bool: each token sees the earlier tokens of its own row only.
+
+    transformers 5 infers packed rows from ``position_ids`` only when it builds no KV cache
+    (measured: with the model's default ``use_cache`` rows attend across boundaries, logits off
+    by 1.45), so the mask says it explicitly. Correct with sdpa; eager misreads bool masks.
+    """
+    same_row = sequence_ids[:, None] == sequence_ids[None, :]
+    return (same_row & torch.ones_like(same_row).tril())[None, None]
+
+
+def _flat(rows: list[list[Any]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor([value for row in rows for value in row], dtype=dtype, device=device)
+
+
+def split_rows(values: torch.Tensor, cu_seqlens: torch.Tensor, count: int) -> list[list[float]]:
+    bounds = cu_seqlens.tolist()
+    flat = values.tolist()
+    return [flat[bounds[i] : bounds[i + 1]] for i in range(count)]
+
+
+def write_model_dir(state: dict[str, torch.Tensor], base: Path, out: Path, tied: bool) -> None:
+    """A Hugging Face model directory: the base model's config and tokenizer, new safetensors."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {
+        name: tensor.contiguous()
+        for name, tensor in state.items()
+        if not (tied and name == "lm_head.weight")
+    }
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    for name in MODEL_FILES:
+        if (base / name).exists():
+            shutil.copy2(base / name, tmp / name)
+    (tmp / "proxrl.json").write_text(json.dumps({"base_model": str(base)}))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)  # readers never see a half-written directory
