@@ -74,10 +74,12 @@ class WorkerGroup:
         gpus = 1 if config.device == "cuda" else 0
         if config.device == "auto" and ray.cluster_resources().get("GPU", 0) >= world_size:
             gpus = 1
-        actor = ray.remote(num_cpus=config.cpus_per_worker, num_gpus=gpus)(Worker)
+        actor: Any = ray.remote(num_cpus=config.cpus_per_worker, num_gpus=gpus)(Worker)
         threads = settings.threads or max(1, int(config.cpus_per_worker))
         settings = WorkerSettings(**{**settings.__dict__, "threads": threads})
-        self.workers = [actor.remote(rank, world_size, settings) for rank in range(world_size)]
+        self.workers: list[Any] = [
+            actor.remote(rank, world_size, settings) for rank in range(world_size)
+        ]
         address, port = ray.get(self.workers[0].address.remote())
         self.info = self.call("setup", address, port)[0]
         log.info("%d worker(s) ready: %s", world_size, self.info)

@@ -45,7 +45,7 @@ def plan_step(
             rows = [chosen[i] for i in share]
             groups = pack([len(r.input_ids) for r in rows], max_tokens) if rows else []
             packed_shares.append([micro_batch([rows[i] for i in group]) for group in groups])
-        depth = max(1, max(len(share) for share in packed_shares))
-        for rank, share in enumerate(packed_shares):
-            per_rank[rank].append(share + [MicroBatch() for _ in range(depth - len(share))])
+        depth = max(1, max(len(micros) for micros in packed_shares))
+        for rank, micros in enumerate(packed_shares):
+            per_rank[rank].append(micros + [MicroBatch() for _ in range(depth - len(micros))])
     return StepPlan(per_rank=per_rank, tokens=tokens)

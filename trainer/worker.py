@@ -88,9 +88,10 @@ def load_sharded_model(model_dir: str, device: torch.device) -> torch.nn.Module:
     """The Hugging Face model, each decoder layer and then the root wrapped by FSDP2."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="sdpa"
-    ).to(device)
+    )
+    model = model.to(device)
     mixed = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
         reduce_dtype=torch.float32,
@@ -268,7 +269,7 @@ class Worker:
 
     # ----- weights out ------------------------------------------------------------------------
 
-    def full_state(self) -> dict[str, torch.Tensor]:
+    def full_state(self) -> dict[str, Any]:
         """The whole model's weights on CPU (collective; complete on rank 0 only)."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
