@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> None:
-    args = parser().parse_args(argv)
+    args = parser().parse_intermixed_args(argv)  # key=value may come before or after flags
     overrides = list(args.overrides)
     for flag, key in (
         (args.server, "server"),
