@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from client_sdk import Client
 from tests.support import ROOT, ProxyProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 BATCH = 4
 

@@ -20,7 +20,7 @@ import torch
 from client_sdk import Client
 from tests.support import ROOT, ProxyProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def start_trainer(out: Path, *args: str) -> tuple[subprocess.Popen, Path]:
