@@ -12,6 +12,7 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,9 @@ class Trainer:
     def run(self) -> TrainerState:
         config = self.config
         progress = Progress(config.max_steps, self.state.step, self.output / "metrics.jsonl")
+        progress.report = lambda record: self.server.post_step(
+            self.run_id, record["step"], record["version"], record
+        )
         while self.state.step < config.max_steps and not self.stopping:
             claimed = self.claim()  # 1. a batch of trainable sessions, exactly once
             if claimed is None:
@@ -230,6 +234,7 @@ class Progress:
         self.first_step = first_step
         self.started = time.monotonic()
         self.path = path
+        self.report: Callable[[dict[str, Any]], None] | None = None
 
     def step(
         self, state: TrainerState, batch: Batch, stats: dict[str, float], publish_s: float
@@ -251,6 +256,7 @@ class Progress:
             "stale_tokens": batch.stale_tokens,
             "staleness_mean": _mean(batch.staleness),
             "staleness_max": max(batch.staleness, default=0),
+            "staleness_histogram": _histogram(batch.staleness),
             "loss": stats.get("loss_sum", 0.0) / max(stats.get("optimizer_steps", 1.0), 1.0),
             "clip_fraction": stats.get("clipped_tokens", 0.0) / tokens_all,
             "behaviour_masked_fraction": stats.get("behaviour_masked_tokens", 0.0) / tokens_all,
@@ -262,6 +268,8 @@ class Progress:
         }
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.report is not None:
+            self.report(record)
         log.info(
             "step %d/%d · v%d · reward %.3f · %d sessions, %d tokens (%.0f tok/s) · "
             "staleness %.2f (max %d) · clip %.3f · train %.1fs, publish %.2fs · ETA %s",
@@ -279,6 +287,14 @@ class Progress:
             publish_s,
             _duration(eta),
         )
+
+
+def _histogram(values: list[int]) -> list[int]:
+    """Counts of 0, 1, 2, ... (versions behind)."""
+    counts = [0] * (max(values, default=-1) + 1)
+    for value in values:
+        counts[value] += 1
+    return counts
 
 
 def _mean(values: list[float] | list[int]) -> float:

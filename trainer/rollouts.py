@@ -104,7 +104,7 @@ def build_batch(
                     row.loss_mask[i] = 0
                     stale_tokens += 1
                 else:
-                    staleness.append(policy_version - version)
+                    staleness.append(max(0, policy_version - version))
             if row.loss_tokens:
                 samples.append(row)
     return Batch(

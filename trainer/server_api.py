@@ -62,6 +62,14 @@ class ServerAPI:
     def configure_run(self, run_id: str, config: dict[str, Any]) -> dict:
         return self._call("PATCH", f"/rl/runs/{run_id}", json={"config": config})
 
+    def post_step(self, run_id: str, step: int, version: int, metrics: dict[str, Any]) -> None:
+        """The step's figures, for the dashboard (best effort: the trainer goes on without)."""
+        body = {"step": step, "version": version, "metrics": metrics}
+        try:
+            self._call("POST", f"/rl/runs/{run_id}/steps", retry=False, json=body)
+        except ServerError as exc:
+            log.warning("could not record step %d on the server: %s", step, exc)
+
     # ----- claims -----------------------------------------------------------------------------
 
     def claim(self, run_id: str, max_sessions: int, lease_s: float, group_size: int) -> dict:
