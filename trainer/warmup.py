@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -78,12 +77,10 @@ def _batch(
 
 
 def _learning_rate(step: int, steps: int, peak: float) -> float:
-    """Linear warm-up over the first 5% of steps, then cosine decay to a tenth of the peak."""
-    warmup = max(1, steps // 20)
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+    """Linear warm-up over the first 5% of steps (at most 20), then constant: the warm-up is
+    meant to stop part-way through learning, so ``steps`` alone says how far it gets."""
+    warmup = min(20, max(1, steps // 20))
+    return peak * min(1.0, (step + 1) / warmup)
 
 
 def warm_start(
@@ -262,10 +259,15 @@ def cached_warm_start(
         warm_start(staging, examples, **settings, threads=threads, log_every=log_every)
         record = {**settings, "examples": len(examples), "seconds": time.monotonic() - started}
         (staging / MARKER).write_text(json.dumps(record, indent=2) + "\n")
-        if (final / MARKER).is_file():  # another process finished first
+        if (final / MARKER).is_file():  # another process finished the same model meanwhile
             return final
-        shutil.rmtree(final, ignore_errors=True)  # an incomplete leftover
-        os.replace(staging, final)
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete leftover, if any
+        try:
+            os.replace(staging, final)
+        except OSError:
+            if not (final / MARKER).is_file():
+                raise
+            # Another process renamed the same model into place first: keep theirs.
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
