@@ -42,6 +42,7 @@ format: venv
 bench: venv
 	$(PY) bench/engine.py
 	$(PY) bench/proxy.py
+	$(PY) bench/trainer.py
 
 demo: venv
 	$(PY) examples/engine_demo.py

@@ -9,6 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from server.admission import Admission
 from server.engines.pool import EnginePool
+from server.metrics import Metrics
 from server.session_state import SessionRegistry
 from server.settings import ServerSettings
 from server.store.writer import TurnWriter
@@ -26,6 +27,7 @@ class ServerContext:
     tokenizer: Tokenizer
     sessions: SessionRegistry
     admission: Admission = field(default_factory=Admission)
+    metrics: Metrics = field(default_factory=Metrics)
     default_run_id: str = ""
     key_cache: dict[str, tuple[str, str | None, str | None]] = field(default_factory=dict)
     unknown_keys: set[str] = field(default_factory=set)

@@ -10,25 +10,31 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from prometheus_client import disable_created_metrics
 
-from server import errors
+from server import dashboard, errors
 from server.deps import Ctx
-from server.routers import admin, openai, runs, sessions
+from server.metrics import Metrics, RequestMetrics
+from server.routers import admin, metrics, openai, runs, sessions
 from server.settings import ServerSettings
 from server.startup import server_context
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
+    figures = Metrics()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with server_context(settings) as ctx:
+        async with server_context(settings, figures) as ctx:
             app.state.ctx = ctx
             yield
 
     app = FastAPI(title="proxrl", summary="An OpenAI-compatible RL proxy", lifespan=lifespan)
     errors.install(app)
-    for router in (openai.router, sessions.router, runs.router, admin.router):
+    app.add_middleware(RequestMetrics, metrics=figures)
+    for router in (openai.router, sessions.router, runs.router, admin.router, metrics.router):
         app.include_router(router)
+    dashboard.install(app)
 
     @app.get("/health", tags=["health"], summary="200 while an engine is in rotation")
     async def health(ctx: Ctx) -> JSONResponse:
@@ -47,6 +53,7 @@ def serve(settings: ServerSettings) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     # Threads that hand results back (the turn writer) should not wait 5 ms for the GIL.
     sys.setswitchinterval(0.001)
+    disable_created_metrics()  # no *_created series: half the lines, nothing Prometheus needs
     if settings.admin_key is None:
         key = f"proxrl-admin-{secrets.token_urlsafe(24)}"
         settings = settings.model_copy(update={"admin_key": key})

@@ -203,6 +203,32 @@ class WeightGroupIn(BaseModel):
     backend: Literal["gloo", "nccl"] = Field("nccl", description="gloo for CPU engines.")
 
 
+MetricValue = StrictFloat | StrictInt | str | list[StrictFloat | StrictInt | str | None] | None
+
+
+class StepIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    step: int = Field(ge=1, description="The trainer's step number (1 for the first step).")
+    version: int = Field(ge=0, description="The policy version the step published.")
+    metrics: dict[str, MetricValue] = Field(
+        default_factory=dict,
+        max_length=500,
+        description="The step's figures by name: numbers, strings, lists of them, or null "
+        "(reward_mean, trained_tokens, staleness_mean, staleness_histogram, clip_fraction, ...; "
+        "see the README). Non-finite numbers are stored as null. A `session_ids` list is used "
+        "to compute the batch's reward spread (reward_std, reward_min, reward_max) and is not "
+        "stored.",
+    )
+
+
+class StepOut(BaseModel):
+    run_id: str
+    step: int
+    version: int
+    replaced: bool = Field(description="True when the step had been reported before.")
+
+
 class WeightsOut(BaseModel):
     run_id: str
     policy_version: int

@@ -75,6 +75,10 @@ class ServerSettings(BaseSettings):
         return self.served_model_name or Path(self.model).resolve().name
 
     @property
+    def binds_loopback(self) -> bool:
+        return _is_loopback(self.host)
+
+    @property
     def base_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
 

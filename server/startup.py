@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from server.context import ServerContext
 from server.engine.launcher import EngineProcess
 from server.engines.pool import EnginePool
+from server.metrics import Metrics
 from server.run_config import RunConfig
 from server.session_state import SessionRegistry
 from server.settings import ServerSettings
@@ -102,7 +103,9 @@ async def sweep(ctx: ServerContext) -> None:
 
 
 @contextlib.asynccontextmanager
-async def server_context(settings: ServerSettings) -> AsyncIterator[ServerContext]:
+async def server_context(
+    settings: ServerSettings, metrics: Metrics | None = None
+) -> AsyncIterator[ServerContext]:
     if settings.admin_key is None:
         raise ValueError("the server needs an admin key (serve() generates one)")
     url = settings.database_url
@@ -114,7 +117,8 @@ async def server_context(settings: ServerSettings) -> AsyncIterator[ServerContex
     launched = [] if settings.engine_urls else await asyncio.to_thread(launch_engines, settings)
     urls = settings.engine_urls or [engine.url for engine in launched]
     pool = EnginePool(urls, settings.request_timeout_s, settings.health_interval_s)
-    writer = TurnWriter(writer_engine)
+    metrics = metrics or Metrics()
+    writer = TurnWriter(writer_engine, on_commit=metrics.store_write_seconds.observe)
     sweeper: asyncio.Task | None = None
     try:
         await pool.start()
@@ -129,7 +133,9 @@ async def server_context(settings: ServerSettings) -> AsyncIterator[ServerContex
             tokenizer=tokenizer,
             sessions=SessionRegistry(maker, tokenizer),
             model_name=settings.model_name,
+            metrics=metrics,
         )
+        metrics.state.ctx = ctx
         run = await ensure_default_run(ctx)
         ctx.default_run_id = run.id
         await serve_current_version(ctx, run)

@@ -86,7 +86,9 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
                 pool.mark_down(engine, f"weight update failed: {result.get('message')}")
             else:
                 engine.weight_version = str(version)
-    pool.swaps.append({"version": version, "pause_seconds": pause_seconds, "at": time.time()})
+    swap = {"run_id": run.id, "version": version, "pause_seconds": pause_seconds, "at": time.time()}
+    pool.swaps.append(swap)
+    ctx.metrics.weight_swap_pause_seconds.observe(pause_seconds)
     async with ctx.sessionmaker() as db, db.begin():
         await runs.set_policy_version(db, run.id, version, body.model_path)
     await ctx.admission.notify()

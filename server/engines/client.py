@@ -218,3 +218,7 @@ class EngineClient:
 
     async def server_info(self) -> dict:
         return await self._get("/server_info")
+
+    async def loads(self) -> dict:
+        """Running and waiting requests, token usage, throughput (``/v1/loads``)."""
+        return await self._get("/v1/loads")

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 import re
+import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -46,10 +47,21 @@ class EngineState:
     served_tokens: int = 0
     failures: int = 0
     last_error: str | None = None
+    tokens_per_second: float = 0.0  # sampled through this proxy, between health checks
+    _rate_mark: tuple[float, int] | None = None
 
     @property
     def url(self) -> str:
         return self.client.url
+
+    def note_rate(self, now: float) -> None:
+        """Update ``tokens_per_second`` from the tokens served since the last mark."""
+        if self._rate_mark is not None:
+            then, served = self._rate_mark
+            if now - then < 1.0:
+                return
+            self.tokens_per_second = (self.served_tokens - served) / (now - then)
+        self._rate_mark = (now, self.served_tokens)
 
 
 class EnginePool:
@@ -70,7 +82,7 @@ class EnginePool:
         self._health_task: asyncio.Task | None = None
         self._round_robin = itertools.count()
         self.update_lock = asyncio.Lock()  # one weight swap at a time
-        self.swaps: list[dict] = []  # version, pause_seconds, at: one per swap
+        self.swaps: list[dict] = []  # run_id, version, pause_seconds, at: one per swap
         # The version every engine must serve to be in rotation (None: any).
         self.expected_version: int | None = None
 
@@ -127,6 +139,7 @@ class EnginePool:
 
     async def check(self, engine: EngineState) -> bool:
         """Probe one engine (``/model_info``: cheap, and answered even while paused)."""
+        engine.note_rate(time.monotonic())
         try:
             info = await engine.client.model_info()
             if engine.context_length is None:

@@ -6,9 +6,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
 
-from server import auth, runs
+from server import auth, runs, steps
 from server.deps import AdminDep, Ctx, KeyedDep
-from server.schemas import ClaimIn, ClaimOut, RunCreate, RunCreated, RunOut
+from server.schemas import ClaimIn, ClaimOut, RunCreate, RunCreated, RunOut, StepIn, StepOut
 from server.store import runs as store_runs
 
 router = APIRouter(prefix="/rl", tags=["runs"])
@@ -45,6 +45,16 @@ async def patch_run(
 async def claim(run_id: str, body: ClaimIn, ctx: Ctx, _: AdminDep) -> ClaimOut:
     run = await runs.get_run(ctx, run_id)
     return await runs.claim(ctx, run, body.max_sessions, body.lease_s, body.group_size)
+
+
+@router.post(
+    "/runs/{run_id}/steps",
+    response_model=StepOut,
+    status_code=201,
+    summary="Record a trainer step's figures (reposting a step replaces them)",
+)
+async def record_step(run_id: str, body: StepIn, ctx: Ctx, _: AdminDep) -> StepOut:
+    return await steps.record(ctx, run_id, body)
 
 
 @router.post("/claims/{claim_id}/confirm", summary="Mark a claim's sessions consumed")

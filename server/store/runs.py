@@ -42,6 +42,10 @@ async def list_runs(db: AsyncSession, limit: int = 100, offset: int = 0) -> list
     return list(await db.scalars(query))
 
 
+async def run_count(db: AsyncSession) -> int:
+    return int(await db.scalar(select(func.count()).select_from(Run)) or 0)
+
+
 async def run_by_key_hash(db: AsyncSession, key_hash: str) -> Run | None:
     return (await db.scalars(select(Run).where(Run.api_key_hash == key_hash))).first()
 

@@ -69,6 +69,7 @@ class Session(Base):
     __table_args__ = (
         Index("ix_sessions_run_status", "run_id", "status"),
         Index("ix_sessions_run_group", "run_id", "group_id"),
+        Index("ix_sessions_run_created", "run_id", "created_at"),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -135,3 +136,18 @@ class Reward(Base):
     completion_id: Mapped[str | None] = mapped_column(String(100))
     value: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TrainerStep(Base):
+    """The figures a trainer reported for one step of a run (reward, staleness, loss, rates):
+    what the dashboard charts. Reposting a step replaces its figures."""
+
+    __tablename__ = "trainer_steps"
+    __table_args__ = (UniqueConstraint("run_id", "step", name="uq_trainer_steps_run_step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"))
+    step: Mapped[int] = mapped_column(Integer)
+    version: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)

@@ -4,8 +4,8 @@ Each request hands its turns to the writer and awaits their commit before it ans
 turn the client has seen is always stored; concurrent requests share one transaction, so the
 store keeps up with serving. A batch is written on a worker thread through a synchronous
 connection: one hand-off between threads per batch, where the asyncio drivers (aiosqlite)
-hand off every statement and each hand-off can wait for the GIL. Write latency and volume are
-kept in ``stats``.
+hand off every statement and each hand-off can wait for the GIL. Write volume is kept in
+``stats``; ``on_commit`` (the server's metrics) sees each batch's latency.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sqlalchemy import Engine
@@ -27,6 +28,8 @@ class WriterStats:
     batches: int = 0
     turns: int = 0
     tokens: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
     seconds: float = 0.0  # time spent in transactions
 
     @property
@@ -35,8 +38,14 @@ class WriterStats:
 
 
 class TurnWriter:
-    def __init__(self, engine: Engine, max_batch: int = 256) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_batch: int = 256,
+        on_commit: Callable[[float], None] | None = None,
+    ) -> None:
         self._engine = engine
+        self._on_commit = on_commit  # called with each committed batch's seconds
         self._max_batch = max_batch
         self._queue: asyncio.Queue[tuple[list[TurnRecord], asyncio.Future]] = asyncio.Queue()
         self._task: asyncio.Task | None = None
@@ -85,8 +94,14 @@ class TurnWriter:
         self.last_batch_seconds = elapsed
         self.stats.batches += 1
         self.stats.turns += len(records)
-        self.stats.tokens += sum(len(r.prompt_ids) + len(r.completion_ids) for r in records)
+        prompt_tokens = sum(len(r.prompt_ids) for r in records)
+        completion_tokens = sum(len(r.completion_ids) for r in records)
+        self.stats.prompt_tokens += prompt_tokens
+        self.stats.completion_tokens += completion_tokens
+        self.stats.tokens += prompt_tokens + completion_tokens
         self.stats.seconds += elapsed
+        if self._on_commit is not None:
+            self._on_commit(elapsed)
         for _, done in batch:
             if not done.done():
                 done.set_result(None)
