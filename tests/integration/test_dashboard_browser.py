@@ -1,6 +1,7 @@
 """The dashboard in real headless Chromium (Debian's ``chromium``, driven by Playwright for
 Python through ``executable_path``) against a live ``proxrl serve`` whose run has sessions from
-the openai SDK, rewards, a weight swap and trainer steps posted over REST.
+the openai SDK with rewards, and has been trained a few steps on the tiny model by a real
+``proxrl train`` (which publishes each version into the engine and reports each step).
 
 Screenshots go to artifacts/dashboard/ (git-ignored), or $PROXRL_TEST_ARTIFACTS/dashboard.
 """
@@ -9,7 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -18,10 +24,13 @@ from openai import OpenAI
 
 from tests.support import ROOT, ProxyProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ADMIN_KEY = ProxyProcess.ADMIN_KEY
+BATCH = 2  # sessions per training step
+STEPS = 3  # steps the trainer runs before the browser looks
+TRAIN_TIMEOUT_S = 600
 EXPECTED_REFUSAL = "status of 401"  # the browser logs the wrong-key login's 401 as an error
 CHARTS_WITH_DATA = [
     "reward",
@@ -36,8 +45,18 @@ CHARTS_WITH_DATA = [
 ]
 
 
+@dataclass
+class Live:
+    proxy: ProxyProcess
+    http: httpx.Client
+    run_id: str
+    session_id: str  # trained: consumed by the trainer
+    straddler_id: str  # its first turn sampled by version 0, its second by version STEPS
+
+
 def step_metrics(step: int, session_ids: list[str]) -> dict:
-    """Figures shaped like the trainer's (trainer/loop.py's Progress)."""
+    """Figures shaped like the trainer's (trainer/loop.py's Progress), for a step posted
+    by hand while the page is open."""
     return {
         "time": time.time(),
         "sessions": 2,
@@ -60,40 +79,79 @@ def step_metrics(step: int, session_ids: list[str]) -> dict:
     }
 
 
+def chat_session(
+    http: httpx.Client,
+    run_id: str,
+    index: int,
+    rewrite: bool = False,
+    between: Callable[[], None] | None = None,
+) -> str:
+    """A two-turn session through the openai SDK, rewarded and ended. Sessions of one
+    training batch share a task (a GRPO group). With ``rewrite`` the agent rewrites its history
+    before the second turn (a multi-turn prefix break); ``between`` runs between the turns."""
+    body = {"run_id": run_id, "task_id": f"t{index // BATCH}"}
+    session = http.post("/rl/sessions", json=body)
+    assert session.status_code == 201, session.text
+    session = session.json()
+    with OpenAI(base_url=session["base_url"], api_key=session["api_key"]) as client:
+        messages = [{"role": "user", "content": f"{index} + 1 = ?"}]
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6)
+        if between is not None:
+            between()
+        if rewrite:
+            messages = [{"role": "user", "content": "Start again."}]
+        else:
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content}]
+        messages += [{"role": "user", "content": "why?"}]
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=6)
+    sid = session["session_id"]
+    assert http.post(f"/rl/sessions/{sid}/reward", json={"reward": index % 3 / 2}).is_success
+    assert http.post(f"/rl/sessions/{sid}/end").is_success
+    return sid
+
+
+def train(proxy: ProxyProcess, run_id: str, out: Path) -> None:
+    """A real ``proxrl train`` (Ray, an FSDP2 worker) for STEPS steps on the run; it claims
+    the sessions, trains, publishes each version into the engine and reports each step."""
+    command = [
+        sys.executable, "-m", "server.cli", "train", "--server", proxy.url,
+        "--admin-key", ADMIN_KEY, f"run_id={run_id}", f"output_dir={out}",
+        f"batch_size={BATCH}", f"max_steps={STEPS}", f"max_staleness={STEPS}", "lr=1e-3",
+        "claim_wait_s=0.2", "cluster.cpus_per_worker=1", f"checkpoint_every={STEPS}",
+    ]  # fmt: skip
+    log = out.parent / "trainer.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log.open("w") as sink:
+        trainer = subprocess.Popen(
+            command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            code = trainer.wait(TRAIN_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait(10)
+            tail = log.read_text()[-4000:]
+            raise AssertionError(f"the trainer did not finish:\n{tail}") from exc
+    assert code == 0, log.read_text()[-4000:]
+
+
 @pytest.fixture(scope="module")
 def live(tiny_model_dir, tmp_path_factory):
-    """A server, its seeded run id, and the id of a two-turn session in it."""
+    """A server; its run, trained STEPS steps by a real trainer; a trained two-turn session;
+    a session whose turns straddle the training (versions 0 and STEPS)."""
     data_dir = tmp_path_factory.mktemp("dashboard-browser")
     with (
         ProxyProcess(tiny_model_dir, data_dir) as proxy,
         httpx.Client(base_url=proxy.url, headers=proxy.admin, timeout=60) as http,
     ):
-        run = http.post("/rl/runs", json={"name": "browser-run"}).json()
-        session_ids = []
-        for index in range(3):
-            session = http.post("/rl/sessions", json={"run_id": run["id"]}).json()
-            with OpenAI(base_url=session["base_url"], api_key=session["api_key"]) as client:
-                messages = [{"role": "user", "content": f"{index} + 1 = ?"}]
-                reply = client.chat.completions.create(
-                    model="tiny", messages=messages, max_tokens=6
-                )
-                messages += [
-                    {"role": "assistant", "content": reply.choices[0].message.content},
-                    {"role": "user", "content": "why?"},
-                ]
-                client.chat.completions.create(model="tiny", messages=messages, max_tokens=6)
-            sid = session["session_id"]
-            http.post(f"/rl/sessions/{sid}/reward", json={"reward": index / 2})
-            http.post(f"/rl/sessions/{sid}/end")
-            session_ids.append(sid)
-        swap = http.post(
-            "/admin/weights", json={"model_path": str(tiny_model_dir), "run_id": run["id"]}
+        run_id = http.post("/rl/runs", json={"name": "browser-run"}).json()["id"]
+        trained = [chat_session(http, run_id, i) for i in range(BATCH * STEPS)]
+        straddler = chat_session(
+            http, run_id, BATCH * STEPS, between=lambda: train(proxy, run_id, data_dir / "train")
         )
-        assert swap.status_code == 200, swap.text
-        for step in (1, 2, 3):
-            body = {"step": step, "version": step, "metrics": step_metrics(step, session_ids)}
-            assert http.post(f"/rl/runs/{run['id']}/steps", json=body).status_code == 201
-        yield proxy, http, run["id"], session_ids[0]
+        chat_session(http, run_id, BATCH * STEPS + 1, rewrite=True)
+        yield Live(proxy, http, run_id, trained[0], straddler)
 
 
 @pytest.fixture(scope="module")
@@ -143,14 +201,14 @@ def log_in(page, url: str, key: str = ADMIN_KEY) -> None:
 
 
 def test_log_in_and_see_the_run_with_its_charts(page, live, shots):
-    proxy, _, run_id, _ = live
-    log_in(page, proxy.url)
+    log_in(page, live.proxy.url)
     page.wait_for_url("**/admin/runs")
-    row = page.locator(f'tr[data-run-id="{run_id}"]')
+    row = page.locator(f'tr[data-run-id="{live.run_id}"]')
     assert "browser-run" in row.inner_text()
     page.screenshot(path=shots / "runs.png", full_page=True)
     row.locator("a").first.click()
-    page.wait_for_url(f"**/admin/runs/{run_id}")
+    page.wait_for_url(f"**/admin/runs/{live.run_id}")
+    assert page.locator("#policy-version").inner_text() == str(STEPS)
     for chart in CHARTS_WITH_DATA:
         section = page.locator(f'[data-chart="{chart}"][data-drawn="yes"]')
         section.wait_for(timeout=20_000)
@@ -158,65 +216,93 @@ def test_log_in_and_see_the_run_with_its_charts(page, live, shots):
     mismatch = page.locator('[data-chart="mismatch"]')
     assert mismatch.get_attribute("data-drawn") == "empty"
     assert "does not report" in mismatch.inner_text()
-    points = page.evaluate(
-        "() => document.getElementById('chart-reward').data"
-        ".find(t => t.name === 'trainer batch mean').x.length"
-    )
-    assert points == 3
-    page.screenshot(path=shots / "run-by-time.png", full_page=True)
-    page.check('input[name="axis"][value="version"]')
-    versions = page.evaluate(
+    batch_mean = (
         "() => document.getElementById('chart-reward').data"
         ".find(t => t.name === 'trainer batch mean').x"
     )
-    assert versions == [1, 2, 3]
+    assert len(page.evaluate(batch_mean)) == STEPS
+    page.screenshot(path=shots / "run-by-time.png", full_page=True)
+    page.check('input[name="axis"][value="version"]')
+    assert page.evaluate(batch_mean) == list(range(1, STEPS + 1))
+    swaps = page.evaluate(
+        "() => document.getElementById('chart-swaps').data.find(t => t.name.startsWith('pause')).x"
+    )
+    assert swaps == list(range(1, STEPS + 1))  # one pause per version the trainer published
     page.screenshot(path=shots / "run-by-version.png", full_page=True)
 
 
 def test_charts_update_live_while_the_run_trains(page, live):
-    proxy, http, run_id, _ = live
-    log_in(page, proxy.url)
+    log_in(page, live.proxy.url)
     page.wait_for_url("**/admin/runs")
-    page.goto(f"{proxy.url}/admin/runs/{run_id}")
+    page.goto(f"{live.proxy.url}/admin/runs/{live.run_id}")
     page.locator('[data-chart="reward"][data-drawn="yes"]').wait_for(timeout=20_000)
     count = (
         "() => document.getElementById('chart-reward').data"
         ".find(t => t.name === 'trainer batch mean').x.length"
     )
     before = page.evaluate(count)
-    steps = http.get(f"/admin/api/runs/{run_id}/series").json()["step_count"]
+    steps = live.http.get(f"/admin/api/runs/{live.run_id}/series").json()["step_count"]
     body = {"step": steps + 1, "version": steps + 1, "metrics": step_metrics(steps + 1, [])}
-    assert http.post(f"/rl/runs/{run_id}/steps", json=body).status_code == 201
+    assert live.http.post(f"/rl/runs/{live.run_id}/steps", json=body).status_code == 201
     page.wait_for_function(f"() => ({count})() === {before + 1}", timeout=15_000)
 
 
-def test_the_token_viewer_shows_the_rest_apis_token_ids(page, live, shots):
-    proxy, http, run_id, session_id = live
-    log_in(page, proxy.url)
-    page.wait_for_url("**/admin/runs")
-    page.goto(f"{proxy.url}/admin/sessions?run_id={run_id}")
+def open_session(page, live, session_id: str) -> dict:
+    """Open a session from the run's session list; its GET /rl/sessions/{id}."""
+    page.goto(f"{live.proxy.url}/admin/sessions?run_id={live.run_id}")
     page.locator(f'tr[data-session-id="{session_id}"] a').first.click()
     page.wait_for_url(f"**/admin/sessions/{session_id}")
-    rest = http.get(f"/rl/sessions/{session_id}").json()
-    tokens = page.locator(".tok")
-    shown = [int(i) for i in tokens.evaluate_all("els => els.map(e => e.dataset.id)")]
+    return live.http.get(f"/rl/sessions/{session_id}").json()
+
+
+def shown_tokens(page, field: str) -> list[int]:
+    return [int(v) for v in page.locator(".tok").evaluate_all(f"els => els.map(e => e.{field})")]
+
+
+def test_the_token_viewer_shows_the_rest_apis_token_ids(page, live, shots):
+    log_in(page, live.proxy.url)
+    page.wait_for_url("**/admin/runs")
+    rest = open_session(page, live, live.session_id)
+    assert rest["status"] == "consumed"
+    shown = shown_tokens(page, "dataset.id")
     assert shown == [token for row in rest["rows"] for token in row["input_ids"]]
-    masks = [int(m) for m in tokens.evaluate_all("els => els.map(e => e.dataset.mask)")]
+    masks = shown_tokens(page, "dataset.mask")
     assert masks == [mask for row in rest["rows"] for mask in row["loss_mask"]]
     trained = masks.index(1)
-    title = tokens.nth(trained).get_attribute("title")
+    title = page.locator(".tok").nth(trained).get_attribute("title")
     assert title.startswith(f"id {shown[trained]} ") and "loss mask 1" in title
-    assert "version" in title
+    assert "version 0" in title
     transcript = page.locator(".turn").all_inner_texts()
     assert len(transcript) == 2 and "why?" in transcript[1]
     page.screenshot(path=shots / "session.png", full_page=True)
+
+
+def test_the_token_viewer_colours_each_tokens_version(page, live, shots):
+    """A session whose second turn came after training: its tokens carry versions 0 and
+    STEPS, both in the viewer and in the legend."""
+    log_in(page, live.proxy.url)
+    page.wait_for_url("**/admin/runs")
+    rest = open_session(page, live, live.straddler_id)
+    assert shown_tokens(page, "dataset.id") == [t for r in rest["rows"] for t in r["input_ids"]]
+    versions = shown_tokens(page, "dataset.version")
+    assert versions == [v for row in rest["rows"] for v in row["versions"]]
+    assert {v for v in versions if v >= 0} == {0, STEPS}
     page.check('input[name="colour"][value="version"]')
+    legend = page.locator("#legend-version")
+    assert legend.is_visible()
+    assert legend.locator(".swatch").all_inner_texts() == ["v0", f"v{STEPS}"]
+    masks = shown_tokens(page, "dataset.mask")
+    colour = "els => els.map(e => e.style.backgroundColor)"
+    backgrounds = page.locator(".tok").evaluate_all(colour)
+    trained = [(b, w) for b, m, w in zip(backgrounds, masks, versions, strict=True) if m]
+    by_version = {v: {b for b, w in trained if w == v} for v in (0, STEPS)}
+    assert all(len(found) == 1 for found in by_version.values()), by_version
+    assert by_version[0] != by_version[STEPS]
     page.screenshot(path=shots / "session-by-version.png", full_page=True)
 
 
 def test_a_wrong_key_is_refused(page, live, shots):
-    proxy, *_ = live
-    log_in(page, proxy.url, key="not-the-admin-key")
+    log_in(page, live.proxy.url, key="not-the-admin-key")
     page.locator(".error").wait_for()
     assert "not the admin key" in page.locator(".error").inner_text()
     assert "/admin/login" in page.url
@@ -225,39 +311,46 @@ def test_a_wrong_key_is_refused(page, live, shots):
 
 
 def test_nothing_admin_is_reachable_without_the_key(page, live):
-    proxy, _, run_id, session_id = live
+    ids = {"run_id": live.run_id, "session_id": live.session_id}
     pages = [
         "/admin/runs",
-        f"/admin/runs/{run_id}",
+        "/admin/runs/{run_id}",
         "/admin/sessions",
-        f"/admin/sessions/{session_id}",
+        "/admin/sessions/{session_id}",
         "/admin/pool",
     ]
     for path in pages:
-        page.goto(f"{proxy.url}{path}")
+        page.goto(live.proxy.url + path.format(**ids))
         assert "/admin/login" in page.url, path
         assert page.locator("input[name=key]").count() == 1
+        assert page.locator(".tok, #charts, table").count() == 0, path
     apis = [
         "/admin/api/runs",
-        f"/admin/api/runs/{run_id}/series",
-        f"/admin/api/sessions/{session_id}",
+        "/admin/api/runs/{run_id}",
+        "/admin/api/runs/{run_id}/series",
+        "/admin/api/sessions",
+        "/admin/api/sessions/{session_id}",
         "/admin/api/engines",
-        "/admin/static/plotly.min.js",
     ]
     for path in apis:
-        reply = page.request.get(f"{proxy.url}{path}", max_redirects=0)
-        assert reply.status in (401, 303), (path, reply.status)
+        reply = page.request.get(live.proxy.url + path.format(**ids), max_redirects=0)
+        assert reply.status == 401, (path, reply.status)
+        assert reply.json()["error"]["type"] == "authentication_error"
+    for script in ("plotly.min.js", "dashboard.js"):
+        reply = page.request.get(f"{live.proxy.url}/admin/static/{script}", max_redirects=0)
+        assert reply.status == 303 and "/admin/login" in reply.headers["location"]
 
 
 def test_engines_page_and_logging_out(page, live, shots):
-    proxy, *_ = live
-    log_in(page, proxy.url)
+    log_in(page, live.proxy.url)
     page.wait_for_url("**/admin/runs")
     page.click("text=Engines")
     page.wait_for_url("**/admin/pool")
-    assert "healthy" in page.locator("#engines").inner_text()
+    cells = page.locator("#engines tbody tr").first.locator("td").all_inner_texts()
+    assert cells[0].startswith("http://127.0.0.1:") and cells[1] == "healthy"
+    assert cells[5] == str(STEPS)  # the weight version the trainer published last
     page.screenshot(path=shots / "engines.png")
     page.click("text=Log out")
     page.wait_for_url("**/admin/login")
-    page.goto(f"{proxy.url}/admin/runs")
+    page.goto(f"{live.proxy.url}/admin/runs")
     assert "/admin/login" in page.url
