@@ -59,10 +59,11 @@ function perSecond(steps, value) {
 }
 
 function byVersion(points, combine) {
-  // server-side time buckets grouped by the policy version served during them
+  // server-side time buckets grouped by the policy version served at their middle
+  const half = state.series.bucket_seconds / 2;
   const groups = new Map();
   for (const point of points) {
-    const version = versionAt(point.time);
+    const version = versionAt(point.time + half);
     if (!groups.has(version)) groups.set(version, []);
     groups.get(version).push(point);
   }
@@ -187,8 +188,9 @@ function charts() {
     },
     breaks: {
       traces: [
-        { name: "prefix breaks", type: "bar", x: breaks.map((p) => p.x), y: breaks.map((p) => p.y) },
-        { name: "turns", type: "scatter", mode: "lines", x: turns.map((p) => p.x), y: turns.map((p) => p.y), yaxis: "y2" },
+        { name: "prefix breaks", type: "bar", x: breaks.map((p) => p.x), y: breaks.map((p) => p.y),
+          width: state.axis === "time" ? series.bucket_seconds * 1000 : undefined, offset: state.axis === "time" ? 0 : undefined },
+        { name: "turns", type: "scatter", mode: "lines+markers", x: turns.map((p) => p.x), y: turns.map((p) => p.y), yaxis: "y2" },
       ],
       layout: { yaxis2: { overlaying: "y", side: "right", title: { text: "turns" } } },
       empty: "No sessions yet.",
@@ -260,6 +262,24 @@ function runPage(root) {
 
 // ----- token viewer ------------------------------------------------------------------------
 
+function versionColour(version) {
+  return `hsl(${(200 + Number(version) * 67) % 360},70%,82%)`;
+}
+
+function versionLegend() {
+  // one swatch per policy version among the trained tokens
+  const legend = document.getElementById("legend-version");
+  const versions = new Set();
+  for (const token of document.querySelectorAll('.tok[data-mask="1"]')) versions.add(Number(token.dataset.version));
+  legend.replaceChildren(...[...versions].sort((a, b) => a - b).map((version) => {
+    const swatch = document.createElement("span");
+    swatch.className = "swatch";
+    swatch.style.background = versionColour(version);
+    swatch.textContent = `v${version}`;
+    return swatch;
+  }));
+}
+
 function colourTokens(mode) {
   for (const token of document.querySelectorAll(".tok")) {
     const { logprob, version, mask } = token.dataset;
@@ -269,7 +289,7 @@ function colourTokens(mode) {
     }
     token.style.color = "";
     if (mode === "version") {
-      token.style.background = `hsl(${(200 + Number(version) * 67) % 360},70%,82%)`;
+      token.style.background = versionColour(version);
     } else if (mode === "mask") {
       token.style.background = "hsl(120,55%,80%)";
     } else {
@@ -277,6 +297,9 @@ function colourTokens(mode) {
     }
   }
   document.getElementById("legend-logprob").hidden = mode !== "logprob";
+  document.getElementById("legend-version").hidden = mode !== "version";
+  document.getElementById("legend-mask").hidden = mode !== "mask";
+  if (mode === "version") versionLegend();
 }
 
 // ----- start ---------------------------------------------------------------------------------
