@@ -43,6 +43,7 @@ bench: venv
 	$(PY) bench/engine.py
 	$(PY) bench/proxy.py
 	$(PY) bench/trainer.py
+	$(PY) bench/dashboard.py
 
 demo: venv
 	$(PY) examples/engine_demo.py
