@@ -44,9 +44,10 @@ bench: venv
 	$(PY) bench/proxy.py
 	$(PY) bench/trainer.py
 	$(PY) bench/dashboard.py
+	$(PY) bench/async_vs_sync.py
 
 demo: venv
-	$(PY) examples/engine_demo.py
+	$(VENV)/bin/proxrl demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

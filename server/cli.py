@@ -111,6 +111,31 @@ class TrainCommand(BaseModel):
         train_main([])
 
 
+class DemoCommand(BaseModel):
+    """Watch an agent learn: warm up the tiny model, serve it, run the math agent, train it live
+    (`make demo`); `proxrl demo --help`."""
+
+    def cli_cmd(self) -> None:  # `main` hands `demo` to the demo's own parser
+        run_demo([])
+
+
+DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+
+
+def run_demo(args: list[str]) -> None:
+    """Run ``examples/demo.py`` of this source tree (the demo and its agents are examples, not
+    part of the installed packages)."""
+    import runpy
+
+    if not DEMO_SCRIPT.is_file():
+        raise SystemExit(
+            f"proxrl demo: {DEMO_SCRIPT} is missing; the demo runs from a clone of proxrl "
+            "(pip install -e .)"
+        )
+    sys.argv = [str(DEMO_SCRIPT), *args]
+    runpy.run_path(str(DEMO_SCRIPT), run_name="__main__")  # exits with the demo's status
+
+
 class Proxrl(
     BaseSettings,
     cli_prog_name="proxrl",
@@ -130,6 +155,7 @@ class Proxrl(
     )
     train: CliSubCommand[TrainCommand] = Field(description=TrainCommand.__doc__)
     db: CliSubCommand[DbCommands] = Field(description=DbCommands.__doc__)
+    demo: CliSubCommand[DemoCommand] = Field(description=DemoCommand.__doc__)
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)
@@ -144,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
 
         train_main(args[1:])
         return
+    if args[0] == "demo":  # so is the demo's: argparse in examples/demo.py
+        run_demo(args[1:])
     try:
         CliApp.run(Proxrl, cli_args=args)
     except ValidationError as exc:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
 import sys
 
+import httpx
 import pytest
 import tokenizers
 
@@ -170,3 +172,55 @@ def test_the_langchain_agent_ends_every_session_trainable(framework_agent, clien
         assert turn["messages"][-1] == {"role": "user", "content": episode.problem.question}
         assert turn["sampling"]["max_tokens"] == 8
     assert client.run_metrics(run["id"])["sessions"] == {"trainable": 2}
+
+
+def test_the_math_agent_runs_whole_grpo_groups_from_its_command_line(client, proxy):
+    run = client.create_run(name="math-agent")
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(AGENTS / "math_agent.py"),
+            "--base-url",
+            proxy.url,
+            "--admin-key",
+            ProxyProcess.ADMIN_KEY,
+            "--run-id",
+            run["id"],
+            "--sessions",
+            "8",
+            "--group-size",
+            "4",
+            "--concurrency",
+            "8",
+            "--seed",
+            "2",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "8 sessions in groups of 4" in out.stdout
+    arithmetic = import_agent("arithmetic")
+    listed = httpx.get(
+        f"{proxy.url}/rl/sessions",
+        params={"run_id": run["id"]},
+        headers={"Authorization": f"Bearer {ProxyProcess.ADMIN_KEY}"},
+        timeout=30,
+    )
+    sessions = listed.json()
+    assert len(sessions) == 8
+    groups: dict[str, set[str]] = {}
+    for listed in sessions:
+        detail = client.get_session(listed["session_id"])
+        assert detail["status"] == "trainable"
+        groups.setdefault(detail["group_id"], set()).add(detail["task_id"])
+        (turn,) = detail["turns"]
+        question = turn["messages"][-1]["content"]
+        terms = tuple(int(term) for term in question.rstrip("=").split("+"))
+        problem = arithmetic.Problem(question, str(sum(terms)), detail["task_id"], terms)
+        text = turn["response"]["content"]
+        assert detail["rewards"] == {"session": arithmetic.reward(problem, text)}
+    # two groups of four sessions, each asking one problem
+    assert len(groups) == 2 and all(len(tasks) == 1 for tasks in groups.values())
+    assert client.run_metrics(run["id"])["sessions"] == {"trainable": 8}

@@ -1,0 +1,108 @@
+"""The demo, end to end and for real: `proxrl demo` in a short mode raises the mean reward.
+
+The whole loop runs as a user runs it: the warm-up (cached under .proxrl-cache, as `make
+demo` caches it), `proxrl serve` with its embedded engine, `proxrl train` on Ray with decoupled
+PPO at max_staleness 2, and the math agent's concurrent sessions through the openai SDK. Ctrl-C
+(SIGINT) ends it part-way, as a user would: it must stop cleanly, leave nothing running, and
+still write its summary and plot.
+
+Numbers seen on this 2-core machine (seed 0, 10-minute default): reward 0.31 over the first
+256 sessions, 0.6-0.9 over the last 256 after 3-4 minutes of training, about one version
+published every 2 seconds. The test waits for 150 s of training and asks for +0.1, a margin
+well inside what a run reaches by then (each figure is a mean over 256 sessions of 32
+problems).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+TRAIN_S = 150.0  # seconds of training before Ctrl-C
+MIN_GAIN = 0.10
+
+
+def test_the_demo_raises_the_reward_and_stops_cleanly_on_ctrl_c(tmp_path):
+    out = tmp_path / "demo"
+    log = (tmp_path / "demo.log").open("w")
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "demo", "--out", str(out), "--seed", "0"],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "COLUMNS": "120"},
+    )
+    try:
+        metrics = out / "trainer" / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while not metrics.exists():  # the warm-up, the server and the trainer's workers start
+            assert demo.poll() is None, (tmp_path / "demo.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the trainer never finished a step"
+            time.sleep(1)
+        time.sleep(TRAIN_S)
+        children = descendants(demo.pid)
+        assert children, "the demo runs the server, engine and trainer as child processes"
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(180) == 130
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        log.close()
+    deadline = time.monotonic() + 30
+    while (alive := [pid for pid in children if running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive, f"left running after Ctrl-C: {[command_of(pid) for pid in alive]}"
+
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("reward_start", "reward_end", "versions_published", "sessions_trained", "seconds"):
+        assert key in summary
+    assert summary["reward_end"] - summary["reward_start"] >= MIN_GAIN, summary
+    assert summary["versions_published"] >= 10, summary
+    assert summary["sessions_trained"] >= 10 * 64, summary
+    assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert max(step["staleness_max"] for step in steps) >= 1  # asynchronous: stale tokens trained
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc: each process's parent)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it ended meanwhile
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, of in parents.items() if of == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; its parent has not reaped it yet
+
+
+def command_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return "?"
