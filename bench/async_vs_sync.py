@@ -50,16 +50,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
-import json
 import logging
 import os
 import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import ExitStack
@@ -77,7 +74,7 @@ import httpx  # noqa: E402
 from math_agent import AgentLog, MathAgent  # noqa: E402
 
 from client_sdk import AsyncClient  # noqa: E402
-from trainer.run import LocalServer  # noqa: E402
+from trainer.run import LocalServer, TrainerProcess  # noqa: E402
 
 RESULTS_DIR = ROOT / "bench" / "results"
 LOG_DIR = ROOT / ".cache" / "bench" / "async-vs-sync"
@@ -148,21 +145,9 @@ class ModeResult:
         return statistics.mean(s["staleness_mean"] for s in self.steps)
 
 
-def read_steps(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    steps = []
-    for line in lines:
-        with contextlib.suppress(json.JSONDecodeError):  # a line being written
-            steps.append(json.loads(line))
-    return steps
-
-
-def start_trainer(server: LocalServer, mode: Mode, out: Path, args) -> subprocess.Popen:
-    command = [
-        sys.executable, "-m", "server.cli", "train", "--server", server.url,
-        f"output_dir={out / 'trainer'}", f"max_steps={args.steps}",
+def start_trainer(server: LocalServer, mode: Mode, out: Path, args) -> TrainerProcess:
+    overrides = [
+        f"max_steps={args.steps}",
         f"batch_size={args.batch_size}", f"max_staleness={mode.max_staleness}",
         f"lr={args.lr}", f"seed={args.seed}", f"checkpoint_every={args.steps}",
         "claim_wait_s=0.05", "algorithm.advantage=grpo",
@@ -170,30 +155,7 @@ def start_trainer(server: LocalServer, mode: Mode, out: Path, args) -> subproces
         f"algorithm.decoupled={'true' if mode.decoupled else 'false'}",
         f"algorithm.temperature={TEMPERATURE}",
     ]  # fmt: skip
-    env = {**os.environ, "PROXRL_ADMIN_KEY": server.admin_key}  # not on the command line
-    log_file = (out / "trainer.log").open("w")
-    try:
-        return subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C reaches it through stop_trainer, once
-        )
-    finally:
-        log_file.close()
-
-
-def stop_trainer(process: subprocess.Popen) -> None:
-    """Ctrl-C (it finishes its step and checkpoints), again, then kill its process group."""
-    for sig, wait_s in ((signal.SIGINT, 60), (signal.SIGINT, 30), (signal.SIGKILL, 30)):
-        if process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(wait_s)
+    return TrainerProcess(server, out / "trainer", overrides, out / "trainer.log")
 
 
 def tail(path: Path, lines: int = 15) -> str:
@@ -203,27 +165,29 @@ def tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-async def wait_configured(client: AsyncClient, run_id: str, batch_size: int, trainer) -> None:
+async def wait_configured(
+    client: AsyncClient, run_id: str, batch_size: int, trainer: TrainerProcess
+) -> None:
     """Until the trainer has written its batch size into the run (its workers are up)."""
     deadline = time.monotonic() + TRAINER_START_TIMEOUT_S
     while (await client.get_run(run_id))["config"].get("batch_size") != batch_size:
-        if trainer.poll() is not None:
-            raise RuntimeError(f"proxrl train exited with {trainer.returncode} before starting")
+        if (code := trainer.exited()) is not None:
+            raise RuntimeError(f"proxrl train exited with {code} before starting")
         if time.monotonic() > deadline:
             raise RuntimeError(f"proxrl train did not start in {TRAINER_START_TIMEOUT_S:.0f}s")
         await asyncio.sleep(0.2)
 
 
-async def until_trained(trainer: subprocess.Popen, metrics: Path, steps: int, timeout_s: float):
+async def until_trained(trainer: TrainerProcess, steps: int, timeout_s: float) -> None:
     """Until the trainer logged its last step (or exited, or ran out of time)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        done = read_steps(metrics)
+        done = trainer.steps()
         if done and done[-1]["step"] >= steps:
             return
-        if trainer.poll() is not None:
+        if (code := trainer.exited()) is not None:
             raise RuntimeError(
-                f"proxrl train exited with {trainer.returncode} after {len(done)} of {steps} steps"
+                f"proxrl train exited with {code} after {len(done)} of {steps} steps"
             )
         if time.monotonic() > deadline:
             raise RuntimeError(f"{len(done)} of {steps} steps in {timeout_s:.0f}s: stopped")
@@ -261,7 +225,7 @@ async def drive_mode(server: LocalServer, mode: Mode, out: Path, args, stack: Ex
         )
 
         trainer = start_trainer(server, mode, out, args)
-        stack.callback(stop_trainer, trainer)
+        stack.callback(trainer.stop)
         print("  trainer starting ...", flush=True)
         launched = time.monotonic()
         await wait_configured(client, default["id"], args.batch_size, trainer)
@@ -274,8 +238,7 @@ async def drive_mode(server: LocalServer, mode: Mode, out: Path, args, stack: Ex
             max_tokens=args.max_tokens, temperature=TEMPERATURE, seed=args.seed,
         )  # fmt: skip
         running = asyncio.create_task(agent.run())
-        metrics = out / "trainer" / "metrics.jsonl"
-        watch = asyncio.create_task(until_trained(trainer, metrics, args.steps, args.mode_timeout))
+        watch = asyncio.create_task(until_trained(trainer, args.steps, args.mode_timeout))
         try:
             await asyncio.wait({running, watch}, return_when=asyncio.FIRST_COMPLETED)
             if running.done():
@@ -289,7 +252,7 @@ async def drive_mode(server: LocalServer, mode: Mode, out: Path, args, stack: Ex
             for task in (running, watch):
                 task.cancel()
             await asyncio.gather(running, watch, return_exceptions=True)
-    steps = read_steps(metrics)[: args.steps]
+    steps = trainer.steps()[: args.steps]
     return ModeResult(
         mode=mode,
         wall_s=steps[-1]["time"] - started,

@@ -19,9 +19,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections import deque
@@ -102,32 +99,17 @@ def warm_model(cache: Path, seed: int) -> Path:
     return cached_warm_start(cache, examples, seed=seed, threads=2, **WARMUP)
 
 
-def start_trainer(server, out: Path, args: argparse.Namespace) -> subprocess.Popen:
-    command = [
-        sys.executable, "-m", "server.cli", "train", "--server", server.url,
-        f"output_dir={out / 'trainer'}",
+def start_trainer(server, out: Path, args: argparse.Namespace):
+    from trainer.run import TrainerProcess
+
+    overrides = [
         f"batch_size={args.batch_size}", f"max_staleness={args.max_staleness}",
         f"lr={args.lr}", "max_steps=100000", "checkpoint_every=1000", f"seed={args.seed}",
         "claim_wait_s=0.2", f"algorithm.group_size={args.group_size}",
         "algorithm.advantage=grpo", "algorithm.ppo_minibatches=1", "optim.grad_clip=1.0",
         "optim.warmup_steps=10",
     ]  # fmt: skip
-    env = {**os.environ, "PROXRL_ADMIN_KEY": server.admin_key}  # not on the command line
-    with (out / "trainer.log").open("w") as log_file:
-        return subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C reaches it once, through stop_trainer
-        )
-
-
-def read_steps(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return TrainerProcess(server, out / "trainer", overrides, out / "trainer.log")
 
 
 def table(board: Board, args: argparse.Namespace):
@@ -206,35 +188,23 @@ def plot(board: Board, out: Path) -> Path:
 # ----- the run -------------------------------------------------------------------------------
 
 
-async def watch(board: Board, server, out: Path, args: argparse.Namespace, agent: asyncio.Task):
+async def watch(board: Board, server, trainer, args: argparse.Namespace, agent: asyncio.Task):
     """Refresh the live table every second until time is up or the agent stops."""
     from rich.live import Live
 
     from client_sdk import AsyncClient
 
     deadline = board.started + args.minutes * 60
-    metrics = out / "trainer" / "metrics.jsonl"
     async with AsyncClient(server.url, server.admin_key, timeout=30) as client:
         run = next(r for r in await client.list_runs() if r["is_default"])
         with Live(table(board, args), refresh_per_second=2) as live:
             while time.monotonic() < deadline and not agent.done():
                 await asyncio.sleep(1.0)
+                if trainer.exited() is not None:
+                    raise RuntimeError(f"proxrl train stopped; see {trainer.log_path}")
                 board.version = (await client.get_run(run["id"]))["policy_version"]
-                board.steps = read_steps(metrics)
+                board.steps = trainer.steps()
                 live.update(table(board, args))
-
-
-def stop_trainer(process: subprocess.Popen) -> None:
-    """Ctrl-C for the trainer: it finishes its step and checkpoints; killed if it hangs."""
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGINT)
-    try:
-        process.wait(120)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 async def run_agent(board: Board, server, args: argparse.Namespace) -> None:
@@ -272,10 +242,10 @@ async def wait_configured(client, run_id: str) -> None:
         await asyncio.sleep(0.5)
 
 
-async def demo(board: Board, server, out: Path, args: argparse.Namespace) -> None:
+async def demo(board: Board, server, trainer, args: argparse.Namespace) -> None:
     agent = asyncio.create_task(run_agent(board, server, args))
     try:
-        await watch(board, server, out, args, agent)
+        await watch(board, server, trainer, args, agent)
     finally:
         agent.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -311,17 +281,17 @@ def main(argv: list[str] | None = None) -> int:
         server = LocalServer(str(model), out / "server")
         stack.callback(server.stop)
         trainer = start_trainer(server, out, args)
-        stack.callback(stop_trainer, trainer)
+        stack.callback(trainer.stop)
         console.print(f"server {server.url}; trainer log {out / 'trainer.log'}")
         board = Board()
         try:
-            asyncio.run(demo(board, server, out, args))
+            asyncio.run(demo(board, server, trainer, args))
         except KeyboardInterrupt:
             interrupted = True
             console.print("\nstopping (Ctrl-C) ...")
         seconds = time.monotonic() - board.started
-        stop_trainer(trainer)
-        board.steps = read_steps(out / "trainer" / "metrics.jsonl")
+        trainer.stop()
+        board.steps = trainer.steps()
     summary = summarize(board, seconds, out)
     image = plot(board, out) if board.outcomes else None
     console.print(

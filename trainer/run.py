@@ -5,16 +5,20 @@ Everything started here is stopped on the way out, Ctrl-C included.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -72,6 +76,55 @@ class LocalServer:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+
+
+class TrainerProcess:
+    """``proxrl train`` as a subprocess attached to ``server`` (a ``LocalServer``), for scripts
+    that drive an agent beside it (the demo, benchmarks). Its output goes to ``log_path``, its
+    figures to ``output_dir/metrics.jsonl``; the admin key travels in the environment, never on
+    the command line. ``stop()`` is Ctrl-C: the trainer finishes its step and checkpoints."""
+
+    def __init__(
+        self, server: LocalServer, output_dir: Path, overrides: list[str], log_path: Path
+    ) -> None:
+        self.metrics_path = output_dir / "metrics.jsonl"
+        self.log_path = log_path
+        command = [
+            sys.executable, "-m", "server.cli", "train", "--server", server.url,
+            f"output_dir={output_dir}", *overrides,
+        ]  # fmt: skip
+        env = {**os.environ, "PROXRL_ADMIN_KEY": server.admin_key}
+        with log_path.open("w") as log_file:
+            self.process = subprocess.Popen(
+                command,
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a terminal's Ctrl-C reaches it once, through stop()
+            )
+
+    def steps(self) -> list[dict[str, Any]]:
+        """Every step logged so far (a line still being written is left out)."""
+        if not self.metrics_path.exists():
+            return []
+        steps = []
+        for line in self.metrics_path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                steps.append(json.loads(line))
+        return steps
+
+    def exited(self) -> int | None:
+        return self.process.poll()
+
+    def stop(self) -> None:
+        """Ctrl-C, once more if it has not stopped a minute later, then kill its process group."""
+        for sig, wait_s in ((signal.SIGINT, 60), (signal.SIGINT, 30), (signal.SIGKILL, 30)):
+            if self.process.poll() is not None:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(wait_s)
 
 
 def train(config: TrainConfig, stack: ExitStack) -> TrainerState:

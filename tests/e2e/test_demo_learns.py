@@ -29,7 +29,7 @@ from tests.support import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-TRAIN_S = 150.0  # seconds of training before Ctrl-C
+TRAIN_S = 240.0  # seconds of training before Ctrl-C
 MIN_GAIN = 0.10
 
 
