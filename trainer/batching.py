@@ -11,7 +11,8 @@ padded ``[B, L]`` equivalent, for benchmarks to compare against.
 Alignment, as the store writes it: in a row, ``logprobs[i]``, ``loss_mask[i]`` and
 ``versions[i]`` describe token ``input_ids[i]`` given the tokens before it; position 0 of a row
 is a prompt token (mask 0). The model's logits at position ``i`` predict token ``i + 1``;
-`shift_logprobs` undoes that shift, so every per-token array lines up with ``input_ids``.
+`shift_logprobs` undoes that shift, so every per-token array lines up with ``input_ids``;
+`shift_entropy` does the same for the entropy of each next-token distribution.
 
 This module knows nothing about models, losses or workers: it moves indices and tensors.
 """
@@ -220,3 +221,29 @@ def shift_logprobs(
     shifted = chosen - torch.logsumexp(previous, dim=-1)
     shifted = torch.cat([shifted.new_zeros(min(1, num_tokens)), shifted])
     return torch.where(starts, torch.zeros_like(shifted), shifted)
+
+
+ENTROPY_CHUNK = 1024  # positions per chunk: bounds shift_entropy's temporaries to [1024, V]
+
+
+@torch.no_grad()
+def shift_entropy(logits: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """For each packed position i, the entropy (nats) of the distribution that predicted token
+    i, softmax(``logits[i - 1]``); 0 at row starts, as in `shift_logprobs`.
+
+    ``logits`` is ``[T, V]``, already divided by any sampling temperature. A statistic, not a
+    loss term: computed without gradient, a chunk of positions at a time, so it never holds
+    more than a ``[ENTROPY_CHUNK, V]`` temporary. Float32 for half-precision inputs.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"expected logits [T, V], got {tuple(logits.shape)}")
+    num_tokens = logits.shape[0]
+    starts = _row_starts(cu_seqlens, num_tokens)
+    dtype = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
+    out = torch.zeros(num_tokens, dtype=dtype, device=logits.device)
+    for begin in range(0, num_tokens - 1, ENTROPY_CHUNK):
+        chunk = logits[begin : min(begin + ENTROPY_CHUNK, num_tokens - 1)].to(dtype)
+        # entr(p) = -p log p, and 0 where p = 0 (a logit of -inf), where p * log p is nan
+        entropy = torch.special.entr(torch.softmax(chunk, dim=-1)).sum(-1)
+        out[begin + 1 : begin + 1 + chunk.shape[0]] = entropy
+    return out.masked_fill(starts, 0.0)

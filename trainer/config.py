@@ -160,7 +160,11 @@ class TrainConfig:
         "claims are released when it restarts, or come back after this long.",
     )
     request_timeout_s: float = option(60.0, "Timeout of each call to the server.")
-    log_every: int = option(1, "Print a line every N steps.")
+    log_every: int = option(
+        1,
+        "Print the progress line every N steps (and on the last); every step's figures still "
+        "go to metrics.jsonl and the server.",
+    )
     algorithm: AlgorithmConfig = field(
         default_factory=AlgorithmConfig, metadata={"help": "The RL algorithm."}
     )

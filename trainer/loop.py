@@ -1,4 +1,4 @@
-"""The training loop: claim → recompute → advantages → update → publish → log → checkpoint.
+"""The training loop: claim → recompute → advantages → update → publish → checkpoint → log.
 
 ``Trainer.run`` reads top to bottom like the recipe. Generation never waits for it: the server
 keeps serving while a step trains, and new weights are swapped into the engines in place.
@@ -122,14 +122,22 @@ class Trainer:
 
     def run(self) -> TrainerState:
         config = self.config
-        progress = Progress(config.max_steps, self.state.step, self.output / "metrics.jsonl")
+        progress = Progress(
+            config.max_steps,
+            self.state.step,
+            self.output / "metrics.jsonl",
+            log_every=config.log_every,
+            reference_kl=config.algorithm.kl_coef > 0,
+        )
         progress.report = lambda record: self.server.post_step(
             self.run_id, record["step"], record["version"], record
         )
         while self.state.step < config.max_steps and not self.stopping:
+            started = time.monotonic()
             claimed = self.claim()  # 1. a batch of trainable sessions, exactly once
             if claimed is None:
                 break
+            claim_s = time.monotonic() - started
             batch = build_batch(  # 3. advantages; stale tokens masked or sessions dropped
                 claimed.sessions,
                 policy_version=self.state.version,
@@ -144,12 +152,9 @@ class Trainer:
             publish_s = self.publisher.publish(self.state.version)  # 6. engines swap
             self.state.step += 1
             self.pending += claimed.claim_ids
-            progress.step(self.state, batch, stats, publish_s)  # 7. log
-            if (
-                self.state.step % config.checkpoint_every == 0
-                or self.state.step == config.max_steps
-            ):
-                self.checkpoint()  # 8. model, optimizer, version, what was consumed
+            checkpoint_s = self.checkpoint_if_due()  # 7. model, optimizer, what was consumed
+            phases = Phases(claim_s, publish=publish_s, checkpoint=checkpoint_s)
+            progress.step(self.state, batch, stats, phases)  # 8. log
         if self.pending:
             self.checkpoint()
         return self.state
@@ -204,8 +209,18 @@ class Trainer:
             for key, value in result.items():
                 totals[key] = totals.get(key, 0.0) + value
         totals["grad_norm_sum"] = results[0].get("grad_norm_sum", 0.0)  # the same on every rank
-        totals["seconds"] = max(r.get("seconds", 0.0) for r in results)
+        for key in ("seconds", "proximal_seconds"):  # wall time: the slowest rank's
+            totals[key] = max(r.get(key, 0.0) for r in results)
         return totals
+
+    def checkpoint_if_due(self) -> float:
+        """Checkpoint every ``checkpoint_every`` steps and at the last; the seconds it took."""
+        step = self.state.step
+        if step % self.config.checkpoint_every and step != self.config.max_steps:
+            return 0.0
+        started = time.monotonic()
+        self.checkpoint()
+        return time.monotonic() - started
 
     def checkpoint(self) -> None:
         path = self.checkpoints.path(self.state.step)
@@ -226,66 +241,138 @@ class Trainer:
         self.stopping = True
 
 
-class Progress:
-    """One line per step with rates and an ETA, and every step's figures in ``metrics.jsonl``."""
+# (record key prefix, name in the progress line) of the phases the line times
+PHASES_SHOWN = (
+    ("claim", "claim"),
+    ("proximal", "prox"),
+    ("update", "update"),
+    ("publish", "publish"),
+    ("checkpoint", "ckpt"),
+)
 
-    def __init__(self, max_steps: int, first_step: int, path: Path) -> None:
+
+@dataclass(frozen=True)
+class Phases:
+    """Seconds the driver spent in the step's phases outside the workers' update."""
+
+    claim: float
+    publish: float
+    checkpoint: float = 0.0  # 0 in a step that wrote no checkpoint
+
+
+def step_record(
+    state: TrainerState,
+    batch: Batch,
+    stats: dict[str, float],
+    phases: Phases,
+    reference_kl: bool = False,
+) -> dict[str, Any]:
+    """Every figure of one step, as written to ``metrics.jsonl`` and posted to the server.
+
+    ``stats`` are the workers' sums (``loss.STAT_NAMES`` and the worker's own, summed over
+    micro-batches and ranks); fractions and the entropy are over the step's loss tokens, the
+    ratio and KL figures over the tokens the behaviour mask kept. ``reference_kl`` adds the KL
+    to the reference model (trained with ``kl_coef > 0``).
+    """
+    tokens = batch.loss_tokens
+    tokens_all = max(stats.get("tokens", tokens), 1)
+    kept = max(stats.get("kept_tokens", 0.0), 1.0)
+    train_s = stats.get("seconds", 0.0)
+    proximal_s = stats.get("proximal_seconds", 0.0)
+    advantages = [
+        advantage
+        for sample in batch.samples
+        for advantage, in_loss in zip(sample.advantages, sample.loss_mask, strict=True)
+        if in_loss
+    ]
+    record: dict[str, Any] = {
+        "time": time.time(),
+        "step": state.step,
+        "version": state.version,
+        "sessions": batch.sessions,
+        "session_ids": batch.session_ids,
+        "dropped_sessions": batch.dropped_sessions,
+        "reward_mean": _mean(batch.rewards),
+        **_summary("advantage", advantages),
+        "trained_tokens": tokens,
+        "stale_tokens": batch.stale_tokens,
+        "staleness_mean": _mean(batch.staleness),
+        "staleness_max": max(batch.staleness, default=0),
+        "staleness_histogram": _histogram(batch.staleness),
+        "loss": stats.get("loss_sum", 0.0) / max(stats.get("optimizer_steps", 1.0), 1.0),
+        "entropy": stats.get("entropy_sum", 0.0) / tokens_all,
+        "clip_fraction": stats.get("clipped_tokens", 0.0) / tokens_all,
+        "dual_clip_fraction": stats.get("dual_clipped_tokens", 0.0) / tokens_all,
+        "ratio_mean": stats.get("ratio_sum", 0.0) / kept,
+        "approx_kl": stats.get("approx_kl_sum", 0.0) / kept,
+        "behaviour_over_cap_fraction": stats.get("behaviour_over_cap_tokens", 0.0) / tokens_all,
+        "behaviour_masked_fraction": stats.get("behaviour_masked_tokens", 0.0) / tokens_all,
+        "behaviour_weight_mean": stats.get("behaviour_weight_sum", 0.0) / tokens_all,
+        "logprob_mismatch_mean": (
+            stats["mismatch_sum"] / stats["mismatch_tokens"]
+            if stats.get("mismatch_tokens")
+            else None
+        ),
+        "grad_norm": stats.get("grad_norm_sum", 0.0),
+        "claim_seconds": phases.claim,
+        "train_seconds": train_s,
+        "proximal_seconds": proximal_s,
+        "update_seconds": max(train_s - proximal_s, 0.0),
+        "publish_seconds": phases.publish,
+        "checkpoint_seconds": phases.checkpoint,
+        "tokens_per_second": tokens / max(train_s + phases.publish, 1e-9),
+    }
+    if reference_kl:
+        record["reference_kl"] = stats.get("reference_kl_sum", 0.0) / kept
+    return record
+
+
+class Progress:
+    """Every step's figures to ``metrics.jsonl`` and the server; a line every ``log_every``
+    steps (and on the last) with rates, phase times and an ETA."""
+
+    def __init__(
+        self,
+        max_steps: int,
+        first_step: int,
+        path: Path,
+        log_every: int = 1,
+        reference_kl: bool = False,
+    ) -> None:
         self.max_steps = max_steps
         self.first_step = first_step
+        self.log_every = log_every
+        self.reference_kl = reference_kl
         self.started = time.monotonic()
         self.path = path
         self.report: Callable[[dict[str, Any]], None] | None = None
 
     def step(
-        self, state: TrainerState, batch: Batch, stats: dict[str, float], publish_s: float
-    ) -> None:
-        elapsed = time.monotonic() - self.started
-        done = state.step - self.first_step
-        eta = elapsed / done * (self.max_steps - state.step) if done else float("nan")
-        tokens = batch.loss_tokens
-        tokens_all = max(stats.get("tokens", tokens), 1)
-        record = {
-            "time": time.time(),
-            "step": state.step,
-            "version": state.version,
-            "sessions": batch.sessions,
-            "session_ids": batch.session_ids,
-            "dropped_sessions": batch.dropped_sessions,
-            "reward_mean": _mean(batch.rewards),
-            "trained_tokens": tokens,
-            "stale_tokens": batch.stale_tokens,
-            "staleness_mean": _mean(batch.staleness),
-            "staleness_max": max(batch.staleness, default=0),
-            "staleness_histogram": _histogram(batch.staleness),
-            "loss": stats.get("loss_sum", 0.0) / max(stats.get("optimizer_steps", 1.0), 1.0),
-            "clip_fraction": stats.get("clipped_tokens", 0.0) / tokens_all,
-            "behaviour_masked_fraction": stats.get("behaviour_masked_tokens", 0.0) / tokens_all,
-            "behaviour_weight_mean": stats.get("behaviour_weight_sum", 0.0) / tokens_all,
-            "grad_norm": stats.get("grad_norm_sum", 0.0),
-            "train_seconds": stats.get("seconds", 0.0),
-            "publish_seconds": publish_s,
-            "tokens_per_second": tokens / max(stats.get("seconds", 0.0) + publish_s, 1e-9),
-        }
+        self, state: TrainerState, batch: Batch, stats: dict[str, float], phases: Phases
+    ) -> dict[str, Any]:
+        record = step_record(state, batch, stats, phases, self.reference_kl)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.report is not None:
             self.report(record)
-        log.info(
-            "step %d/%d · v%d · reward %.3f · %d sessions, %d tokens (%.0f tok/s) · "
-            "staleness %.2f (max %d) · clip %.3f · train %.1fs, publish %.2fs · ETA %s",
-            state.step,
-            self.max_steps,
-            state.version,
-            record["reward_mean"],
-            batch.sessions,
-            tokens,
-            record["tokens_per_second"],
-            record["staleness_mean"],
-            record["staleness_max"],
-            record["clip_fraction"],
-            record["train_seconds"],
-            publish_s,
-            _duration(eta),
+        if state.step % self.log_every == 0 or state.step >= self.max_steps:
+            log.info("%s", self.line(record))
+        return record
+
+    def line(self, record: dict[str, Any]) -> str:
+        elapsed = time.monotonic() - self.started
+        done = record["step"] - self.first_step
+        eta = elapsed / done * (self.max_steps - record["step"]) if done else float("nan")
+        seconds = " ".join(
+            f"{short} {record[f'{name}_seconds']:.2f}" for name, short in PHASES_SHOWN
+        )
+        return (
+            f"step {record['step']}/{self.max_steps} · v{record['version']} · "
+            f"reward {record['reward_mean']:.3f} · {record['sessions']} sessions, "
+            f"{record['trained_tokens']} tokens ({record['tokens_per_second']:.0f} tok/s) · "
+            f"staleness {record['staleness_mean']:.2f} (max {record['staleness_max']}) · "
+            f"loss {record['loss']:.4f} · entropy {record['entropy']:.3f} · "
+            f"clip {record['clip_fraction']:.3f} · seconds: {seconds} · ETA {_duration(eta)}"
         )
 
 
@@ -299,6 +386,18 @@ def _histogram(values: list[int]) -> list[int]:
 
 def _mean(values: list[float] | list[int]) -> float:
     return sum(values) / len(values) if values else 0.0
+
+
+def _summary(name: str, values: list[float]) -> dict[str, float]:
+    """``name``_mean, _std (population), _min and _max of ``values``; all 0 when empty."""
+    mean = _mean(values)
+    variance = _mean([(value - mean) ** 2 for value in values])
+    return {
+        f"{name}_mean": mean,
+        f"{name}_std": variance**0.5,
+        f"{name}_min": min(values, default=0.0),
+        f"{name}_max": max(values, default=0.0),
+    }
 
 
 def _duration(seconds: float) -> str:

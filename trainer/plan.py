@@ -28,6 +28,7 @@ def micro_batch(samples: Sequence[Sample]) -> MicroBatch:
         loss_mask=[s.loss_mask for s in samples],
         behaviour=[s.behaviour for s in samples],
         advantages=[s.advantages for s in samples],
+        fresh=[s.fresh or [0] * len(s.input_ids) for s in samples],
     )
 
 

@@ -28,6 +28,9 @@ class Sample:
     behaviour: list[float]  # the engine's logprob of each token (0 on prompt tokens)
     versions: list[int]  # the policy version that sampled each token (-1 on prompt tokens)
     advantages: list[float] = field(default_factory=list)
+    # 1 on loss tokens sampled by the very policy the step starts from (staleness 0): there the
+    # engine's and the trainer's logprobs should agree, so their gap measures the mismatch.
+    fresh: list[int] = field(default_factory=list)
 
     @property
     def loss_tokens(self) -> int:
@@ -97,6 +100,7 @@ def build_batch(
             for i in range(turn["start"], turn["end"]):
                 row.advantages[i] = advantage
         for row in rows:
+            row.fresh = [0] * len(row.versions)
             for i, version in enumerate(row.versions):
                 if not row.loss_mask[i]:
                     continue
@@ -105,6 +109,7 @@ def build_batch(
                     stale_tokens += 1
                 else:
                     staleness.append(max(0, policy_version - version))
+                    row.fresh[i] = int(version == policy_version)
             if row.loss_tokens:
                 samples.append(row)
     return Batch(

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer.batching import packed, shift_logprobs
+from trainer.batching import PackedBatch, packed, shift_entropy, shift_logprobs
 from trainer.loss import decoupled_ppo_loss
 
 # Files of a model directory that are not weights: copied next to every published version.
@@ -54,6 +54,7 @@ class MicroBatch:
     loss_mask: list[list[int]] = field(default_factory=list)
     behaviour: list[list[float]] = field(default_factory=list)
     advantages: list[list[float]] = field(default_factory=list)
+    fresh: list[list[int]] = field(default_factory=list)  # loss tokens at staleness 0
 
 
 @dataclass(frozen=True)
@@ -154,8 +155,12 @@ class Worker:
 
     # ----- forward ----------------------------------------------------------------------------
 
-    def _forward(self, model: torch.nn.Module, micro: MicroBatch) -> tuple[torch.Tensor, Any]:
-        """Logprob of each packed token given the tokens before it in its row (0 at row starts)."""
+    def _forward(
+        self, model: torch.nn.Module, micro: MicroBatch, entropy: bool = False
+    ) -> tuple[torch.Tensor, PackedBatch, torch.Tensor | None]:
+        """Logprob of each packed token given the tokens before it in its row (0 at row starts),
+        the packed batch, and with ``entropy`` the entropy of the distribution that predicted
+        each token (no gradient; from the same logits, which die with this call)."""
         rows = micro.rows or [[0]]  # an empty micro-batch still runs so collectives line up
         batch = packed(rows)
         input_ids = batch.input_ids.to(self.device)
@@ -166,14 +171,16 @@ class Worker:
             use_cache=False,
         ).logits
         logits = logits[0].float() / self.settings.temperature
-        return shift_logprobs(logits, input_ids[0], batch.cu_seqlens.to(self.device)), batch
+        cu_seqlens = batch.cu_seqlens.to(self.device)
+        entropies = shift_entropy(logits.detach(), cu_seqlens) if entropy else None
+        return shift_logprobs(logits, input_ids[0], cu_seqlens), batch, entropies
 
     @torch.no_grad()
     def logprobs(self, micros: list[MicroBatch]) -> list[list[list[float]]]:
         """Per micro-batch, per row, the current policy's logprob of each token."""
         out = []
         for micro in micros:
-            values, batch = self._forward(self.model, micro)
+            values, batch, _ = self._forward(self.model, micro)
             out.append(split_rows(values, batch.cu_seqlens, len(micro.rows)))
         return out
 
@@ -190,7 +197,9 @@ class Worker:
         started = time.perf_counter()
         flat = [micro for minibatch in minibatches for micro in minibatch]
         proximal = self._proximal(flat)
-        totals: dict[str, float] = {}
+        self._synchronize()
+        proximal_seconds = time.perf_counter() - started
+        totals = self._mismatch(flat, proximal)
         index = 0
         for minibatch, count in zip(minibatches, tokens, strict=True):
             self._set_lr()
@@ -205,8 +214,15 @@ class Worker:
             self.optimizer.step()
         self.step_count += 1
         totals["optimizer_steps"] = float(len(minibatches))
+        self._synchronize()
         totals["seconds"] = time.perf_counter() - started
+        totals["proximal_seconds"] = proximal_seconds
         return totals
+
+    def _synchronize(self) -> None:
+        """Wait for queued GPU work, so that phase timings measure it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _proximal(self, micros: list[MicroBatch]) -> list[torch.Tensor | None]:
         """Logprobs under the weights at the start of the step (decoupled PPO's pi_prox)."""
@@ -215,11 +231,28 @@ class Worker:
         with torch.no_grad():
             return [self._forward(self.model, micro)[0] for micro in micros]
 
+    def _mismatch(
+        self, micros: list[MicroBatch], proximal: list[torch.Tensor | None]
+    ) -> dict[str, float]:
+        """Engine-vs-trainer logprob gap: the sum of |log pi_prox - log pi_behav| over the loss
+        tokens the step's own starting policy sampled (there both sides ran the same weights),
+        and their count. Only with decoupled PPO, where pi_prox is computed anyway."""
+        gap, count = 0.0, 0.0
+        for micro, prox in zip(micros, proximal, strict=True):
+            if prox is None or not micro.rows:
+                continue
+            fresh = _flat(micro.fresh, torch.float32, self.device)
+            behaviour = _flat(micro.behaviour, torch.float32, self.device)
+            gap += float(((prox.float() - behaviour).abs() * fresh).sum())
+            count += float(fresh.sum())
+        return {"mismatch_sum": gap, "mismatch_tokens": count}
+
     def _backward(
         self, micro: MicroBatch, proximal: torch.Tensor | None, total_tokens: int
     ) -> dict[str, float]:
         settings = self.settings
-        logprobs, batch = self._forward(self.model, micro)
+        logprobs, batch, entropy = self._forward(self.model, micro, entropy=True)
+        assert entropy is not None
         device = self.device
         if micro.rows:
             mask = _flat(micro.loss_mask, torch.float32, device)
@@ -253,6 +286,7 @@ class Worker:
         (loss * self.world_size).backward()
         out = {key: float(value) for key, value in stats.items()}
         out["loss_sum"] = float(loss.detach())
+        out["entropy_sum"] = float((entropy * mask).sum())
         return out
 
     def _set_lr(self) -> None:

@@ -1,7 +1,8 @@
-"""Packing, balancing, minibatches, packed tensors and shifted logprobs.
+"""Packing, balancing, minibatches, packed tensors, shifted logprobs and entropies.
 
-Numerics: float64 logprobs agree with a per-row float64 reference to 1e-12; float32 to 1e-5;
-bfloat16 logits (upcast inside) agree with float64 on the same bfloat16 values to 1e-5.
+Numerics: float64 logprobs and entropies agree with a per-row float64 reference to 1e-12;
+float32 to 1e-5; bfloat16 logits (upcast inside) agree with float64 on the same bfloat16
+values to 1e-5.
 Planning: budgets exact; balance within the LPT bound (4/3 - 1/(3m)) of a brute-force optimum;
 pack within first-fit decreasing's bound 11/9 OPT + 6/9 of a brute-force optimum.
 """
@@ -9,12 +10,22 @@ pack within first-fit decreasing's bound 11/9 OPT + 6/9 of a brute-force optimum
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
 import torch
 
-from trainer.batching import balance, minibatches, pack, packed, padded, shift_logprobs
+from trainer import batching
+from trainer.batching import (
+    balance,
+    minibatches,
+    pack,
+    packed,
+    padded,
+    shift_entropy,
+    shift_logprobs,
+)
 
 TOL64 = 1e-12
 
@@ -334,3 +345,86 @@ def test_shift_logprobs_refuses_mismatched_shapes():
         shift_logprobs(logits[None], batch.input_ids, batch.cu_seqlens)
     with pytest.raises(ValueError, match="cu_seqlens"):
         shift_logprobs(logits, batch.input_ids[0], batch.cu_seqlens[:-1])
+
+
+# --- shift_entropy ------------------------------------------------------------------------
+
+
+def entropy_reference(logits_per_row: list[torch.Tensor]) -> list[float]:
+    """Each row alone, term by term in Python floats: position 0 gets 0, position j the
+    entropy -sum p log p of softmax(logits[j - 1]), with p = 0 terms left out."""
+    out = []
+    for logits in logits_per_row:
+        out.append(0.0)
+        for values in logits.double().tolist()[:-1]:
+            top = max(values)
+            weights = [math.exp(v - top) for v in values]
+            total = sum(weights)
+            out.append(-sum(w / total * math.log(w / total) for w in weights if w > 0))
+    return out
+
+
+def test_shift_entropy_matches_a_per_row_reference_in_float64():
+    batch = packed(ROWS)
+    per_row = random_logits(ROWS, seed=7)
+    out = shift_entropy(torch.cat(per_row), batch.cu_seqlens)
+    assert out.dtype == torch.float64
+    want = torch.tensor(entropy_reference(per_row), dtype=torch.float64)
+    assert torch.allclose(out, want, rtol=0, atol=TOL64)
+    assert out[batch.cu_seqlens[:-1].long()].tolist() == [0.0] * len(ROWS)
+
+
+def test_shift_entropy_of_uniform_and_of_certain_distributions():
+    batch = packed([[1, 2, 3]])
+    logits = torch.zeros(3, VOCAB, dtype=torch.float64)
+    logits[1, 4] = 1e4  # position 2 is predicted with certainty
+    out = shift_entropy(logits, batch.cu_seqlens)
+    assert out.tolist() == pytest.approx([0.0, math.log(VOCAB), 0.0], abs=TOL64)
+
+
+def test_shift_entropy_in_float32_and_bfloat16():
+    batch = packed(ROWS)
+    for dtype in (torch.float32, torch.bfloat16):
+        per_row = random_logits(ROWS, dtype=dtype, seed=8)
+        out = shift_entropy(torch.cat(per_row), batch.cu_seqlens)
+        assert out.dtype == torch.float32
+        want = torch.tensor(entropy_reference(per_row), dtype=torch.float64)
+        assert torch.allclose(out.double(), want, rtol=0, atol=1e-5)
+
+
+def test_shift_entropy_ignores_impossible_tokens():
+    batch = packed(ROWS)
+    per_row = random_logits(ROWS, seed=9)
+    for logits in per_row:
+        logits[:, :5] = float("-inf")  # as after top-k or a vocabulary mask
+    out = shift_entropy(torch.cat(per_row), batch.cu_seqlens)
+    want = torch.tensor(entropy_reference(per_row), dtype=torch.float64)
+    assert torch.allclose(out, want, rtol=0, atol=TOL64)
+
+
+def test_shift_entropy_is_the_same_in_chunks(monkeypatch):
+    batch = packed(ROWS)
+    logits = torch.cat(random_logits(ROWS, seed=10))
+    whole = shift_entropy(logits, batch.cu_seqlens)
+    for chunk in (1, 2, 3, batch.num_tokens - 1, batch.num_tokens):
+        monkeypatch.setattr(batching, "ENTROPY_CHUNK", chunk)
+        assert torch.equal(shift_entropy(logits, batch.cu_seqlens), whole), chunk
+
+
+def test_shift_entropy_never_reads_across_rows_and_carries_no_gradient():
+    batch = packed(ROWS)
+    logits = torch.cat(random_logits(ROWS, seed=11)).requires_grad_(True)
+    out = shift_entropy(logits, batch.cu_seqlens)
+    assert not out.requires_grad
+    poisoned = logits.detach().clone()
+    poisoned[(batch.cu_seqlens[1:] - 1).long()] = float("nan")  # each row's last logits
+    assert torch.equal(shift_entropy(poisoned, batch.cu_seqlens), out)
+
+
+def test_shift_entropy_refuses_bad_shapes():
+    batch = packed(ROWS)
+    logits = torch.cat(random_logits(ROWS))
+    with pytest.raises(ValueError, match=r"logits \[T, V\]"):
+        shift_entropy(logits[None], batch.cu_seqlens)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        shift_entropy(logits, batch.cu_seqlens[:-1])

@@ -113,6 +113,9 @@ def test_stale_tokens_are_masked_and_counted():
     assert a.loss_mask == [0, 0, 1, 1, 1]
     assert out.stale_tokens == 1
     assert sorted(out.staleness) == [0, 0, 1, 2]
+    # fresh: loss tokens the step's own starting policy (version 5) sampled
+    assert a.fresh == [0, 0, 0, 0, 1]
+    assert out.samples[1].fresh == [0, 1]
 
 
 def test_stale_sessions_are_dropped_in_drop_mode():

@@ -1,0 +1,185 @@
+"""The per-step figures (trainer/loop.py's step_record) and the progress log.
+
+The loss statistics come from the real `decoupled_ppo_loss` on small float64 tensors, summed
+over two micro-batches as the loop sums them; every figure is checked against a per-token
+Python reference to 1e-12.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import statistics
+
+import pytest
+import torch
+
+from trainer.checkpoint import TrainerState
+from trainer.loop import Phases, Progress, step_record
+from trainer.loss import decoupled_ppo_loss
+from trainer.rollouts import Batch, Sample
+
+TOL = 1e-12
+CAP = 1.5
+
+
+def sample(advantages: list[float], mask: list[int]) -> Sample:
+    return Sample(
+        session_id="s",
+        input_ids=[1] * len(mask),
+        loss_mask=mask,
+        behaviour=[0.0] * len(mask),
+        versions=[0 if m else -1 for m in mask],
+        advantages=advantages,
+    )
+
+
+def make_batch() -> Batch:
+    samples = [
+        # advantages on prompt tokens are never trained: the figures must leave them out
+        sample([9.0, 9.0, 0.5, 0.5, 0.5], [0, 0, 1, 1, 1]),
+        sample([-9.0, -1.25, -1.25], [0, 1, 1]),
+        sample([0.0, 2.0, 7.0, 2.0], [0, 1, 0, 1]),
+    ]
+    return Batch(
+        samples=samples,
+        sessions=3,
+        dropped_sessions=0,
+        stale_tokens=0,
+        rewards=[1.0, 0.0, 0.5],
+        staleness=[0, 1, 1, 2, 0, 0, 1],
+        session_ids=["a", "b", "c"],
+    )
+
+
+def micro_batch_tensors(seed: int, size: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    proximal = -torch.rand(size, generator=g, dtype=torch.float64) * 3
+    return {
+        "logprobs": proximal + torch.randn(size, generator=g, dtype=torch.float64) * 0.3,
+        "proximal_logprobs": proximal,
+        "behaviour_logprobs": proximal + torch.randn(size, generator=g, dtype=torch.float64) * 0.6,
+        "advantages": torch.randn(size, generator=g, dtype=torch.float64),
+        "loss_mask": torch.rand(size, generator=g) > 0.3,
+        "reference_logprobs": proximal + torch.randn(size, generator=g, dtype=torch.float64) * 0.2,
+    }
+
+
+def loss_stats(micros: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """The workers' sums over micro-batches, as Worker.train_step and Trainer.train add them."""
+    total = sum(int(m["loss_mask"].sum()) for m in micros)
+    totals: dict[str, float] = {}
+    for m in micros:
+        _, stats = decoupled_ppo_loss(
+            **m, total_tokens=total, behaviour_cap=CAP, behaviour_mode="token_mask", kl_coef=0.1
+        )
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
+
+
+def reference_figures(micros: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Token by token in Python floats: fractions over loss tokens, means over kept ones."""
+    tokens = over_cap = 0
+    ratios, kls, reference_kls = [], [], []
+    for m in micros:
+        rows = zip(
+            m["logprobs"].tolist(),
+            m["proximal_logprobs"].tolist(),
+            m["behaviour_logprobs"].tolist(),
+            m["reference_logprobs"].tolist(),
+            m["loss_mask"].tolist(),
+            strict=True,
+        )
+        for logp, prox, behav, ref, in_loss in rows:
+            if not in_loss:
+                continue
+            tokens += 1
+            if math.exp(prox - behav) > CAP:
+                over_cap += 1  # token_mask: dropped
+                continue
+            ratios.append(math.exp(logp - prox))
+            kls.append(math.exp(prox - logp) - (prox - logp) - 1)
+            reference_kls.append(math.exp(ref - logp) - (ref - logp) - 1)
+    return {
+        "behaviour_over_cap_fraction": over_cap / tokens,
+        "behaviour_masked_fraction": over_cap / tokens,
+        "ratio_mean": statistics.fmean(ratios),
+        "approx_kl": statistics.fmean(kls),
+        "reference_kl": statistics.fmean(reference_kls),
+    }
+
+
+def test_step_figures_against_a_token_by_token_reference():
+    batch = make_batch()
+    micros = [micro_batch_tensors(0, 23), micro_batch_tensors(1, 17)]
+    stats = loss_stats(micros)
+    stats.update(
+        entropy_sum=12.5, seconds=3.0, proximal_seconds=0.75, mismatch_sum=0.2, mismatch_tokens=4
+    )
+    state = TrainerState(step=4, version=9)
+    record = step_record(state, batch, stats, Phases(claim=0.5, publish=0.25, checkpoint=2.0), True)
+
+    want = reference_figures(micros)
+    assert want["behaviour_over_cap_fraction"] > 0  # the cap is hit: the case tests something
+    for key, value in want.items():
+        assert record[key] == pytest.approx(value, rel=0, abs=TOL), key
+
+    trained = [0.5, 0.5, 0.5, -1.25, -1.25, 2.0, 2.0]  # loss tokens only
+    assert record["advantage_mean"] == pytest.approx(statistics.fmean(trained), abs=TOL)
+    assert record["advantage_std"] == pytest.approx(statistics.pstdev(trained), abs=TOL)
+    assert (record["advantage_min"], record["advantage_max"]) == (-1.25, 2.0)
+
+    assert record["entropy"] == pytest.approx(12.5 / stats["tokens"], abs=TOL)
+    assert record["logprob_mismatch_mean"] == pytest.approx(0.05, abs=TOL)
+    assert (record["staleness_mean"], record["staleness_max"]) == (5 / 7, 2)
+    assert record["staleness_histogram"] == [3, 3, 1]
+    phases = {
+        key: record[f"{key}_seconds"]
+        for key in ("claim", "train", "proximal", "update", "publish", "checkpoint")
+    }
+    assert phases == {
+        "claim": 0.5,
+        "train": 3.0,
+        "proximal": 0.75,
+        "update": 2.25,
+        "publish": 0.25,
+        "checkpoint": 2.0,
+    }
+    assert record["tokens_per_second"] == pytest.approx(7 / 3.25, abs=TOL)
+    json.dumps(record)  # it goes to metrics.jsonl and over HTTP as is
+
+
+def test_reference_kl_only_when_trained_with_a_reference():
+    record = step_record(TrainerState(step=1, version=1), make_batch(), {}, Phases(0.0, 0.0))
+    assert "reference_kl" not in record
+
+
+def test_an_empty_step_has_finite_figures():
+    empty = Batch([], sessions=2, dropped_sessions=2, stale_tokens=0, rewards=[], staleness=[],
+                  session_ids=["a", "b"])  # fmt: skip
+    record = step_record(TrainerState(step=1, version=1), empty, {}, Phases(0.1, 0.0), True)
+    numbers = [v for v in record.values() if isinstance(v, float)]
+    assert numbers and all(math.isfinite(v) for v in numbers)
+    assert record["advantage_std"] == 0.0 and record["entropy"] == 0.0
+    assert record["logprob_mismatch_mean"] is None
+
+
+def test_every_step_is_recorded_and_a_line_printed_every_log_every_steps(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    posted: list[dict] = []
+    progress = Progress(max_steps=7, first_step=0, path=path, log_every=3)
+    progress.report = posted.append
+    rng = random.Random(0)
+    with caplog.at_level(logging.INFO, logger="proxrl.trainer"):
+        for step in range(1, 8):
+            stats = {"seconds": rng.uniform(1, 2), "proximal_seconds": 0.5, "tokens": 7.0}
+            progress.step(TrainerState(step=step, version=step), make_batch(), stats, Phases(1, 1))
+    lines = [r.getMessage() for r in caplog.records if r.name == "proxrl.trainer"]
+    assert [line.split()[1] for line in lines] == ["3/7", "6/7", "7/7"]  # and always the last
+    for name in ("claim", "prox", "update", "publish", "ckpt", "entropy", "loss"):
+        assert f" {name} " in lines[0], (name, lines[0])
+    written = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in written] == [r["step"] for r in posted] == list(range(1, 8))
