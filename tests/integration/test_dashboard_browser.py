@@ -213,9 +213,13 @@ def test_log_in_and_see_the_run_with_its_charts(page, live, shots):
         section = page.locator(f'[data-chart="{chart}"][data-drawn="yes"]')
         section.wait_for(timeout=20_000)
         assert section.locator("svg.main-svg").count() >= 1, chart
-    mismatch = page.locator('[data-chart="mismatch"]')
-    assert mismatch.get_attribute("data-drawn") == "empty"
-    assert "does not report" in mismatch.inner_text()
+    # Step 1 trains tokens its own starting weights sampled: there the engine's and the
+    # trainer's float32 logprobs agree to rounding, so the reported gap is tiny.
+    page.locator('[data-chart="mismatch"][data-drawn="yes"]').wait_for(timeout=20_000)
+    gaps = page.evaluate(
+        "() => document.getElementById('chart-mismatch').data[0].y.filter(y => y !== null)"
+    )
+    assert gaps and all(0 <= gap < 1e-3 for gap in gaps), gaps
     batch_mean = (
         "() => document.getElementById('chart-reward').data"
         ".find(t => t.name === 'trainer batch mean').x"

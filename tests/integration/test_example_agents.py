@@ -176,29 +176,12 @@ def test_the_langchain_agent_ends_every_session_trainable(framework_agent, clien
 
 def test_the_math_agent_runs_whole_grpo_groups_from_its_command_line(client, proxy):
     run = client.create_run(name="math-agent")
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(AGENTS / "math_agent.py"),
-            "--base-url",
-            proxy.url,
-            "--admin-key",
-            ProxyProcess.ADMIN_KEY,
-            "--run-id",
-            run["id"],
-            "--sessions",
-            "8",
-            "--group-size",
-            "4",
-            "--concurrency",
-            "8",
-            "--seed",
-            "2",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    command = [
+        sys.executable, str(AGENTS / "math_agent.py"), "--base-url", proxy.url,
+        "--admin-key", ProxyProcess.ADMIN_KEY, "--run-id", run["id"], "--sessions", "8",
+        "--group-size", "4", "--concurrency", "8", "--seed", "2",
+    ]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     assert "8 sessions in groups of 4" in out.stdout
     arithmetic = import_agent("arithmetic")
