@@ -154,6 +154,7 @@ def start_trainer(server: LocalServer, mode: Mode, out: Path, args) -> TrainerPr
         f"algorithm.group_size={args.group_size}",
         f"algorithm.decoupled={'true' if mode.decoupled else 'false'}",
         f"algorithm.temperature={TEMPERATURE}",
+        f"algorithm.ppo_minibatches={args.ppo_minibatches}",
     ]  # fmt: skip
     return TrainerProcess(server, out / "trainer", overrides, out / "trainer.log")
 
@@ -346,7 +347,8 @@ def notes(results: list[ModeResult], bound: Bound, args) -> list[str]:
     start_reward = statistics.mean(r.calibration_reward for r in results)
     lines = [
         f"{args.steps} steps x {args.batch_size} sessions (GRPO groups of {args.group_size}) per "
-        f"mode; {args.concurrency} sessions in flight; lr {args.lr}; max_tokens {args.max_tokens}",
+        f"mode; {args.concurrency} sessions in flight; lr {args.lr}; max_tokens {args.max_tokens}; "
+        f"{args.ppo_minibatches} PPO minibatch(es) per step",
         "wall: from the agent's start (the trainer's workers up) to the trainer's last step; "
         "trained tok/s = sum of metrics.jsonl trained_tokens / wall",
         f"reward of the warmed-up model (calibration batches, every mode): {start_reward:.3f}",
@@ -409,6 +411,12 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--staleness", type=positive_int, default=4, help="max_staleness when async.")
     p.add_argument("--lr", type=float, default=5e-4, help="The trainer's learning rate.")
+    p.add_argument(
+        "--ppo-minibatches",
+        type=positive_int,
+        default=1,
+        help="Optimizer steps per training step (more: training weighs more against generation).",
+    )
     p.add_argument("--max-tokens", type=positive_int, default=80, help="max_tokens per answer.")
     p.add_argument("--final-steps", type=positive_int, default=4, help="Steps in final reward.")
     p.add_argument("--seed", type=int, default=0)
