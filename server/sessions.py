@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from server.context import ServerContext
 from server.errors import Conflict, NotFound
 from server.run_config import RunConfig
@@ -69,21 +71,23 @@ async def list_sessions(
 ) -> list[SessionSummary]:
     async with ctx.sessionmaker() as db:
         found = await store.list_sessions(db, run_id, status, task_id, limit, offset)
-    return [
-        SessionSummary(
-            session_id=s.id,
-            run_id=s.run_id,
-            task_id=s.task_id,
-            group_id=s.group_id,
-            status=s.status,
-            created_at=s.created_at,
-            ended_at=s.ended_at,
-            turn_count=s.turn_count,
-            row_count=s.row_count,
-            breaks=s.breaks,
-        )
-        for s in found
-    ]
+    return [SessionSummary(**summary_fields(s)) for s in found]
+
+
+def summary_fields(session: Session) -> dict[str, Any]:
+    """The fields of a ``SessionSummary`` (and of the schemas that extend it)."""
+    return {
+        "session_id": session.id,
+        "run_id": session.run_id,
+        "task_id": session.task_id,
+        "group_id": session.group_id,
+        "status": session.status,
+        "created_at": session.created_at,
+        "ended_at": session.ended_at,
+        "turn_count": session.turn_count,
+        "row_count": session.row_count,
+        "breaks": session.breaks,
+    }
 
 
 async def session_view(ctx: ServerContext, session: Session) -> SessionOut:

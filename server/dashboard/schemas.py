@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from server.schemas import SessionOut
+from server.schemas import SessionOut, SessionSummary
 
 
 class RunSummary(BaseModel):
@@ -87,17 +87,7 @@ class RunSeries(BaseModel):
     )
 
 
-class SessionRow(BaseModel):
-    session_id: str
-    run_id: str
-    task_id: str | None
-    group_id: str | None
-    status: str
-    created_at: datetime
-    ended_at: datetime | None
-    turn_count: int
-    row_count: int
-    breaks: int
+class SessionRow(SessionSummary):
     reward: float | None = Field(description="The whole-session reward (null: none).")
     completion_tokens: int
 

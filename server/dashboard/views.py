@@ -173,16 +173,7 @@ async def sessions_page(
         tokens = await stats.completion_tokens(db, [s.id for s, _ in found]) if found else {}
     items = [
         SessionRow(
-            session_id=s.id,
-            run_id=s.run_id,
-            task_id=s.task_id,
-            group_id=s.group_id,
-            status=s.status,
-            created_at=s.created_at,
-            ended_at=s.ended_at,
-            turn_count=s.turn_count,
-            row_count=s.row_count,
-            breaks=s.breaks,
+            **session_views.summary_fields(s),
             reward=reward,
             completion_tokens=tokens.get(s.id, 0),
         )
