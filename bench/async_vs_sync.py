@@ -73,6 +73,7 @@ import arithmetic  # noqa: E402  (examples/agents, on the path above)
 import httpx  # noqa: E402
 from math_agent import AgentLog, MathAgent  # noqa: E402
 
+from bench.common import positive_int  # noqa: E402
 from client_sdk import AsyncClient  # noqa: E402
 from trainer.run import LocalServer, TrainerProcess  # noqa: E402
 
@@ -392,13 +393,6 @@ def warm_model(args) -> Path:
     )
     examples = [(arithmetic.messages(p), arithmetic.solution(p)) for p in problems]
     return cached_warm_start(CACHE_DIR, examples, seed=0, threads=2, **WARMUP)
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def parse_args() -> argparse.Namespace:

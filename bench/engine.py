@@ -44,6 +44,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from bench.common import positive_int  # noqa: E402
 from server.engine.launcher import EngineProcess  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "engine.json"
@@ -255,13 +256,6 @@ def save(report: dict) -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {RESULTS.relative_to(ROOT)}")
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def parse_args() -> argparse.Namespace:

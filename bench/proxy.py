@@ -63,6 +63,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import httpx  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 
+from bench.common import positive_int  # noqa: E402
 from server.engine.launcher import EngineProcess  # noqa: E402
 from server.generation import SamplingRequest, engine_body  # noqa: E402
 from server.tokenization import Tokenizer  # noqa: E402
@@ -414,13 +415,6 @@ def save(report: dict) -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {RESULTS.relative_to(ROOT)}")
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def parse_args() -> argparse.Namespace:

@@ -74,6 +74,7 @@ from openai import AsyncOpenAI  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from bench.common import positive_int  # noqa: E402
 from server.engine.weights import read_checkpoint  # noqa: E402
 from tests.support import ProxyProcess  # noqa: E402
 from trainer.batching import pack, packed, padded, shift_logprobs  # noqa: E402
@@ -522,13 +523,6 @@ def save(text: str, today: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def parse_args() -> argparse.Namespace:
