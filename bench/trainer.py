@@ -11,7 +11,8 @@ Two measurements on proxrl's test model, each a ratio of two numbers measured in
    trainer's ``max_tokens_per_microbatch``):
 
    - packed: ``pack(lengths, budget)`` then ``packed``, forwarded as the worker does
-     (``[1, T]`` ids, positions restarting per row, ``block_causal_mask``, no KV cache);
+     (``[1, T]`` ids, positions restarting per row, no KV cache, and the packed-row attention
+     of ``trainer/attention.py``: causal SDPA on each row's slice, no ``[T, T]`` mask);
    - padded, the standard "pad to longest" baseline: rows in step order, ``budget // longest
      row of the step`` rows per micro-batch (the most that always fit the budget padded), each
      micro-batch right-padded with ``padded`` to its own longest row (dynamic padding, as
@@ -77,9 +78,10 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from bench.common import positive_int  # noqa: E402
 from server.engine.weights import read_checkpoint  # noqa: E402
 from tests.support import ProxyProcess  # noqa: E402
+from trainer import attention  # noqa: E402
 from trainer.batching import pack, packed, padded, shift_logprobs  # noqa: E402
 from trainer.config import AlgorithmConfig  # noqa: E402
-from trainer.worker import block_causal_mask, write_model_dir  # noqa: E402
+from trainer.worker import write_model_dir  # noqa: E402
 
 RESULTS_DIR = ROOT / "bench" / "results"
 SEED = 0
@@ -108,6 +110,7 @@ class Side:
     """One way to run the step: its micro-batches (row indices) and each one's loss share."""
 
     name: str
+    model: torch.nn.Module  # the same weights on both sides; each its own attention
     plan: list[list[int]]
     micro_loss: Callable[[list[int]], torch.Tensor]
 
@@ -129,7 +132,7 @@ def packed_loss(model, rows: list[list[int]], loss_tokens: int) -> torch.Tensor:
     logits = model(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
-        attention_mask=block_causal_mask(batch.sequence_ids),
+        cu_seq_lens_q=batch.cu_seqlens,
         use_cache=False,
     ).logits
     logprobs = shift_logprobs(logits[0].float(), batch.input_ids[0], batch.cu_seqlens)
@@ -157,18 +160,19 @@ def micro_step(side: Side, micro: list[int]) -> tuple[float, float]:
     return time.perf_counter() - started, float(share.detach())
 
 
-def whole_step(model, side: Side) -> tuple[float, float]:
+def whole_step(side: Side) -> tuple[float, float]:
     """The step's loss and gradient norm on one side (gradients accumulated from zero)."""
-    model.zero_grad(set_to_none=True)
+    side.model.zero_grad(set_to_none=True)
     loss = sum(micro_step(side, micro)[1] for micro in side.plan)
-    norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
+    norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in side.model.parameters()))
     return loss, float(norm)
 
 
-def interleaved_round(model, sides: list[Side]) -> dict[str, list[float]]:
+def interleaved_round(sides: list[Side]) -> dict[str, list[float]]:
     """Seconds of every micro-batch of both sides, taken in turns, so that a burst of load
     from other processes falls on both sides alike rather than on one whole pass."""
-    model.zero_grad(set_to_none=True)
+    for side in sides:
+        side.model.zero_grad(set_to_none=True)
     seconds: dict[str, list[float]] = {side.name: [] for side in sides}
     for micros in itertools.zip_longest(*(side.plan for side in sides)):
         for side, micro in zip(sides, micros, strict=True):
@@ -177,23 +181,27 @@ def interleaved_round(model, sides: list[Side]) -> dict[str, list[float]]:
     return seconds
 
 
-def measure_packing(model, rows: list[list[int]], budget: int, repeats: int) -> dict:
+def measure_packing(
+    packed_model, padded_model, rows: list[list[int]], budget: int, repeats: int
+) -> dict:
     """Packed vs padded over the same rows: same loss and gradient first, then timed rounds."""
     lengths = [len(r) for r in rows]
     loss_tokens = sum(n - 1 for n in lengths)
-    pad_id = model.config.pad_token_id
+    pad_id = padded_model.config.pad_token_id
     packed_side = Side(
         "packed",
+        packed_model,
         pack(lengths, budget),
-        lambda m: packed_loss(model, [rows[i] for i in m], loss_tokens),
+        lambda m: packed_loss(packed_model, [rows[i] for i in m], loss_tokens),
     )
     padded_side = Side(
         "padded",
+        padded_model,
         padded_plan(lengths, budget),
-        lambda m: padded_loss(model, [rows[i] for i in m], pad_id, loss_tokens),
+        lambda m: padded_loss(padded_model, [rows[i] for i in m], pad_id, loss_tokens),
     )
     print("warm-up and check: the whole step on each side, untimed", flush=True)
-    check = {side.name: whole_step(model, side) for side in (packed_side, padded_side)}
+    check = {side.name: whole_step(side) for side in (packed_side, padded_side)}
     for index, what in enumerate(("loss", "gradient norm")):
         x, y = check["packed"][index], check["padded"][index]
         if rel_diff(x, y) > LOSS_RTOL:
@@ -204,7 +212,7 @@ def measure_packing(model, rows: list[list[int]], budget: int, repeats: int) -> 
         len(rounds) < MIN_ROUNDS or time.perf_counter() - started < PACKING_DEADLINE_S
     ):
         order = [packed_side, padded_side] if len(rounds) % 2 == 0 else [padded_side, packed_side]
-        rounds.append(interleaved_round(model, order))
+        rounds.append(interleaved_round(order))
         print(
             f"  round {len(rounds)}/{repeats}: "
             + ", ".join(f"{name} {sum(s):.2f}s" for name, s in sorted(rounds[-1].items())),
@@ -228,8 +236,8 @@ def measure_packing(model, rows: list[list[int]], budget: int, repeats: int) -> 
         "packed_tok_s": sum(lengths) / step_s["packed"],
         "padded_tok_s": sum(lengths) / step_s["padded"],
         "ratio": step_s["padded"] / step_s["packed"],
-        # per layer and head: packed rows share one dense [T, T] mask, padded rows [L, L] each
-        "packed_attention_scores": sum(sum(lengths[i] for i in m) ** 2 for m in packed_side.plan),
+        # per layer and head: packed rows attend within themselves [n, n], padded rows [L, L]
+        "packed_attention_scores": sum(n * n for n in lengths),
         "padded_attention_scores": sum(
             len(m) * max(lengths[i] for i in m) ** 2 for m in padded_side.plan
         ),
@@ -509,8 +517,8 @@ def notes(step: dict, swap: dict) -> list[str]:
         f"same step on both sides: loss {step['loss']:.6f}, relative difference "
         f"{step['loss_rel_diff']:.1e} (gradient norm {step['grad_norm_rel_diff']:.1e})",
         "attention scores computed per layer and head: packed "
-        f"{step['packed_attention_scores'] / 1e6:.1f}M (one dense [T, T] block-causal mask per "
-        f"micro-batch), padded {step['padded_attention_scores'] / 1e6:.1f}M ([L, L] per row)",
+        f"{step['packed_attention_scores'] / 1e6:.1f}M (each row over itself), padded "
+        f"{step['padded_attention_scores'] / 1e6:.1f}M (each row over the longest row's length)",
         f"weight swap: ratio = pause / load alone; pauses ms {pauses}; loads ms {loads}",
         f"streamed answers complete: {swap['answers']}/{swap['answers']}; in flight across a "
         f"publish: {swap['in_flight']}; resubmitted by the proxy: {swap['resubmitted']}, of which "
@@ -585,13 +593,17 @@ def main() -> None:
     print(f"machine: {machine()}")
     model_dir = ensure_model(args.size)
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    attention.register()
+    packed_model, padded_model = (
+        AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation=implementation
+        ).train()
+        for implementation in (attention.NAME, "sdpa")
     )
-    rows = make_rows(random.Random(args.seed), model.config.vocab_size, args.rows)
+    rows = make_rows(random.Random(args.seed), padded_model.config.vocab_size, args.rows)
     tokens = sum(map(len, rows))
     print(f"1. training step: {args.size} model, {args.rows} rows, {tokens} tokens")
-    step = measure_packing(model.train(), rows, args.budget, args.repeats)
+    step = measure_packing(packed_model, padded_model, rows, args.budget, args.repeats)
     print(f"2. weight swaps: {args.swaps} (+1 warm-up) under {args.clients} streaming clients")
     swap = measure_swaps(model_dir, args)
 

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from trainer import attention
 from trainer.batching import PackedBatch, packed, shift_entropy, shift_logprobs
 from trainer.loss import decoupled_ppo_loss
 
@@ -89,8 +90,9 @@ def load_sharded_model(model_dir: str, device: torch.device) -> torch.nn.Module:
     """The Hugging Face model, each decoder layer and then the root wrapped by FSDP2."""
     from transformers import AutoModelForCausalLM
 
+    attention.register()
     model: Any = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+        model_dir, dtype=torch.float32, attn_implementation=attention.NAME
     )
     model = model.to(device)
     mixed = MixedPrecisionPolicy(
@@ -164,14 +166,14 @@ class Worker:
         rows = micro.rows or [[0]]  # an empty micro-batch still runs so collectives line up
         batch = packed(rows)
         input_ids = batch.input_ids.to(self.device)
+        cu_seqlens = batch.cu_seqlens.to(self.device)
         logits = model(
             input_ids=input_ids,
             position_ids=batch.position_ids.to(self.device),
-            attention_mask=block_causal_mask(batch.sequence_ids.to(self.device)),
+            cu_seq_lens_q=cu_seqlens,  # rows attend within themselves (trainer/attention.py)
             use_cache=False,
         ).logits
         logits = logits[0].float() / self.settings.temperature
-        cu_seqlens = batch.cu_seqlens.to(self.device)
         entropies = shift_entropy(logits.detach(), cu_seqlens) if entropy else None
         return shift_logprobs(logits, input_ids[0], cu_seqlens), batch, entropies
 
@@ -395,17 +397,6 @@ class Worker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def block_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
-    """[1, 1, T, T] bool: each token sees the earlier tokens of its own row only.
-
-    transformers 5 infers packed rows from ``position_ids`` only when it builds no KV cache
-    (measured: with the model's default ``use_cache`` rows attend across boundaries, logits off
-    by 1.45), so the mask says it explicitly. Correct with sdpa; eager misreads bool masks.
-    """
-    same_row = sequence_ids[:, None] == sequence_ids[None, :]
-    return (same_row & torch.ones_like(same_row).tril())[None, None]
 
 
 def _flat(rows: list[list[Any]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from trainer import attention
 from trainer.batching import packed, shift_logprobs
 
 TOL = 1e-5
@@ -80,3 +81,51 @@ def test_packed_gradients_equal_per_row_gradients(tiny_model_dir, rows):
     (shift_logprobs(logits, batch.input_ids[0], batch.cu_seqlens) * weights).sum().backward()
     for name, p in model.named_parameters():
         assert (p.grad - per_row[name]).abs().max().item() <= TOL, name
+
+
+@pytest.fixture(scope="module")
+def packed_model(tiny_model_dir) -> torch.nn.Module:
+    """The tiny model with the trainer's packed-row attention (``trainer/attention.py``)."""
+    attention.register()
+    return load(tiny_model_dir, attention.NAME)
+
+
+def packed_forward(model: torch.nn.Module, batch) -> torch.Tensor:
+    return model(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        cu_seq_lens_q=batch.cu_seqlens,
+        use_cache=False,
+    ).logits[0]
+
+
+def test_packed_row_attention_equals_per_row_forwards(tiny_model_dir, rows, packed_model):
+    reference = load(tiny_model_dir, "sdpa")
+    batch = packed(rows)
+    with torch.no_grad():
+        logits = packed_forward(packed_model, batch)
+        separate = torch.cat(
+            [reference(input_ids=torch.tensor([r]), use_cache=False).logits[0] for r in rows]
+        )
+    assert (logits - separate).abs().max().item() <= TOL
+
+
+def test_packed_row_attention_gradients_equal_per_row_gradients(tiny_model_dir, rows, packed_model):
+    reference = load(tiny_model_dir, "sdpa")
+    batch = packed(rows)
+    weights = torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(2))
+    reference.zero_grad()
+    expected = torch.cat([row_logprobs(reference, row) for row in rows])
+    (expected * weights).sum().backward()
+    packed_model.zero_grad()
+    logits = packed_forward(packed_model, batch)
+    (shift_logprobs(logits, batch.input_ids[0], batch.cu_seqlens) * weights).sum().backward()
+    grads = dict(packed_model.named_parameters())
+    for name, p in reference.named_parameters():
+        assert (grads[name].grad - p.grad).abs().max().item() <= TOL, name
+
+
+def test_packed_row_attention_refuses_a_forward_without_row_boundaries(packed_model, rows):
+    batch = packed(rows)
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        packed_model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
