@@ -152,6 +152,9 @@ def create_app(service: EngineService) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=admin)
     async def flush_cache(engine: Engine) -> PlainTextResponse:
+        # SGLang 0.5.23 takes ``?timeout=<seconds>``, but what it does is UNVERIFIED in the
+        # reference (section 3.4), so we accept it and ignore it: the flush answers at once,
+        # 200 or 400, and callers retry (as slime does).
         if await engine.run(engine.scheduler.flush_cache):
             return PlainTextResponse(
                 "Cache flushed.\nPlease check backend logs for more details. "

@@ -184,6 +184,9 @@ class EngineService:
 
     async def health_generate(self) -> bool:
         """Generate one token through the scheduler; False if none comes within 20 s."""
+        # UNVERIFIED in the reference (section 3.1, derived from SGLang's code, not observed at
+        # runtime): during a pause the health request is held like any other, so it times out
+        # after 20 s and answers 503. We do the same: submit() holds it while paused.
         if not self.scheduler.alive:
             return False
         done = asyncio.Event()

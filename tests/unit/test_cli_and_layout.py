@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -10,10 +11,11 @@ import pytest
 from tests.support import ROOT
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "server.cli", *args],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,
@@ -32,6 +34,10 @@ def test_help_lists_the_subcommands():
         (("engine", "--help"), "--incremental-streaming-output"),
         (("model", "--help"), "init"),
         (("model", "init", "--help"), "--size"),
+        (("serve", "--help"), "--admin-key"),
+        (("db", "--help"), "upgrade"),
+        (("db", "upgrade", "--help"), "--db"),
+        (("demo", "--help"), "--minutes"),
     ],
 )
 def test_subcommand_help(args, expected):
@@ -43,6 +49,13 @@ def test_invalid_flags_name_the_field():
     out = run("engine", "--model", "m", "--max-running-requests", "0")
     assert out.returncode == 2
     assert "max_running_requests" in out.stderr
+
+
+def test_serve_refuses_an_open_address_without_an_admin_key():
+    env = {k: v for k, v in os.environ.items() if k != "PROXRL_ADMIN_KEY"}
+    out = run("serve", "--model", "X", "--host", "0.0.0.0", env=env)
+    assert out.returncode == 2
+    assert "refusing to serve on 0.0.0.0 without an admin key" in out.stderr
 
 
 def test_model_init_writes_a_model(tmp_path):
