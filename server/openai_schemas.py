@@ -157,6 +157,8 @@ class ChatCompletionRequest(_Sampling):
 
     @property
     def token_limit(self) -> int | None:
+        """``max_completion_tokens`` (OpenAI's current name) wins over the deprecated
+        ``max_tokens`` when a request gives both."""
         return self.max_completion_tokens or self.max_tokens
 
 

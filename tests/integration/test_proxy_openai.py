@@ -304,6 +304,44 @@ def test_stored_tokens_are_the_sampled_tokens(proxy, hf_tokenizer, hf_model, tem
     assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < LOGPROB_TOLERANCE
 
 
+def assert_capped_at(turn: dict, reply, limit: int, eos_token_id: int) -> None:
+    """The stored turn records ``limit`` as its max_tokens and the completion keeps to it: it
+    stops at the cap ("length") unless the model ended its turn first ("stop")."""
+    ids = turn["completion_ids"]
+    assert turn["sampling"]["max_tokens"] == limit
+    assert reply.usage.completion_tokens == len(ids) <= limit
+    hit_cap = len(ids) == limit and ids[-1] != eos_token_id
+    assert (
+        reply.choices[0].finish_reason == turn["finish_reason"] == ("length" if hit_cap else "stop")
+    )
+
+
+def test_max_completion_tokens_caps_the_completion(proxy, hf_tokenizer):
+    session = proxy.session(task_id="max-completion-tokens")
+    with client_for(session) as client:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[user("Tell me a long story.")], max_completion_tokens=3
+        )
+    assert_capped_at(only_turn(proxy, session), reply, 3, hf_tokenizer.eos_token_id)
+
+
+@pytest.mark.parametrize(("max_tokens", "max_completion_tokens"), [(20, 3), (3, 5)])
+def test_max_completion_tokens_wins_over_max_tokens(
+    proxy, hf_tokenizer, max_tokens, max_completion_tokens
+):
+    """Given both, the limit is max_completion_tokens whichever is smaller (openai_schemas)."""
+    session = proxy.session(task_id=f"both-limits-{max_tokens}-{max_completion_tokens}")
+    with client_for(session) as client:
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=[user("Tell me a long story.")],
+            max_tokens=max_tokens,
+            max_completion_tokens=max_completion_tokens,
+        )
+    turn = only_turn(proxy, session)
+    assert_capped_at(turn, reply, max_completion_tokens, hf_tokenizer.eos_token_id)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Async, concurrent sessions
 

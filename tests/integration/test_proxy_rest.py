@@ -274,6 +274,28 @@ def test_show_run_counts_sessions_by_status_and_totals(proxy):
     assert shown["policy_version"] == 0
 
 
+def test_show_run_totals_count_a_turn_that_breaks_the_row(proxy):
+    """A second turn under another system message does not extend the first: the session
+    counts one break and so does its run (a one-turn session beside it adds none)."""
+    run = proxy.new_run()
+    session = proxy.new_session(run["id"])
+    with OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0) as client:
+        for system in ("You are terse.", "You are verbose."):
+            client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
+                max_tokens=4,
+            )
+    chat(proxy.new_session(run["id"]))
+
+    shown = proxy.session(session["session_id"])
+    assert [turn["extends_previous"] for turn in shown["turns"]] == [False, False]
+    assert [turn["row_index"] for turn in shown["turns"]] == [0, 1]
+    assert shown["breaks"] == 1
+    totals = proxy.run(run["id"])["totals"]
+    assert totals["turns"] == 3 and totals["breaks"] == 1
+
+
 def test_patch_merges_into_the_config(proxy):
     """PATCH merges the given keys into the run's config and keeps the rest (and keys the
     server does not know, which belong to the trainer)."""
