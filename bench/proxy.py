@@ -63,7 +63,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import httpx  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 
-from bench.common import positive_int  # noqa: E402
+from bench.common import new_sessions, positive_int  # noqa: E402
 from server.engine.launcher import EngineProcess  # noqa: E402
 from server.generation import SamplingRequest, engine_body  # noqa: E402
 from server.tokenization import Tokenizer  # noqa: E402
@@ -227,23 +227,11 @@ async def direct_phase(
         return await run_clients(scenario.clients, send, meter)
 
 
-async def new_sessions(proxy: ProxyProcess, count: int) -> list[dict]:
-    """``count`` new sessions (admin key): id, api_key, base_url."""
-    async with httpx.AsyncClient(headers=proxy.admin, timeout=60) as http:
-        replies = [
-            await http.post(f"{proxy.url}/rl/sessions", json={"task_id": "bench"})
-            for _ in range(count)
-        ]
-    for reply in replies:
-        reply.raise_for_status()
-    return [reply.json() for reply in replies]
-
-
 async def proxy_phase(
     proxy: ProxyProcess, model: str, scenario: Scenario, max_tokens: int, meter: CpuMeter
 ) -> PhaseResult:
     """The scenario's requests through the proxy with the openai SDK, a session per client."""
-    sessions = await new_sessions(proxy, len(scenario.clients))  # not timed
+    sessions = await new_sessions(proxy.url, proxy.admin, len(scenario.clients))  # not timed
     sdks = [
         AsyncOpenAI(
             base_url=s["base_url"], api_key=s["api_key"], max_retries=0, timeout=REQUEST_TIMEOUT_S

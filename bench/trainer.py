@@ -75,7 +75,7 @@ from openai import AsyncOpenAI  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from bench.common import positive_int  # noqa: E402
+from bench.common import new_sessions, positive_int  # noqa: E402
 from server.engine.weights import read_checkpoint  # noqa: E402
 from tests.support import ProxyProcess  # noqa: E402
 from trainer import attention  # noqa: E402
@@ -410,17 +410,6 @@ def check_answers(
     }
 
 
-async def new_sessions(proxy: ProxyProcess, count: int) -> list[dict]:
-    async with httpx.AsyncClient(headers=proxy.admin, timeout=60) as http:
-        replies = [
-            await http.post(f"{proxy.url}/rl/sessions", json={"task_id": "bench"})
-            for _ in range(count)
-        ]
-    for reply in replies:
-        reply.raise_for_status()
-    return [reply.json() for reply in replies]
-
-
 def measure_swaps(model_dir: Path, args: argparse.Namespace) -> dict:
     """Warm-up round, then ``--swaps`` rounds: a publish under streaming, a load alone."""
     hf_logging.disable_progress_bar()
@@ -429,7 +418,7 @@ def measure_swaps(model_dir: Path, args: argparse.Namespace) -> dict:
         versions = write_versions(model, model_dir, Path(tmp), args.swaps + 1)
         print("starting the proxy (with its engine) ...", flush=True)
         with ProxyProcess(model_dir, Path(tmp) / "data") as proxy:
-            sessions = asyncio.run(new_sessions(proxy, args.clients))
+            sessions = asyncio.run(new_sessions(proxy.url, proxy.admin, args.clients))
             rounds = []
             for index, path in enumerate(versions):
                 label = "warm-up" if index == 0 else f"round {index}/{args.swaps}"

@@ -11,7 +11,26 @@ from server.engine.launcher import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["ROOT", "EngineProcess", "free_port", "parse_sse", "stream_events"]
+__all__ = [
+    "DASHBOARD_API_ROUTES",
+    "ROOT",
+    "EngineProcess",
+    "ProxyProcess",
+    "RestClient",
+    "free_port",
+    "parse_sse",
+    "stream_events",
+]
+
+# Every JSON route of the dashboard: each must refuse a request without the admin key.
+DASHBOARD_API_ROUTES = [
+    "/admin/api/runs",
+    "/admin/api/runs/{run_id}",
+    "/admin/api/runs/{run_id}/series",
+    "/admin/api/sessions",
+    "/admin/api/sessions/{session_id}",
+    "/admin/api/engines",
+]
 
 
 class EngineProcess(_Launcher):
@@ -148,3 +167,31 @@ class ProxyProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class RestClient:
+    """Plain HTTP calls to a running proxy, with a key of the caller's choosing.
+
+    Test modules give it ``process`` (a :class:`ProxyProcess`) and ``http`` (an
+    ``httpx.Client`` on its URL), usually as fields of a dataclass that extends it."""
+
+    process: ProxyProcess
+    http: httpx.Client
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    def call(
+        self, method: str, path: str, key: str | None = ProxyProcess.ADMIN_KEY, **kwargs
+    ) -> httpx.Response:
+        """One request; ``key`` goes in ``Authorization: Bearer`` (None: no header)."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        headers.update(kwargs.pop("headers", {}))
+        return self.http.request(method, path, headers=headers, **kwargs)
+
+    def ok(self, method: str, path: str, status: int = 200, **kwargs) -> dict:
+        """The JSON of a call that must answer ``status``."""
+        reply = self.call(method, path, **kwargs)
+        assert reply.status_code == status, reply.text
+        return reply.json()

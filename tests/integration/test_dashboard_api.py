@@ -20,31 +20,17 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import ProxyProcess
+from tests.support import DASHBOARD_API_ROUTES, ProxyProcess, RestClient
 
 ADMIN_KEY = ProxyProcess.ADMIN_KEY
 REWARDS = [0.0, 0.25, 0.5, 0.75, 1.0]
 
 
 @dataclass
-class Proxy:
+class Proxy(RestClient):
     process: ProxyProcess
     http: httpx.Client
     model_dir: Path
-
-    @property
-    def url(self) -> str:
-        return self.process.url
-
-    def call(self, method: str, path: str, key: str | None = ADMIN_KEY, **kwargs) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        headers.update(kwargs.pop("headers", {}))
-        return self.http.request(method, path, headers=headers, **kwargs)
-
-    def ok(self, method: str, path: str, status: int = 200, **kwargs):
-        reply = self.call(method, path, **kwargs)
-        assert reply.status_code == status, reply.text
-        return reply.json()
 
     def new_run(self, **config) -> dict:
         return self.ok("POST", "/rl/runs", 201, json={"name": "dash", "config": config})
@@ -294,17 +280,7 @@ def test_metrics_need_the_admin_key_off_loopback(proxy, tiny_model_dir, tmp_path
 # /admin/api: access
 
 
-API_ROUTES = [
-    "/admin/api/runs",
-    "/admin/api/runs/{run_id}",
-    "/admin/api/runs/{run_id}/series",
-    "/admin/api/sessions",
-    "/admin/api/sessions/{session_id}",
-    "/admin/api/engines",
-]
-
-
-@pytest.mark.parametrize("route", API_ROUTES)
+@pytest.mark.parametrize("route", DASHBOARD_API_ROUTES)
 def test_dashboard_api_refuses_without_the_admin_key(proxy, seeded, route):
     """401 without a key, with a wrong one or a forged cookie; 403 for a run or session key;
     200 for the admin key."""
@@ -322,7 +298,7 @@ def test_dashboard_api_refuses_without_the_admin_key(proxy, seeded, route):
 
 def test_openapi_documents_the_dashboard_api_and_not_the_pages(proxy):
     paths = proxy.ok("GET", "/openapi.json", key=None)["paths"]
-    for route in API_ROUTES:
+    for route in DASHBOARD_API_ROUTES:
         assert route in paths, route
     assert "/rl/runs/{run_id}/steps" in paths and "/metrics" in paths
     for page in ("/admin", "/admin/login", "/admin/runs", "/admin/sessions/{session_id}"):

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.support import ROOT, ProxyProcess
+from tests.support import DASHBOARD_API_ROUTES, ROOT, ProxyProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -328,15 +328,7 @@ def test_nothing_admin_is_reachable_without_the_key(page, live):
         assert "/admin/login" in page.url, path
         assert page.locator("input[name=key]").count() == 1
         assert page.locator(".tok, #charts, table").count() == 0, path
-    apis = [
-        "/admin/api/runs",
-        "/admin/api/runs/{run_id}",
-        "/admin/api/runs/{run_id}/series",
-        "/admin/api/sessions",
-        "/admin/api/sessions/{session_id}",
-        "/admin/api/engines",
-    ]
-    for path in apis:
+    for path in DASHBOARD_API_ROUTES:
         reply = page.request.get(live.proxy.url + path.format(**ids), max_redirects=0)
         assert reply.status == 401, (path, reply.status)
         assert reply.json()["error"]["type"] == "authentication_error"

@@ -21,7 +21,7 @@ from sqlalchemy import create_engine, select
 
 from server.store.database import default_url, sync_url
 from server.store.tables import Run, Session
-from tests.support import ProxyProcess
+from tests.support import ProxyProcess, RestClient
 
 ADMIN_KEY = ProxyProcess.ADMIN_KEY
 NO_KEY = None
@@ -33,28 +33,13 @@ SWEEP_INTERVAL_S = 0.2
 
 
 @dataclass
-class Proxy:
+class Proxy(RestClient):
     """A running proxy, the URL of its store, and a plain HTTP client for its REST API."""
 
     process: ProxyProcess
     db_url: str
     model_dir: Path
     http: httpx.Client
-
-    @property
-    def url(self) -> str:
-        return self.process.url
-
-    def call(self, method: str, path: str, key: str | None = ADMIN_KEY, **kwargs) -> httpx.Response:
-        """One request; ``key`` goes in ``Authorization: Bearer`` (None: no header)."""
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        headers.update(kwargs.pop("headers", {}))
-        return self.http.request(method, path, headers=headers, **kwargs)
-
-    def ok(self, method: str, path: str, status: int = 200, **kwargs) -> dict:
-        reply = self.call(method, path, **kwargs)
-        assert reply.status_code == status, reply.text
-        return reply.json()
 
     def new_run(self, **config) -> dict:
         """A fresh run with ``config``; the answer carries its api_key."""
