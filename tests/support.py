@@ -17,8 +17,11 @@ __all__ = [
     "EngineProcess",
     "ProxyProcess",
     "RestClient",
+    "command_of",
+    "descendants",
     "free_port",
     "parse_sse",
+    "running",
     "stream_events",
 ]
 
@@ -195,3 +198,39 @@ class RestClient:
         reply = self.call(method, path, **kwargs)
         assert reply.status_code == status, reply.text
         return reply.json()
+
+
+# ----- processes (from /proc) -----------------------------------------------------------
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc: each process's parent)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it ended meanwhile
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, of in parents.items() if of == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; its parent has not reaped it yet
+
+
+def command_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return "?"

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from server.engine.launcher import die_with_parent
 from trainer.checkpoint import TrainerState
 from trainer.cluster import LocalRay, WorkerGroup
 from trainer.config import TrainConfig
@@ -49,7 +50,11 @@ class LocalServer:
         env = {**os.environ, "PROXRL_ADMIN_KEY": self.admin_key}
         self._log = self.log_path.open("w")
         self.process = subprocess.Popen(
-            command, env=env, stdout=self._log, stderr=subprocess.STDOUT
+            command,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent(),  # stops (and stops its engines) if we are killed
         )
         self._wait_ready(timeout_s)
 
@@ -101,6 +106,7 @@ class TrainerProcess:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a terminal's Ctrl-C reaches it once, through stop()
+                preexec_fn=die_with_parent(),  # SIGTERM (a clean stop) if the script is killed
             )
 
     def steps(self) -> list[dict[str, Any]]:

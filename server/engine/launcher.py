@@ -13,19 +13,31 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 import httpx
 
+PR_SET_PDEATHSIG = 1
 
-def _die_with_parent() -> None:
-    """Linux: the engine gets SIGTERM when the process that started it dies, even by SIGKILL."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``sig`` when the thread that
+    started it dies, even by SIGKILL, so a killed parent leaves no server, engine or trainer
+    running. Linux only (None elsewhere); start such children from a thread that lives as long
+    as they should."""
+    if sys.platform != "linux":
+        return None
+
+    def arm() -> None:
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, sig)
+        except OSError:
+            pass
+
+    return arm
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -60,7 +72,7 @@ class EngineProcess:
             env=env,
             stdout=self._log if self._log else subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent(),
         )
 
     def wait_ready(self, timeout: float = 120.0) -> EngineProcess:
