@@ -111,7 +111,10 @@ def test_pause_abort_answers_everything_and_holds_new_requests(engine):
             held = asyncio.create_task(
                 client.post(
                     f"{engine.url}/generate",
-                    json={"input_ids": [1], "sampling_params": {"max_new_tokens": 4}},
+                    json={
+                        "input_ids": [1],
+                        "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+                    },
                 )
             )
             await asyncio.sleep(1.0)
