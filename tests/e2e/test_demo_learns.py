@@ -6,11 +6,15 @@ PPO at max_staleness 2, and the math agent's concurrent sessions through the ope
 (SIGINT) ends it part-way, as a user would: it must stop cleanly, leave nothing running, and
 still write its summary and plot.
 
-Numbers seen on this 2-core machine (seed 0, 10-minute default): reward 0.69 over the first
-256 sessions, 0.9 and above over the last 256 after about 4 minutes of training, about one
-version published every 2 seconds. The test waits for 240 s of training and asks for +0.1, a
-margin well inside what a run reaches by then (each figure is a mean over 256 sessions of 32
-problems).
+The gain is read from the trainer's own record (metrics.jsonl: each step's mean reward over its
+64 sessions): the mean of the first 20 steps against the mean of the last 20, 1,280 sessions of
+160 problems each. The summary's own start and end (256 sessions, only 32 problems in GRPO
+groups of 8) are for the eye: one window's mean has a standard deviation near 0.07, too wide
+to test a 0.1 gain on. Numbers seen in two CI-like runs on this 2-core machine (seed 0,
+240 s of training, 122-139 steps): first 20 steps 0.63-0.65, last 20 0.82-0.85, gain
+0.17-0.22; a 20-step mean varies by about 0.02 (step rewards' spread 0.08-0.10 over the
+square root of 20), so the asked-for +0.10 sits more than 3 standard deviations of the
+difference below what runs reach. The summary's windows in those runs went 0.69 -> 0.78-0.88.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -30,7 +35,8 @@ from tests.support import ROOT, command_of, descendants, running
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 TRAIN_S = 240.0  # seconds of training before Ctrl-C
-MIN_GAIN = 0.10
+MIN_GAIN = 0.10  # last WINDOW_STEPS steps' mean reward over the first WINDOW_STEPS'
+WINDOW_STEPS = 20
 
 
 def test_the_demo_raises_the_reward_and_stops_cleanly_on_ctrl_c(tmp_path):
@@ -76,9 +82,14 @@ def test_the_demo_raises_the_reward_and_stops_cleanly_on_ctrl_c(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     for key in ("reward_start", "reward_end", "versions_published", "sessions_trained", "seconds"):
         assert key in summary
-    assert summary["reward_end"] - summary["reward_start"] >= MIN_GAIN, summary
+    assert 0.0 <= summary["reward_start"] <= 1.0 and 0.0 <= summary["reward_end"] <= 1.0
     assert summary["versions_published"] >= 10, summary
     assert summary["sessions_trained"] >= 10 * 64, summary
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(steps) >= 2 * WINDOW_STEPS, len(steps)
+    rewards = [step["reward_mean"] for step in steps]
+    first = statistics.mean(rewards[:WINDOW_STEPS])
+    last = statistics.mean(rewards[-WINDOW_STEPS:])
+    assert last - first >= MIN_GAIN, (first, last, summary)
     assert max(step["staleness_max"] for step in steps) >= 1  # asynchronous: stale tokens trained
