@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from pathlib import Path
 
 import httpx
@@ -20,6 +23,7 @@ __all__ = [
     "command_of",
     "descendants",
     "free_port",
+    "kill_all",
     "parse_sse",
     "running",
     "stream_events",
@@ -104,7 +108,6 @@ class ProxyProcess:
     ADMIN_KEY = "test-admin-key"
 
     def __init__(self, model_dir: Path, data_dir: Path, *extra: str) -> None:
-        import os
         import subprocess
         import sys
 
@@ -219,6 +222,13 @@ def descendants(pid: int) -> list[int]:
         found += children
         frontier += children
     return found
+
+
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` that is still there (a failed test leaves nothing behind)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def running(pid: int) -> bool:

@@ -22,8 +22,8 @@ import httpx
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``sig`` when the thread that
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets SIGTERM when the thread that
     started it dies, even by SIGKILL, so a killed parent leaves no server, engine or trainer
     running. Linux only (None elsewhere); start such children from a thread that lives as long
     as they should."""
@@ -33,7 +33,7 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     def arm() -> None:
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, sig)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         except OSError:
             pass
 

@@ -19,7 +19,6 @@ difference below what runs reach. The summary's windows in those runs went 0.69 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -30,7 +29,7 @@ import time
 
 import pytest
 
-from tests.support import ROOT, command_of, descendants, running
+from tests.support import ROOT, command_of, descendants, kill_all, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -70,9 +69,7 @@ def test_the_demo_raises_the_reward_and_stops_cleanly_on_ctrl_c(tmp_path):
             stragglers = descendants(demo.pid)
             demo.kill()
             demo.wait(30)
-            for pid in stragglers:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            kill_all(stragglers)
         log.close()
     deadline = time.monotonic() + 30
     while (alive := [pid for pid in children if running(pid)]) and time.monotonic() < deadline:

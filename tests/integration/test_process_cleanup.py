@@ -9,7 +9,6 @@ can stop them.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from client_sdk import Client
-from tests.support import ROOT, command_of, descendants, running
+from tests.support import ROOT, command_of, descendants, kill_all, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -68,9 +67,7 @@ def test_a_killed_script_leaves_no_server_engine_trainer_or_ray_behind(tmp_path,
     finally:
         if script.poll() is None:
             script.kill()
-        for pid in children:  # a failed test leaves nothing behind either
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_all(children)  # a failed test leaves nothing behind either
 
 
 def wait_until_trainer_configured(url: str, admin_key: str, log_path: Path) -> None:
