@@ -5,8 +5,9 @@ One embedded engine serves the tiny model; one proxy (``python -m server.cli ser
 attached to it and stores every turn in SQLite under a temporary data dir. Each scenario runs
 the same requests on both sides, phase after phase (direct, proxy, direct, proxy, ...):
 
-- proxy: the ``openai`` SDK's ``AsyncOpenAI`` on a session's ``base_url``/``api_key``, one
-  session per client, ``chat.completions.create`` with ``max_tokens`` and a ``seed``;
+- proxy: httpx ``POST /v1/chat/completions`` with a session's key, one session per client,
+  with ``max_tokens`` and a ``seed`` (httpx on both sides: the same client library, so the
+  difference is the proxy's);
 - direct: httpx ``POST /generate`` to the engine with the body the proxy itself sends
   (``server.generation.engine_body``): the same prompt ids (the chat template rendered and
   encoded here, checked against the prompt ids the store recorded), the same ``max_new_tokens``
@@ -16,7 +17,12 @@ the same requests on both sides, phase after phase (direct, proxy, direct, proxy
   (``usage.completion_tokens``, ``meta_info.completion_tokens``).
 
 Scenarios: 1 client sending requests one after another; N clients at once, each in its own
-session; and 1 client streaming (latency is time to the last token). Reported per scenario:
+session; and 1 client streaming (latency is time to the last token). Two more show what a
+user of the ``openai`` SDK sees (``AsyncOpenAI`` on the session's ``base_url``/``api_key``,
+against the same httpx direct side, so the SDK's own cost is in the difference), streaming and
+not. And one calibrates the machine: a bare forwarder (bench/forwarder.py: uvicorn + aiohttp
+passing the /generate body through, no framework and no work) in the proxy's place, which is
+what any extra Python HTTP hop costs here. Reported per scenario:
 completion tokens/s on both sides (median over rounds) and their ratio (target >= 0.95), median
 request latency on both sides (over every request of every round) and the difference (target
 < 2 ms at 1 client), and the store's write load: prompt + completion tokens stored during a
@@ -32,7 +38,8 @@ proxy or the client takes a core from one of them (a 1-token request's median we
 to 300 ms in our runs), which would measure CPU contention rather than the proxy; with a GPU,
 the engine's compute does not compete with the proxy at all.
 
-What it does not measure: several engines, Postgres, multi-turn prompt splicing, tool calls,
+The targets (>= 0.95 of direct throughput, < 2 ms added at 1 client) are checked on the httpx
+rows. What it does not measure: several engines, Postgres, multi-turn prompt splicing, tool calls,
 logprobs in the answer, or GPUs. Results go to stdout and to bench/results/proxy.json.
 """
 
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -47,6 +55,7 @@ import platform
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,7 +73,7 @@ import httpx  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 
 from bench.common import new_sessions, positive_int  # noqa: E402
-from server.engine.launcher import EngineProcess  # noqa: E402
+from server.engine.launcher import EngineProcess, die_with_parent, free_port  # noqa: E402
 from server.generation import SamplingRequest, engine_body  # noqa: E402
 from server.tokenization import Tokenizer  # noqa: E402
 from tests.support import ProxyProcess  # noqa: E402
@@ -77,6 +86,7 @@ TEMPERATURE = 1.0
 REQUEST_TIMEOUT_S = 120.0
 TARGET_RATIO = 0.95
 TARGET_ADDED_MS = 2.0
+TARGET_ROWS = ("single", "concurrent", "single_stream")  # httpx on both sides
 SYSTEM = "You are a careful assistant. Answer briefly."
 WORDS = "apple river stone cloud seven green lamp quiet number table window forty".split()
 
@@ -114,21 +124,26 @@ class Scenario:
     label: str
     clients: list[list[ChatRequest]]  # each client's requests, sent one after another
     stream: bool = False
+    sdk: bool = False  # the proxy side uses the openai SDK instead of httpx
+    forwarder: bool = False  # the bare forwarder stands in for the proxy
     direct: list[PhaseResult] = field(default_factory=list)
     proxy: list[PhaseResult] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class CpuMeter:
-    """CPU seconds used so far by the engine, the proxy and this process (Linux /proc)."""
+    """CPU seconds used so far by the engine, the proxy, the bare forwarder and this process
+    (Linux /proc)."""
 
     engine_pid: int
     proxy_pid: int
+    forwarder_pid: int
 
     def read(self) -> dict[str, float]:
         return {
             "engine": _process_cpu(self.engine_pid),
             "proxy": _process_cpu(self.proxy_pid),
+            "forwarder": _process_cpu(self.forwarder_pid),
             "client": time.process_time(),
         }
 
@@ -202,7 +217,8 @@ async def run_clients(
 async def direct_phase(
     url: str, scenario: Scenario, max_tokens: int, meter: CpuMeter
 ) -> PhaseResult:
-    """The scenario's requests straight to the engine's /generate, as the proxy would send them."""
+    """The scenario's requests to ``url``/generate (the engine's, or the bare forwarder's in
+    front of it), with the body the proxy would send."""
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
     limits = httpx.Limits(max_connections=len(scenario.clients) + 1)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
@@ -230,8 +246,12 @@ async def direct_phase(
 async def proxy_phase(
     proxy: ProxyProcess, model: str, scenario: Scenario, max_tokens: int, meter: CpuMeter
 ) -> PhaseResult:
-    """The scenario's requests through the proxy with the openai SDK, a session per client."""
+    """The scenario's requests through the proxy, a session per client, with httpx or the
+    openai SDK."""
     sessions = await new_sessions(proxy.url, proxy.admin, len(scenario.clients))  # not timed
+    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
+    limits = httpx.Limits(max_connections=len(scenario.clients) + 1)
+    http = httpx.AsyncClient(timeout=timeout, limits=limits)
     sdks = [
         AsyncOpenAI(
             base_url=s["base_url"], api_key=s["api_key"], max_retries=0, timeout=REQUEST_TIMEOUT_S
@@ -239,15 +259,30 @@ async def proxy_phase(
         for s in sessions
     ]
 
-    async def send(index: int, request: ChatRequest) -> int:
-        sdk = sdks[index]
-        common = {"model": model, "messages": request.messages, "max_tokens": max_tokens}
-        common |= {"temperature": TEMPERATURE, "seed": request.seed}
+    async def send_httpx(index: int, body: dict) -> int:
+        url = f"{sessions[index]['base_url']}/chat/completions"
+        headers = {"Authorization": f"Bearer {sessions[index]['api_key']}"}
         if not scenario.stream:
-            answer = await sdk.chat.completions.create(**common)
+            reply = await http.post(url, json=body, headers=headers)
+            reply.raise_for_status()
+            return reply.json()["usage"]["completion_tokens"]
+        tokens = 0
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with http.stream("POST", url, json=body, headers=headers) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):  # every chunk parsed, as on the direct side
+                    usage = json.loads(line[6:]).get("usage")
+                    tokens = usage["completion_tokens"] if usage else tokens
+        return tokens
+
+    async def send_sdk(index: int, body: dict) -> int:
+        sdk = sdks[index]
+        if not scenario.stream:
+            answer = await sdk.chat.completions.create(**body)
             return answer.usage.completion_tokens
         chunks = await sdk.chat.completions.create(
-            **common, stream=True, stream_options={"include_usage": True}
+            **body, stream=True, stream_options={"include_usage": True}
         )
         tokens = 0
         async for chunk in chunks:
@@ -255,9 +290,15 @@ async def proxy_phase(
                 tokens = chunk.usage.completion_tokens
         return tokens
 
+    async def send(index: int, request: ChatRequest) -> int:
+        body = {"model": model, "messages": request.messages, "max_tokens": max_tokens}
+        body |= {"temperature": TEMPERATURE, "seed": request.seed}
+        return await (send_sdk if scenario.sdk else send_httpx)(index, body)
+
     try:
         result = await run_clients(scenario.clients, send, meter)
     finally:
+        await http.aclose()
         for sdk in sdks:
             await sdk.close()
     result.stored_tokens = check_stored(proxy, scenario, sessions, result)
@@ -286,6 +327,39 @@ def check_stored(
 # --- the run ----------------------------------------------------------------------------------
 
 
+class Forwarder:
+    """bench/forwarder.py as a process on loopback, in front of the engine."""
+
+    def __init__(self, engine_url: str, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in __exit__
+        command = [sys.executable, str(ROOT / "bench" / "forwarder.py"), engine_url, str(self.port)]
+        self.process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+        )
+
+    def __enter__(self) -> Forwarder:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                httpx.get(f"{self.url}/", timeout=1.0)
+                return self
+            except httpx.TransportError:
+                time.sleep(0.1)
+        self.__exit__()
+        raise RuntimeError(f"the bare forwarder did not start; see {self._log.name}")
+
+    def __exit__(self, *_: object) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
 def timed(label: str, run: Callable[[], PhaseResult]) -> PhaseResult:
     """One phase, with a progress line."""
     print(f"  {label} ...", end="", flush=True)
@@ -295,20 +369,27 @@ def timed(label: str, run: Callable[[], PhaseResult]) -> PhaseResult:
 
 
 def measure(
-    engine: EngineProcess, proxy: ProxyProcess, model: str, scenarios: list[Scenario], args
+    engine: EngineProcess,
+    proxy: ProxyProcess,
+    forwarder: Forwarder,
+    model: str,
+    scenarios: list[Scenario],
+    args,
 ) -> None:
-    meter = CpuMeter(engine.process.pid, proxy.process.pid)
+    meter = CpuMeter(engine.process.pid, proxy.process.pid, forwarder.process.pid)
 
     def direct(s: Scenario) -> PhaseResult:
         return asyncio.run(direct_phase(engine.url, s, args.max_tokens, meter))
 
     def through_proxy(s: Scenario) -> PhaseResult:
+        if s.forwarder:
+            return asyncio.run(direct_phase(forwarder.url, s, args.max_tokens, meter))
         return asyncio.run(proxy_phase(proxy, model, s, args.max_tokens, meter))
 
     print("warm-up")
     for scenario in scenarios:
         first = [c[:3] for c in scenario.clients]
-        short = Scenario(scenario.key, scenario.label, first, stream=scenario.stream)
+        short = dataclasses.replace(scenario, clients=first, direct=[], proxy=[])
         timed(f"direct {scenario.label}", lambda s=short: direct(s))
         timed(f"proxy  {scenario.label}", lambda s=short: through_proxy(s))
     for round_ in range(1, args.rounds + 1):
@@ -322,6 +403,7 @@ def measure(
 
 def summarize(scenario: Scenario) -> dict:
     """Medians over rounds (throughput) and over every request of every round (latency)."""
+    hop = "forwarder" if scenario.forwarder else "proxy"
     direct_tps = statistics.median(r.tokens_per_second for r in scenario.direct)
     proxy_tps = statistics.median(r.tokens_per_second for r in scenario.proxy)
     direct_ms = 1000 * statistics.median(x for r in scenario.direct for x in r.latencies)
@@ -336,6 +418,8 @@ def summarize(scenario: Scenario) -> dict:
         "clients": len(scenario.clients),
         "requests_per_client": len(scenario.clients[0]),
         "stream": scenario.stream,
+        "client": "openai SDK" if scenario.sdk else "httpx",
+        "hop": "bare forwarder" if scenario.forwarder else "proxrl serve",
         "completion_tokens_per_round": statistics.median(
             sum(r.completion_tokens) for r in scenario.proxy
         ),
@@ -348,7 +432,7 @@ def summarize(scenario: Scenario) -> dict:
         "added_ms": proxy_ms - direct_ms,
         "stored_tok_s": statistics.median(r.stored_tokens / r.seconds for r in scenario.proxy),
         # CPU per request, median of rounds: where the proxy's cost goes, less noisy than wall time
-        "proxy_cpu_ms_per_request": cpu_ms(scenario.proxy, "proxy"),
+        "proxy_cpu_ms_per_request": cpu_ms(scenario.proxy, hop),
         "engine_cpu_ms_per_request": {
             "direct": cpu_ms(scenario.direct, "engine"),
             "proxy": cpu_ms(scenario.proxy, "engine"),
@@ -375,19 +459,29 @@ def markdown_table(rows: dict[str, dict], labels: dict[str, str]) -> str:
             f"| {labels[key]} | {row['completion_tokens_per_round']:.0f} "
             f"| {row['direct_tok_s']:.0f} | {row['proxy_tok_s']:.0f} | {row['ratio']:.3f} "
             f"| {row['direct_p50_ms']:.1f} | {row['proxy_p50_ms']:.1f} | {row['added_ms']:+.1f} "
-            f"| {row['stored_tok_s']:.0f} | {row['proxy_cpu_ms_per_request']:.1f} |"
+            f"| {_stored(row)} | {row['proxy_cpu_ms_per_request']:.1f} |"
         )
     return "\n".join(lines)
 
 
+def _stored(row: dict) -> str:
+    return "-" if row["hop"] == "bare forwarder" else f"{row['stored_tok_s']:.0f}"
+
+
 def verdicts(rows: dict[str, dict]) -> list[str]:
     out = []
-    for key, row in rows.items():
+    for key in TARGET_ROWS:
+        row = rows[key]
         ok = row["ratio"] >= TARGET_RATIO
         out.append(f"{key}: ratio {row['ratio']:.3f} {'meets' if ok else 'MISSES'} >= 0.95")
-    single = rows["single"]
+    single, floor = rows["single"], rows["single_forwarder"]
     ok = single["added_ms"] < TARGET_ADDED_MS
     out.append(f"single: {single['added_ms']:+.2f} ms added {'meets' if ok else 'MISSES'} < 2 ms")
+    floor_cpu, own = floor["proxy_cpu_ms_per_request"], single["added_ms"] - floor["added_ms"]
+    out.append(
+        f"a bare forwarder adds {floor['added_ms']:+.2f} ms ({floor_cpu:.1f} ms CPU per request) "
+        f"on this machine: the proxy's own work adds {own:+.2f} ms"
+    )
     return out
 
 
@@ -475,6 +569,25 @@ def main() -> None:
             [make_requests(tokenizer, rng, args.requests)],
             stream=True,
         ),
+        Scenario(
+            "single_sdk",
+            "1 client, openai SDK",
+            [make_requests(tokenizer, rng, args.requests)],
+            sdk=True,
+        ),
+        Scenario(
+            "single_stream_sdk",
+            "1 client, streaming, openai SDK",
+            [make_requests(tokenizer, rng, args.requests)],
+            stream=True,
+            sdk=True,
+        ),
+        Scenario(
+            "single_forwarder",
+            "1 client, bare forwarder",
+            [make_requests(tokenizer, rng, args.requests)],
+            forwarder=True,
+        ),
     ]
     print(
         f"model: tiny; max_tokens {args.max_tokens}; 1 client x {args.requests} requests, "
@@ -494,8 +607,9 @@ def main() -> None:
             *("--num-threads", str(args.engine_threads)),
         ) as engine,
         ProxyProcess(model_dir, Path(data_dir), "--engines", engine.url) as proxy,
+        Forwarder(engine.url, LOG_DIR / "proxy-bench-forwarder.log") as forwarder,
     ):
-        measure(engine, proxy, model_dir.name, scenarios, args)
+        measure(engine, proxy, forwarder, model_dir.name, scenarios, args)
 
     rows = {s.key: summarize(s) for s in scenarios}
     table = markdown_table(rows, {s.key: s.label for s in scenarios})
