@@ -554,40 +554,19 @@ def main() -> None:
     model_dir = ensure_model()
     tokenizer = Tokenizer.from_pretrained(model_dir)
     rng = random.Random(SEED)
+
+    def one_client(key: str, label: str, **flags: bool) -> Scenario:
+        return Scenario(key, label, [make_requests(tokenizer, rng, args.requests)], **flags)
+
+    single = one_client("single", "1 client")  # requests drawn in this order, from one seed
+    many = make_requests(tokenizer, rng, args.clients * args.requests_per_client)
     scenarios = [
-        Scenario("single", "1 client", [make_requests(tokenizer, rng, args.requests)]),
-        Scenario(
-            "concurrent",
-            f"{args.clients} clients",
-            split(
-                make_requests(tokenizer, rng, args.clients * args.requests_per_client), args.clients
-            ),
-        ),
-        Scenario(
-            "single_stream",
-            "1 client, streaming",
-            [make_requests(tokenizer, rng, args.requests)],
-            stream=True,
-        ),
-        Scenario(
-            "single_sdk",
-            "1 client, openai SDK",
-            [make_requests(tokenizer, rng, args.requests)],
-            sdk=True,
-        ),
-        Scenario(
-            "single_stream_sdk",
-            "1 client, streaming, openai SDK",
-            [make_requests(tokenizer, rng, args.requests)],
-            stream=True,
-            sdk=True,
-        ),
-        Scenario(
-            "single_forwarder",
-            "1 client, bare forwarder",
-            [make_requests(tokenizer, rng, args.requests)],
-            forwarder=True,
-        ),
+        single,
+        Scenario("concurrent", f"{args.clients} clients", split(many, args.clients)),
+        one_client("single_stream", "1 client, streaming", stream=True),
+        one_client("single_sdk", "1 client, openai SDK", sdk=True),
+        one_client("single_stream_sdk", "1 client, streaming, openai SDK", stream=True, sdk=True),
+        one_client("single_forwarder", "1 client, bare forwarder", forwarder=True),
     ]
     print(
         f"model: tiny; max_tokens {args.max_tokens}; 1 client x {args.requests} requests, "
