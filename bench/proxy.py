@@ -598,7 +598,8 @@ def main() -> None:
         "tok/s: completion tokens per second, median of rounds; p50: median request latency "
         "(streaming: to the last token) over all rounds; ratio = proxy / direct, measured in "
         "this run; stored tok/s: prompt + completion tokens stored per second of proxy phase; "
-        "proxy CPU ms/req: CPU time of the proxy process per request, median of rounds"
+        "proxy CPU ms/req: CPU time of the proxy process (on its row, the bare forwarder's) per "
+        "request, median of rounds"
     )
     for line in verdicts(rows):
         print(line)
