@@ -107,7 +107,8 @@ def _session_bumps(records: list[TurnRecord], now: datetime) -> list[dict[str, A
 
 def insert_turns(db: Connection, records: list[TurnRecord]) -> None:
     """Add the turns and bump their sessions' counters, two executemany statements in all
-    (plain Core; :class:`TurnInserter` writes the same rows faster)."""
+    (plain Core: the reference :class:`TurnInserter`, which the server uses, is tested
+    against)."""
     rows = _turn_rows(records)
     db.execute(_INSERT_TURNS, rows)
     db.execute(_BUMP_SESSION, _session_bumps(records, rows[0]["created_at"]))
@@ -120,7 +121,6 @@ class _DriverStatement:
     def __init__(self, statement: Any, dialect: Dialect, columns: dict[str, Any]) -> None:
         compiled = statement.compile(dialect=dialect, column_keys=list(columns))
         self.sql = str(compiled)
-        self.positional = compiled.positional
         self.keys = list(compiled.positiontup or []) if compiled.positional else None
         self.processors = {}
         for name, bind in compiled.binds.items():
@@ -151,7 +151,8 @@ class TurnInserter:
     The turn write is on every request's path; in a busy server, Core's per-statement work
     (execution context, parameter processing) cost ~0.6 ms of CPU per request, four times the
     insert itself. The SQL and the value conversions still come from SQLAlchemy (compiled once
-    for the dialect), so the rows are the ones Core writes (tests/unit/test_turn_writer.py)."""
+    for the dialect), so the rows are the ones Core writes
+    (tests/integration/test_turn_writer.py)."""
 
     def __init__(self, dialect: Dialect) -> None:
         self._insert = _DriverStatement(

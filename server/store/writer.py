@@ -10,7 +10,7 @@ Where the batch is written depends on the store:
 - SQLite: on the event loop, on a connection of its own that never waits for a lock. A local
   commit in WAL mode does not sync to disk and takes ~0.1-0.3 ms; handing it to a thread
   and back cost more than the write (~0.25 ms and a GIL hand-over each way, measured in
-  bench/proxy.py). When another connection holds the write lock (a reward, a claim), the
+  a running server). When another connection holds the write lock (a reward, a claim), the
   batch goes to a thread that waits for it. This connection does not checkpoint the WAL
   itself (a checkpoint copies pages and syncs: milliseconds that would stall every request);
   a thread does, each time ~4 MB (SQLite's default of 1000 pages) have been written.
@@ -186,7 +186,7 @@ class TurnWriter:
             await asyncio.to_thread(self._checkpoint_wal)
             self.stats.checkpoints += 1
         except Exception:
-            log.exception("checkpointing the store's WAL failed (it is retried later)")
+            log.exception("checkpointing the store's WAL failed (tried again ~4 MB later)")
         finally:
             self._checkpoint = None
 
