@@ -1,7 +1,8 @@
 """A bare forwarder: the cheapest Python hop in front of an engine, for bench/proxy.py.
 
 ``python bench/forwarder.py ENGINE_URL PORT`` serves ``POST /generate`` on 127.0.0.1:PORT by
-sending the body to the engine's ``/generate`` with aiohttp and returning the engine's answer:
+sending the body to the engine's ``/generate`` with aiohttp and returning the engine's answer
+(and ``GET /health``, answered itself):
 uvicorn (uvloop + httptools) and aiohttp, as in ``proxrl serve``, and nothing else (no
 framework, no template, no tokenizer, no store). What it adds over calling the engine directly
 is what any extra HTTP hop in Python costs on the machine; bench/proxy.py reports it beside the
@@ -32,6 +33,10 @@ def create_app(engine_url: str):
                     await http[0].close()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
+        if scope["method"] == "GET":  # /health
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
         body = b""
         while True:
             message = await receive()

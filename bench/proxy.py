@@ -55,7 +55,6 @@ import platform
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,7 +72,7 @@ import httpx  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 
 from bench.common import new_sessions, positive_int  # noqa: E402
-from server.engine.launcher import EngineProcess, die_with_parent, free_port  # noqa: E402
+from server.engine.launcher import EngineProcess, ServerProcess, free_port  # noqa: E402
 from server.generation import SamplingRequest, engine_body  # noqa: E402
 from server.tokenization import Tokenizer  # noqa: E402
 from tests.support import ProxyProcess  # noqa: E402
@@ -327,37 +326,16 @@ def check_stored(
 # --- the run ----------------------------------------------------------------------------------
 
 
-class Forwarder:
+class Forwarder(ServerProcess):
     """bench/forwarder.py as a process on loopback, in front of the engine."""
+
+    name = "bare forwarder"
+    ready_timeout = 60.0
 
     def __init__(self, engine_url: str, log_path: Path) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in __exit__
         command = [sys.executable, str(ROOT / "bench" / "forwarder.py"), engine_url, str(self.port)]
-        self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
-        )
-
-    def __enter__(self) -> Forwarder:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and self.process.poll() is None:
-            try:
-                httpx.get(f"{self.url}/", timeout=1.0)
-                return self
-            except httpx.TransportError:
-                time.sleep(0.1)
-        self.__exit__()
-        raise RuntimeError(f"the bare forwarder did not start; see {self._log.name}")
-
-    def __exit__(self, *_: object) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._log.close()
+        super().__init__(command, f"http://127.0.0.1:{self.port}", log_path)
 
 
 def timed(label: str, run: Callable[[], PhaseResult]) -> PhaseResult:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 from pathlib import Path
 
 import httpx
 
 from server.engine.launcher import EngineProcess as _Launcher
-from server.engine.launcher import free_port
+from server.engine.launcher import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,50 +102,30 @@ async def stream_events(client: httpx.AsyncClient, url: str, body: dict, on_chun
     return events
 
 
-class ProxyProcess:
+class ProxyProcess(ServerProcess):
     """``proxrl serve`` as a real process on loopback (it starts its own embedded engines
     unless ``--engines`` is among ``extra``), stopped on exit."""
 
     ADMIN_KEY = "test-admin-key"
+    name = "proxy"
+    ready_timeout = 180.0
+    stop_timeout = 30.0  # it stops its own engines first
 
     def __init__(self, model_dir: Path, data_dir: Path, *extra: str) -> None:
-        import subprocess
-        import sys
-
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.data_dir = data_dir
-        self.log_path = data_dir / f"proxy-{self.port}.log"
         data_dir.mkdir(parents=True, exist_ok=True)
         command = [
             sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
             "--port", str(self.port), "--data-dir", str(data_dir),
             "--admin-key", self.ADMIN_KEY, "--log-level", "warning", *extra,
         ]  # fmt: skip
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
-        )
+        url = f"http://127.0.0.1:{self.port}"
+        super().__init__(command, url, data_dir / f"proxy-{self.port}.log", cwd=ROOT)
 
     @property
     def admin(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.ADMIN_KEY}"}
-
-    def wait_ready(self, timeout: float = 180.0) -> ProxyProcess:
-        import time
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"proxy exited early:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"proxy not ready in {timeout}s:\n{self.log_path.read_text()}")
 
     def session(self, **body) -> dict:
         """A new session (admin key): its id, api_key and base_url."""
@@ -156,23 +137,6 @@ class ProxyProcess:
         reply = httpx.get(f"{self.url}/rl/sessions/{session_id}", headers=self.admin, timeout=60)
         assert reply.status_code == 200, reply.text
         return reply.json()
-
-    def stop(self) -> None:
-        import subprocess
-
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
-        self._log.close()
-
-    def __enter__(self) -> ProxyProcess:
-        return self.wait_ready()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 class RestClient:

@@ -1,4 +1,5 @@
-"""Start ``proxrl engine`` as a child process on loopback and wait until it serves.
+"""Start ``proxrl engine`` (or another server) as a child process on loopback and wait until
+it serves.
 
 Used by whatever needs an embedded engine of its own (the demo, the proxy when no --engines
 are given, tests). Imports neither torch nor transformers: the engine runs in the child.
@@ -15,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Self
 
 import httpx
 
@@ -46,48 +47,52 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-class EngineProcess:
-    """One engine process; a context manager that waits for it to serve and stops it after."""
+class ServerProcess:
+    """A server run as a child process on loopback (it dies with us, see
+    :func:`die_with_parent`), its output in ``log_path``; a context manager that waits until
+    ``url + ready_path`` answers 200 and stops it after (SIGTERM, then SIGKILL)."""
+
+    name = "server"  # in error messages
+    ready_path = "/health"
+    ready_timeout = 120.0
+    stop_timeout = 20.0  # after SIGTERM, before SIGKILL
 
     def __init__(
         self,
-        model_dir: str | Path,
+        command: list[str],
+        url: str,
         log_path: str | Path | None = None,
-        *extra_args: str,
-        host: str = "127.0.0.1",
-        port: int | None = None,
+        cwd: str | Path | None = None,
     ) -> None:
-        self.port = port or free_port(host)
-        self.url = f"http://{host}:{self.port}"
+        self.url = url
         self.log_path = Path(log_path) if log_path else None
-        command = [
-            sys.executable, "-m", "server.cli", "engine",
-            "--model", str(model_dir), "--host", host, "--port", str(self.port),
-            "--log-level", "warning", *extra_args,
-        ]  # fmt: skip
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         self._log: IO[str] | None = open(self.log_path, "w") if self.log_path else None  # noqa: SIM115
         self.process = subprocess.Popen(
             command,
+            cwd=cwd,
             env=env,
             stdout=self._log if self._log else subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent(),
         )
 
-    def wait_ready(self, timeout: float = 120.0) -> EngineProcess:
+    def wait_ready(self, timeout: float | None = None) -> Self:
+        timeout = self.ready_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"engine exited with {self.process.returncode}{self._tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.process.returncode}{self._tail()}"
+                )
             try:
-                if httpx.get(f"{self.url}/model_info", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}{self.ready_path}", timeout=2).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError(f"engine not ready within {timeout:.0f}s{self._tail()}")
+        raise TimeoutError(f"{self.name} not ready within {timeout:.0f}s{self._tail()}")
 
     def _tail(self) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -98,15 +103,38 @@ class EngineProcess:
         if self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(timeout=20)
+                self.process.wait(timeout=self.stop_timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)
         if self._log is not None:
             self._log.close()
 
-    def __enter__(self) -> EngineProcess:
+    def __enter__(self) -> Self:
         return self.wait_ready()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class EngineProcess(ServerProcess):
+    """One ``proxrl engine`` process."""
+
+    name = "engine"
+    ready_path = "/model_info"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        log_path: str | Path | None = None,
+        *extra_args: str,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+    ) -> None:
+        self.port = port or free_port(host)
+        command = [
+            sys.executable, "-m", "server.cli", "engine",
+            "--model", str(model_dir), "--host", host, "--port", str(self.port),
+            "--log-level", "warning", *extra_args,
+        ]  # fmt: skip
+        super().__init__(command, f"http://{host}:{self.port}", log_path)
