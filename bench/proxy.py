@@ -213,14 +213,19 @@ async def run_clients(
 # --- the two sides ----------------------------------------------------------------------------
 
 
+def http_client(scenario: Scenario) -> httpx.AsyncClient:
+    """The httpx client of a phase, a connection for each of the scenario's clients."""
+    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
+    limits = httpx.Limits(max_connections=len(scenario.clients) + 1)
+    return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+
 async def direct_phase(
     url: str, scenario: Scenario, max_tokens: int, meter: CpuMeter
 ) -> PhaseResult:
     """The scenario's requests to ``url``/generate (the engine's, or the bare forwarder's in
     front of it), with the body the proxy would send."""
-    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
-    limits = httpx.Limits(max_connections=len(scenario.clients) + 1)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+    async with http_client(scenario) as http:
 
         async def send(_: int, request: ChatRequest) -> int:
             sampling = SamplingRequest(
@@ -248,9 +253,7 @@ async def proxy_phase(
     """The scenario's requests through the proxy, a session per client, with httpx or the
     openai SDK."""
     sessions = await new_sessions(proxy.url, proxy.admin, len(scenario.clients))  # not timed
-    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
-    limits = httpx.Limits(max_connections=len(scenario.clients) + 1)
-    http = httpx.AsyncClient(timeout=timeout, limits=limits)
+    http = http_client(scenario)
     sdks = [
         AsyncOpenAI(
             base_url=s["base_url"], api_key=s["api_key"], max_retries=0, timeout=REQUEST_TIMEOUT_S

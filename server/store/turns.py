@@ -156,7 +156,7 @@ class TurnInserter:
 
     def __init__(self, dialect: Dialect) -> None:
         self._insert = _DriverStatement(
-            insert(Turn), dialect, {name: None for name in _TURN_FIELDS}
+            _INSERT_TURNS, dialect, {name: None for name in _TURN_FIELDS}
         )
         self._bump = _DriverStatement(_BUMP_SESSION, dialect, {})
 

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, insert, text
+from sqlalchemy import insert, text
 
 from server.store import database, turns
 from server.store.tables import Run, Session
@@ -192,7 +192,7 @@ def wal_bytes_after_writes(tmp_path: Path, checkpoint_bytes: int) -> tuple[int, 
             await writer.stop()
 
     size, checkpoints = asyncio.run(scenario())
-    with create_engine(database.sync_url(url)).connect() as connection:
+    with engine.connect() as connection:
         count = connection.execute(text("SELECT count(*) FROM turns")).scalar_one()
     engine.dispose()
     return size, checkpoints, count
