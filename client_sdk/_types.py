@@ -82,6 +82,10 @@ class Row(TypedDict):
     logprobs: list[float]
     versions: list[int]
     turns: list[dict[str, Any]]
+    """Each turn in the row: completion_id, turn_index, start, end (its sampled tokens are
+    input_ids[start:end]), reward (its own, or None), temperature (what it was sampled at, or
+    None), alternative (True when the session did not go on from it: a choice of a retried
+    request, or one the next request did not continue)."""
 
 
 class SessionDetail(TypedDict):
@@ -98,6 +102,8 @@ class SessionDetail(TypedDict):
     turn_count: int
     row_count: int
     breaks: int
+    drop_reason: str | None
+    """Why it was dropped ("code: a sentence", e.g. "no_reward: ..."); None unless dropped."""
     reward: float | None
     rewards: dict[str, float]
     """By target: "session" or a completion_id."""
@@ -118,4 +124,5 @@ class RewardResult(TypedDict):
 class SessionEnded(TypedDict):
     session_id: str
     status: str
-    """"ended", or "trainable" when it already had a reward."""
+    """"ended", or "trainable" when it already had its session reward (or per-turn rewards,
+    where the run's turn_rewards_suffice is true)."""

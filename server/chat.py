@@ -2,8 +2,9 @@
 
 The prompt is rendered with the model's chat template and tokenized here (continuing the
 session's last turn token for token when the history matches); the engines only ever see token
-ids. ``n`` choices are ``n`` engine requests. Every choice is stored as a turn before the client
-gets the end of the answer, streamed or not.
+ids. A request without a temperature is sampled at its run's. ``n`` choices are ``n`` engine
+requests. Every choice is stored as a turn before the client gets the end of the answer,
+streamed or not.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from server import choices, prompts
+from server import choices, prompts, runs
 from server.context import ServerContext
 from server.engines.client import EngineRejected
 from server.engines.pool import NoEngineAvailable
@@ -53,9 +54,15 @@ def check_model(ctx: ServerContext, model: str) -> None:
 
 
 def sampling_request(
-    ctx: ServerContext, prompt_ids: list[int], limit: int | None, body: Any, top_logprobs: int
+    ctx: ServerContext,
+    prompt_ids: list[int],
+    limit: int | None,
+    body: Any,
+    top_logprobs: int,
+    default_temperature: float,
 ) -> SamplingRequest:
-    """Sampling settings, with max tokens checked against the context length."""
+    """Sampling settings, with max tokens checked against the context length; a request that
+    gives no temperature is sampled at the run's."""
     context = ctx.context_length or 0
     room = context - len(prompt_ids)
     if context and room <= 0:
@@ -72,18 +79,20 @@ def sampling_request(
             param="max_tokens",
             code="context_length_exceeded",
         )
-    temperature = 1.0 if body.temperature is None else body.temperature
+    temperature = default_temperature if body.temperature is None else body.temperature
     return SamplingRequest(
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
-        temperature=temperature,
+        temperature=float(temperature),
         stop=body.stops,
         seed=body.seed,
         top_logprobs=top_logprobs,
     )
 
 
-def plan_chat(ctx: ServerContext, state: SessionState, body: ChatCompletionRequest) -> Plan:
+def plan_chat(
+    ctx: ServerContext, state: SessionState, body: ChatCompletionRequest, default_temperature: float
+) -> Plan:
     check_model(ctx, body.model)
     body.refuse_untrainable()
     messages = [message.for_template() for message in body.messages]
@@ -94,7 +103,7 @@ def plan_chat(ctx: ServerContext, state: SessionState, body: ChatCompletionReque
         raise BadRequest(f"The chat template refused the messages: {exc}", "messages") from exc
     prompt = prompts.splice(ctx.tokenizer, text, state.last)
     top = (body.top_logprobs or 0) if body.logprobs else 0
-    sampling = sampling_request(ctx, prompt.ids, body.token_limit, body, top)
+    sampling = sampling_request(ctx, prompt.ids, body.token_limit, body, top, default_temperature)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
     parse_tools = tools is not None and body.tool_choice != "none"
@@ -169,10 +178,15 @@ def _logprobs(ctx: ServerContext, completion: Completion) -> dict:
     }
 
 
+async def run_temperature(ctx: ServerContext, state: SessionState) -> float:
+    """The temperature of the session's run (from memory: see server.runs.run_config)."""
+    return (await runs.run_config(ctx, state.run_id)).temperature
+
+
 async def chat_completion(
     ctx: ServerContext, state: SessionState, body: ChatCompletionRequest
 ) -> dict:
-    plan = plan_chat(ctx, state, body)
+    plan = plan_chat(ctx, state, body, await run_temperature(ctx, state))
     completions = await sample_all(ctx, state, plan.sampling, plan.completion_ids)
     answers, served = [], []
     for index, (cid, completion) in enumerate(zip(plan.completion_ids, completions, strict=True)):
@@ -258,7 +272,7 @@ async def chat_completion_stream(
     ctx: ServerContext, state: SessionState, body: ChatCompletionRequest
 ) -> AsyncIterator[str]:
     """Plan now (errors surface before the stream starts); chunks come from the generator."""
-    plan = plan_chat(ctx, state, body)
+    plan = plan_chat(ctx, state, body, await run_temperature(ctx, state))
     return _stream(ctx, state, plan, body.include_usage)
 
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from server import choices, prompts
-from server.chat import check_model, sample_all, sampling_request
+from server.chat import check_model, run_temperature, sample_all, sampling_request
 from server.context import ServerContext
 from server.errors import BadRequest
 from server.generation import Completion
@@ -25,7 +25,13 @@ from server.streaming import drain, guarded, sse
 
 
 class _Plan:
-    def __init__(self, ctx: ServerContext, state: SessionState, body: CompletionRequest) -> None:
+    def __init__(
+        self,
+        ctx: ServerContext,
+        state: SessionState,
+        body: CompletionRequest,
+        default_temperature: float,
+    ) -> None:
         check_model(ctx, body.model)
         body.refuse_untrainable()
         (prompt,) = _single(body)
@@ -39,7 +45,9 @@ class _Plan:
             self.echo = ctx.tokenizer.decode(prompt)
         self.echo = self.echo if body.echo else ""
         top = body.logprobs or 0
-        self.sampling = sampling_request(ctx, self.prompt.ids, body.max_tokens, body, top)
+        self.sampling = sampling_request(
+            ctx, self.prompt.ids, body.max_tokens, body, top, default_temperature
+        )
         self.request_id = f"cmpl-{uuid.uuid4().hex}"
         n = body.n
         self.completion_ids = (
@@ -88,7 +96,7 @@ def _legacy_logprobs(ctx: ServerContext, completion: Completion) -> dict:
 
 
 async def text_completion(ctx: ServerContext, state: SessionState, body: CompletionRequest) -> dict:
-    plan = _Plan(ctx, state, body)
+    plan = _Plan(ctx, state, body, await run_temperature(ctx, state))
     completions = await sample_all(ctx, state, plan.sampling, plan.completion_ids)
     answers, served = [], []
     for index, (cid, completion) in enumerate(zip(plan.completion_ids, completions, strict=True)):
@@ -118,7 +126,7 @@ async def text_completion(ctx: ServerContext, state: SessionState, body: Complet
 async def text_completion_stream(
     ctx: ServerContext, state: SessionState, body: CompletionRequest
 ) -> AsyncIterator[str]:
-    plan = _Plan(ctx, state, body)
+    plan = _Plan(ctx, state, body, await run_temperature(ctx, state))
     return _stream(ctx, state, plan, body.include_usage)
 
 

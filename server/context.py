@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 from server.admission import Admission
 from server.engines.pool import EnginePool
 from server.metrics import Metrics
+from server.run_config import RunConfig
 from server.session_state import SessionRegistry
 from server.settings import ServerSettings
 from server.store.writer import TurnWriter
@@ -30,6 +31,7 @@ class ServerContext:
     metrics: Metrics = field(default_factory=Metrics)
     default_run_id: str = ""
     key_cache: dict[str, tuple[str, str | None, str | None]] = field(default_factory=dict)
+    run_configs: dict[str, RunConfig] = field(default_factory=dict)  # see runs.run_config
     unknown_keys: set[str] = field(default_factory=set)
     started_at: float = field(default_factory=time.time)
     model_name: str = ""  # the served model's name, fixed at start

@@ -1,4 +1,5 @@
-"""A run's configuration: admission (staleness bound), reward deadlines, claims.
+"""A run's configuration: sampling temperature, admission (staleness bound), reward deadlines,
+groups and claims.
 
 Plain data validated by pydantic; the server and the trainer read the same fields. Keys it does
 not know are kept (the trainer's own settings may live here) but never acted on by the server.
@@ -14,6 +15,18 @@ from pydantic import BaseModel, ConfigDict, Field
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        le=2,
+        description="The sampling temperature the run trains at; requests that give no "
+        "temperature are sampled at it.",
+    )
+    off_temperature: Literal["mask", "off_policy"] = Field(
+        "mask",
+        description="What the trainer does with turns sampled at another temperature: mask "
+        "them out of the loss, or train them off-policy with their own behaviour logprobs.",
+    )
     batch_size: int | None = Field(
         None, ge=1, description="Sessions per training step; admission is off while unset."
     )
@@ -36,8 +49,27 @@ class RunConfig(BaseModel):
         "drop", description="What a reward deadline does: drop the session or use default_reward."
     )
     default_reward: float = Field(0.0, description="The reward on_missing_reward=default gives.")
+    turn_rewards_suffice: bool = Field(
+        False,
+        description="An ended session with per-turn rewards but no session reward is trainable "
+        "(false: it waits for its session reward, or its reward deadline).",
+    )
+    group_timeout_s: float | None = Field(
+        600.0,
+        gt=0,
+        description="With group_size > 1: a group whose oldest trainable session waited this "
+        "long is resolved as it is, by on_incomplete_group (None: wait for the whole group).",
+    )
+    on_incomplete_group: Literal["train", "drop"] = Field(
+        "train",
+        description="What happens to a group still short of group_size at group_timeout_s, and "
+        "to a session without group_id and task_id: train it as it is, or drop it.",
+    )
     claim_lease_s: float = Field(
-        300.0, gt=0, description="How long a trainer's claim holds before it returns to the pool."
+        300.0,
+        gt=0,
+        description="How long a trainer's claim holds before its sessions return to the pool "
+        "(its owner may still renew or confirm them until another claim takes them).",
     )
 
     def admission_limit(self, policy_version: int) -> int | None:

@@ -3,11 +3,32 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StringConstraints,
+    model_validator,
+)
 
 from server.run_config import RunConfig
+from server.store.tables import DROP_REASON_LENGTH
+
+DROP_REASON = (
+    'Why the session was dropped: a short code, a colon, a sentence (e.g. "no_reward: ...", '
+    '"no_turns: ...", "incomplete_group: ...", "no_group: ...", or a trainer\'s own reason); '
+    "null unless dropped."
+)
+ROW_TURNS = (
+    "The turns in the row, in order, each {completion_id, turn_index, start, end (its sampled "
+    "tokens are input_ids[start:end]), reward (its own reward or null), temperature (what it "
+    "was sampled at; null if unknown), alternative (true when the session did not go on from "
+    "it: a choice of a retried request, or a choice the next request did not continue)}."
+)
 
 
 class RunCreate(BaseModel):
@@ -94,7 +115,7 @@ class RowOut(BaseModel):
     loss_mask: list[int] = Field(description="1 on tokens the model sampled, 0 on the rest.")
     logprobs: list[float]
     versions: list[int]
-    turns: list[dict[str, Any]]
+    turns: list[dict[str, Any]] = Field(description=ROW_TURNS)
 
 
 SessionStatus = Literal["open", "ended", "trainable", "claimed", "consumed", "dropped"]
@@ -111,6 +132,7 @@ class SessionSummary(BaseModel):
     turn_count: int
     row_count: int
     breaks: int
+    drop_reason: str | None = Field(description=DROP_REASON)
 
 
 class SessionOut(BaseModel):
@@ -125,6 +147,7 @@ class SessionOut(BaseModel):
     turn_count: int
     row_count: int
     breaks: int
+    drop_reason: str | None = Field(description=DROP_REASON)
     reward: float | None
     rewards: dict[str, float]
     turns: list[TurnOut] = Field(default_factory=list)
@@ -139,7 +162,14 @@ class ClaimIn(BaseModel):
         "group is claimed whole even if it is larger.",
     )
     lease_s: float | None = Field(None, gt=0, description="Default: the run's claim_lease_s.")
-    group_size: int | None = Field(None, ge=1, description="Default: the run's group_size.")
+    group_size: int | None = Field(
+        None,
+        ge=1,
+        description="Default: the run's group_size. Above 1, whole groups (by group_id, else "
+        "task_id) with group_size trainable sessions, or incomplete ones after the run's "
+        "group_timeout_s, and sessions with neither id; on_incomplete_group says whether those "
+        "are trained or dropped.",
+    )
 
 
 class ClaimedSessionOut(BaseModel):
@@ -153,8 +183,61 @@ class ClaimedSessionOut(BaseModel):
 
 class ClaimOut(BaseModel):
     claim_id: str
-    expires_at: datetime
+    expires_at: datetime = Field(description="When the lease runs out (renew it before).")
     sessions: list[ClaimedSessionOut]
+
+
+DropReason = Annotated[
+    str, StringConstraints(strip_whitespace=True, min_length=1, max_length=DROP_REASON_LENGTH)
+]
+
+
+class ConfirmIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dropped: dict[str, DropReason] = Field(
+        default_factory=dict,
+        max_length=100_000,
+        description="Sessions of the claim not to consume but to drop, each with its reason "
+        '("code: a sentence", at most 500 characters).',
+    )
+
+
+class ConfirmOut(BaseModel):
+    claim_id: str
+    consumed: int = Field(description="Sessions this call marked consumed.")
+    dropped: int = Field(description="Sessions this call marked dropped.")
+    settled: int = Field(
+        description="Every session of the claim now consumed or dropped (the same when "
+        "confirming again); fewer than the claim gave means another claim took some after its "
+        "lease ran out."
+    )
+
+
+class ReleaseOut(BaseModel):
+    claim_id: str
+    released: int = Field(description="Sessions given back to the pool.")
+
+
+class RenewIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    claim_ids: list[Annotated[str, StringConstraints(max_length=64)]] = Field(
+        max_length=10_000, description="The claims to hold longer."
+    )
+    lease_s: float | None = Field(
+        None, gt=0, description="Seconds from now (default: the run's claim_lease_s)."
+    )
+
+
+class RenewOut(BaseModel):
+    held: dict[str, int] = Field(
+        description="For each claim, the sessions it now holds: its claimed ones, and those "
+        "back in the pool after a lapse that no other claim took (0: none left)."
+    )
+    expires_at: datetime | None = Field(
+        description="When the renewed leases run out (null: no claim holds a session)."
+    )
 
 
 class DistributedWeightsIn(BaseModel):

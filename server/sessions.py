@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from server import runs as run_views
 from server.context import ServerContext
 from server.errors import Conflict, NotFound
 from server.run_config import RunConfig
@@ -87,6 +88,7 @@ def summary_fields(session: Session) -> dict[str, Any]:
         "turn_count": session.turn_count,
         "row_count": session.row_count,
         "breaks": session.breaks,
+        "drop_reason": session.drop_reason,
     }
 
 
@@ -108,6 +110,7 @@ async def session_view(ctx: ServerContext, session: Session) -> SessionOut:
         turn_count=session.turn_count,
         row_count=session.row_count,
         breaks=session.breaks,
+        drop_reason=session.drop_reason,
         reward=targets.get(SESSION_TARGET),
         rewards=targets,
         turns=[
@@ -138,14 +141,17 @@ async def session_view(ctx: ServerContext, session: Session) -> SessionOut:
 
 
 async def post_reward(
-    ctx: ServerContext, session_id: str, value: float, completion_id: str | None
+    ctx: ServerContext, run_id: str, session_id: str, value: float, completion_id: str | None
 ) -> RewardOut:
+    suffice = (await run_views.run_config(ctx, run_id)).turn_rewards_suffice
     async with ctx.sessionmaker() as db, db.begin():
         session = await store.get_session(db, session_id)
         if session is None:
             raise NotFound(f"No session {session_id!r}.", code="session_not_found")
         try:
-            reward, created = await rewards.add_reward(db, session, float(value), completion_id)
+            reward, created = await rewards.add_reward(
+                db, session, float(value), completion_id, suffice
+            )
         except rewards.RewardConflict as exc:
             raise Conflict(str(exc), param="reward", code="reward_conflict") from exc
         except rewards.RewardsClosed as exc:

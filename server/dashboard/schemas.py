@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from server.schemas import SessionOut, SessionSummary
+from server.schemas import ROW_TURNS, SessionOut, SessionSummary
 
 
 class RunSummary(BaseModel):
@@ -109,7 +109,7 @@ class TokenRow(BaseModel):
     versions: list[int] = Field(description="Policy version (-1 on prompt tokens).")
     loss_mask: list[int] = Field(description="1 where the token is trained.")
     turn: list[int] = Field(description="Index of the turn that sampled it (-1: prompt).")
-    turns: list[dict[str, Any]] = Field(description="Each turn's completion_id, span, reward.")
+    turns: list[dict[str, Any]] = Field(description=ROW_TURNS)
 
 
 class SessionDetail(SessionOut):

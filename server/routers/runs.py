@@ -1,4 +1,4 @@
-"""/rl/runs: runs, their config, and the trainer's claims."""
+"""/rl/runs and /rl/claims: runs, their config, and the trainer's claims."""
 
 from __future__ import annotations
 
@@ -8,7 +8,20 @@ from fastapi import APIRouter, Body
 
 from server import auth, runs, steps
 from server.deps import AdminDep, Ctx, KeyedDep
-from server.schemas import ClaimIn, ClaimOut, RunCreate, RunCreated, RunOut, StepIn, StepOut
+from server.schemas import (
+    ClaimIn,
+    ClaimOut,
+    ConfirmIn,
+    ConfirmOut,
+    ReleaseOut,
+    RenewIn,
+    RenewOut,
+    RunCreate,
+    RunCreated,
+    RunOut,
+    StepIn,
+    StepOut,
+)
 from server.store import runs as store_runs
 
 router = APIRouter(prefix="/rl", tags=["runs"])
@@ -57,11 +70,28 @@ async def record_step(run_id: str, body: StepIn, ctx: Ctx, _: AdminDep) -> StepO
     return await steps.record(ctx, run_id, body)
 
 
-@router.post("/claims/{claim_id}/confirm", summary="Mark a claim's sessions consumed")
-async def confirm_claim(claim_id: str, ctx: Ctx, _: AdminDep) -> dict:
-    return {"claim_id": claim_id, "consumed": await runs.finish_claim(ctx, claim_id, True)}
+@router.post(
+    "/claims/renew",
+    response_model=RenewOut,
+    summary="Hold claims longer (sessions back in the pool after a lapse too, if not retaken)",
+)
+async def renew_claims(body: RenewIn, ctx: Ctx, _: AdminDep) -> RenewOut:
+    return await runs.renew(ctx, body.claim_ids, body.lease_s)
 
 
-@router.post("/claims/{claim_id}/release", summary="Give a claim's sessions back")
-async def release_claim(claim_id: str, ctx: Ctx, _: AdminDep) -> dict:
-    return {"claim_id": claim_id, "released": await runs.finish_claim(ctx, claim_id, False)}
+@router.post(
+    "/claims/{claim_id}/confirm",
+    response_model=ConfirmOut,
+    summary="Mark a claim's sessions consumed, or dropped with a reason",
+)
+async def confirm_claim(
+    claim_id: str, ctx: Ctx, _: AdminDep, body: ConfirmIn | None = None
+) -> ConfirmOut:
+    return await runs.confirm(ctx, claim_id, body.dropped if body is not None else {})
+
+
+@router.post(
+    "/claims/{claim_id}/release", response_model=ReleaseOut, summary="Give a claim's sessions back"
+)
+async def release_claim(claim_id: str, ctx: Ctx, _: AdminDep) -> ReleaseOut:
+    return await runs.release(ctx, claim_id)

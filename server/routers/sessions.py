@@ -53,11 +53,17 @@ async def get_session(session_id: str, ctx: Ctx, caller: KeyedDep) -> SessionOut
     return await sessions.session_view(ctx, session)
 
 
-@router.post("/{session_id}/reward", response_model=RewardOut, summary="Reward a session or turn")
+@router.post(
+    "/{session_id}/reward",
+    response_model=RewardOut,
+    summary="Reward a session or turn (an ended session is trainable with its session reward)",
+)
 async def reward(session_id: str, body: RewardIn, ctx: Ctx, caller: KeyedDep) -> RewardOut:
     session = await sessions.get_session(ctx, session_id)
     auth.require_session_access(caller, session.run_id, session.id)
-    return await sessions.post_reward(ctx, session_id, body.reward, body.completion_id)
+    return await sessions.post_reward(
+        ctx, session.run_id, session_id, body.reward, body.completion_id
+    )
 
 
 @router.post("/{session_id}/end", summary="End a session")

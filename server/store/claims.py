@@ -1,9 +1,16 @@
-"""The trainer's reader: claim trainable sessions exactly once, then confirm or release them.
+"""The trainer's reader: claim trainable sessions exactly once, renew, confirm or release them.
 
-A claim marks sessions ``claimed`` with a lease; confirming marks them ``consumed``; a lease that
-runs out returns them to the pool for the next claim. Two trainers never get the same session
-(SQLite serialises writers; on Postgres the candidates are locked with SKIP LOCKED). With a
-``group_size`` only whole GRPO groups are claimed. Claimed sessions come back as training rows.
+A claim marks sessions ``claimed`` with a lease and its ``claim_id``. Confirming marks them
+``consumed`` (or ``dropped``, with the trainer's reason); releasing gives them back. A lease
+that runs out returns the sessions to ``trainable`` but they keep the claim's id, so its owner
+can still renew or confirm them until another claim takes them (which overwrites the id).
+
+Every claim first drops the run's trainable sessions that have no turn, then takes the oldest
+sessions, with a ``group_size`` > 1 whole groups (``server.store.groups``). Two trainers never
+get the same session and a group is never split: SQLite serialises writers (each write
+transaction here starts with a write), and on Postgres the chosen sessions are locked with SKIP
+LOCKED and a group of which fewer were locked than chosen is left alone. Claimed sessions come
+back as training rows.
 """
 
 from __future__ import annotations
@@ -15,12 +22,16 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from server.store import drop_reasons, groups
 from server.store import sessions as status
 from server.store.keys import new_id
 from server.store.rewards import SESSION_TARGET, rewards_of
 from server.store.rows import Row, assemble_rows
 from server.store.tables import Session, Turn, utcnow
 from server.store.turns import tokens_of
+
+HELD = (status.CLAIMED, status.TRAINABLE)  # with the claim's id: held, or lapsed and not retaken
+SETTLED = (status.CONSUMED, status.DROPPED)
 
 
 @dataclass
@@ -38,6 +49,20 @@ class Claim:
     claim_id: str
     expires_at: datetime
     sessions: list[ClaimedSession]
+    dropped: int = 0  # sessions this claim dropped (no turns, incomplete groups)
+
+
+@dataclass(frozen=True)
+class Settlement:
+    consumed: int  # newly consumed
+    dropped: int  # newly dropped
+    settled: int  # every session with the claim's id now consumed or dropped
+
+
+class NotInClaim(Exception):
+    def __init__(self, session_ids: list[str]) -> None:
+        super().__init__(f"not sessions of this claim: {', '.join(session_ids)}")
+        self.session_ids = session_ids
 
 
 async def claim(
@@ -45,34 +70,34 @@ async def claim(
     run_id: str,
     max_sessions: int,
     lease_s: float,
-    group_size: int | None = None,
+    rule: groups.GroupRule | None = None,
 ) -> Claim:
+    """Claim up to ``max_sessions`` of the run's oldest trainable sessions (whole groups when
+    ``rule.size`` > 1) for ``lease_s`` seconds."""
     now = utcnow()
-    await _return_expired(db, run_id, now)
-    if group_size is not None and group_size > 1:
-        candidates = await _whole_groups(db, run_id, max_sessions, group_size)
+    await _return_lapsed(db, run_id, now)
+    dropped = await _drop_without_turns(db, run_id)
+    if rule is not None and rule.size > 1:
+        chosen, dropped_groups = await _whole_groups(db, run_id, max_sessions, rule, now)
+        dropped += dropped_groups
     else:
-        query = (
-            select(Session.id)
-            .where(Session.run_id == run_id, Session.status == status.TRAINABLE)
-            .order_by(Session.trainable_at, Session.id)
-            .limit(max_sessions)
-            .with_for_update(skip_locked=True)
-        )
-        candidates = list(await db.scalars(query))
+        chosen = await _oldest(db, run_id, max_sessions)
     claim_id, expires = new_id("claim"), now + timedelta(seconds=lease_s)
-    if candidates:
+    if chosen:
         await db.execute(
             update(Session)
-            .where(Session.id.in_(candidates), Session.status == status.TRAINABLE)
+            .where(Session.id.in_(chosen), Session.status == status.TRAINABLE)
             .values(status=status.CLAIMED, claim_id=claim_id, claim_expires_at=expires)
         )
-        if group_size is not None and group_size > 1:
-            await _release_partial_groups(db, claim_id, group_size)
-    return Claim(claim_id, expires, await _load(db, claim_id))
+    return Claim(claim_id, expires, await _load(db, claim_id), dropped)
 
 
-async def _return_expired(db: AsyncSession, run_id: str, now: datetime) -> None:
+def _trainable(run_id: str) -> tuple:
+    return (Session.run_id == run_id, Session.status == status.TRAINABLE)
+
+
+async def _return_lapsed(db: AsyncSession, run_id: str, now: datetime) -> None:
+    """Claims whose lease ran out go back to the pool; their sessions keep the claim's id."""
     await db.execute(
         update(Session)
         .where(
@@ -80,49 +105,85 @@ async def _return_expired(db: AsyncSession, run_id: str, now: datetime) -> None:
             Session.status == status.CLAIMED,
             Session.claim_expires_at < now,
         )
-        .values(status=status.TRAINABLE, claim_id=None, claim_expires_at=None)
+        .values(status=status.TRAINABLE)
     )
+
+
+async def _drop_without_turns(db: AsyncSession, run_id: str) -> int:
+    """A session that never called the model has nothing to train."""
+    result = await db.execute(
+        update(Session)
+        .where(*_trainable(run_id), Session.turn_count == 0)
+        .values(status=status.DROPPED, drop_reason=drop_reasons.NO_TURNS, claim_id=None)
+    )
+    return _count(result)
+
+
+async def _oldest(db: AsyncSession, run_id: str, max_sessions: int) -> list[str]:
+    query = (
+        select(Session.id)
+        .where(*_trainable(run_id), Session.turn_count > 0)
+        .order_by(Session.trainable_at, Session.id)
+        .limit(max_sessions)
+        .with_for_update(skip_locked=True)
+    )
+    return list(await db.scalars(query))
 
 
 async def _whole_groups(
-    db: AsyncSession, run_id: str, max_sessions: int, group_size: int
-) -> list[str]:
-    """Sessions of the oldest groups that have ``group_size`` trainable sessions."""
-    trainable = (Session.run_id == run_id, Session.status == status.TRAINABLE)
-    groups = await db.execute(
-        select(Session.group_id, func.count())
-        .where(*trainable, Session.group_id.is_not(None))
-        .group_by(Session.group_id)
-        .having(func.count() >= group_size)
-        .order_by(func.max(Session.trainable_at))
-    )
-    chosen: list[str] = []
-    total = 0
-    for group_id, count in groups.all():
-        if chosen and total + count > max_sessions:
-            break
-        chosen.append(str(group_id))
-        total += count
-    if not chosen:
-        return []
-    query = select(Session.id).where(*trainable, Session.group_id.in_(chosen))
-    return list(await db.scalars(query.with_for_update(skip_locked=True)))
-
-
-async def _release_partial_groups(db: AsyncSession, claim_id: str, group_size: int) -> None:
-    """Another trainer took part of a group at the same moment: give back the rest."""
-    counts = await db.execute(
-        select(Session.group_id, func.count())
-        .where(Session.claim_id == claim_id)
-        .group_by(Session.group_id)
-    )
-    partial = [group for group, count in counts.all() if count < group_size]
-    if partial:
-        await db.execute(
-            update(Session)
-            .where(Session.claim_id == claim_id, Session.group_id.in_(partial))
-            .values(status=status.TRAINABLE, claim_id=None, claim_expires_at=None)
+    db: AsyncSession, run_id: str, max_sessions: int, rule: groups.GroupRule, now: datetime
+) -> tuple[list[str], int]:
+    """The sessions of the groups to claim, and how many sessions of resolved incomplete groups
+    were dropped. A group only part of which could be locked is left for a later claim."""
+    found = await db.execute(
+        select(Session.id, Session.group_id, Session.task_id, Session.trainable_at).where(
+            *_trainable(run_id), Session.turn_count > 0
         )
+    )
+    candidates = [
+        groups.Candidate(session_id, group_id, task_id, trainable_at or now)
+        for session_id, group_id, task_id, trainable_at in found
+    ]
+    plan = groups.plan_claim(candidates, rule, max_sessions, now)
+    planned = [*plan.claim, *(group for group, _ in plan.drop)]
+    locked = await _lock(db, [sid for group in planned for sid in group.session_ids])
+
+    def whole(group: groups.Group) -> bool:
+        return all(sid in locked for sid in group.session_ids)
+
+    to_drop = {
+        sid: reason for group, reason in plan.drop if whole(group) for sid in group.session_ids
+    }
+    await _drop(db, to_drop, claim_id=None)
+    chosen = [sid for group in plan.claim if whole(group) for sid in group.session_ids]
+    return chosen, len(to_drop)
+
+
+async def _lock(db: AsyncSession, session_ids: list[str]) -> set[str]:
+    """Those of ``session_ids`` still trainable that no concurrent claim holds, now locked."""
+    if not session_ids:
+        return set()
+    query = select(Session.id).where(
+        Session.id.in_(session_ids), Session.status == status.TRAINABLE
+    )
+    return set(await db.scalars(query.with_for_update(skip_locked=True)))
+
+
+async def _drop(db: AsyncSession, reasons: dict[str, str], *where: Any, **values: Any) -> int:
+    """Drop the sessions that also meet ``where``, each with its reason (one statement per
+    distinct reason); how many were dropped."""
+    by_reason: dict[str, list[str]] = {}
+    for session_id, reason in reasons.items():
+        by_reason.setdefault(reason, []).append(session_id)
+    dropped = 0
+    for reason, ids in by_reason.items():
+        result = await db.execute(
+            update(Session)
+            .where(Session.id.in_(ids), *where)
+            .values(status=status.DROPPED, drop_reason=reason, **values)
+        )
+        dropped += _count(result)
+    return dropped
 
 
 async def _load(db: AsyncSession, claim_id: str) -> list[ClaimedSession]:
@@ -161,21 +222,73 @@ async def sessions_with_rows(db: AsyncSession, claimed: list[Session]) -> list[C
     return out
 
 
-async def confirm(db: AsyncSession, claim_id: str) -> int:
-    """Mark a claim's sessions consumed; 0 if its lease ran out and they went back."""
-    result = await db.execute(
+async def renew(db: AsyncSession, claim_ids: list[str], expires: datetime) -> dict[str, int]:
+    """Hold the claims' sessions until ``expires``, those that lapsed included while no other
+    claim took them; how many each claim now holds."""
+    await db.execute(
         update(Session)
-        .where(Session.claim_id == claim_id, Session.status == status.CLAIMED)
-        .values(status=status.CONSUMED, consumed_at=utcnow())
+        .where(Session.claim_id.in_(claim_ids), Session.status.in_(HELD))
+        .values(status=status.CLAIMED, claim_expires_at=expires)
     )
-    return int(result.rowcount or 0)  # type: ignore[attr-defined]
+    counts = await db.execute(
+        select(Session.claim_id, func.count())
+        .where(Session.claim_id.in_(claim_ids), Session.status == status.CLAIMED)
+        .group_by(Session.claim_id)
+    )
+    held = {claim_id: 0 for claim_id in claim_ids}
+    held.update({str(claim_id): int(count) for claim_id, count in counts.all()})
+    return held
+
+
+async def runs_of(db: AsyncSession, claim_ids: list[str]) -> list[str]:
+    """The runs of the sessions the claims hold (one, unless the ids span runs)."""
+    query = (
+        select(Session.run_id)
+        .where(Session.claim_id.in_(claim_ids), Session.status.in_(HELD))
+        .distinct()
+    )
+    return list(await db.scalars(query))
+
+
+async def confirm(db: AsyncSession, claim_id: str, dropped: dict[str, str]) -> Settlement:
+    """The claim's sessions (held, or lapsed and not retaken) become consumed, except those in
+    ``dropped``, which become dropped with their reason. Confirming again changes nothing.
+
+    A session named in ``dropped`` that no claim holds (an unknown id, or one never claimed or
+    since released) raises :class:`NotInClaim`; one another claim took after a lapse is that
+    claim's to settle."""
+    held = (Session.claim_id == claim_id, Session.status.in_(HELD))
+    newly_dropped = await _drop(db, dropped, *held)  # a write first: see the module docstring
+    result = await db.execute(
+        update(Session).where(*held).values(status=status.CONSUMED, consumed_at=utcnow())
+    )
+    await _check_named(db, list(dropped))
+    settled = await db.scalar(
+        select(func.count()).where(Session.claim_id == claim_id, Session.status.in_(SETTLED))
+    )
+    return Settlement(_count(result), newly_dropped, int(settled or 0))
+
+
+async def _check_named(db: AsyncSession, session_ids: list[str]) -> None:
+    if not session_ids:
+        return
+    found = await db.execute(
+        select(Session.id).where(Session.id.in_(session_ids), Session.claim_id.is_not(None))
+    )
+    missing = sorted(set(session_ids) - set(found.scalars()))
+    if missing:
+        raise NotInClaim(missing)
 
 
 async def release(db: AsyncSession, claim_id: str) -> int:
-    """Give a claim's sessions back to the pool without consuming them."""
+    """Give a claim's sessions (held, or lapsed and not retaken) back to the pool."""
     result = await db.execute(
         update(Session)
-        .where(Session.claim_id == claim_id, Session.status == status.CLAIMED)
+        .where(Session.claim_id == claim_id, Session.status.in_(HELD))
         .values(status=status.TRAINABLE, claim_id=None, claim_expires_at=None)
     )
-    return int(result.rowcount or 0)  # type: ignore[attr-defined]
+    return _count(result)
+
+
+def _count(result: Any) -> int:
+    return int(result.rowcount or 0)

@@ -1,4 +1,9 @@
-"""Rewards for a whole session or for one of its turns: idempotent, conflicts refused."""
+"""Rewards for a whole session or for one of its turns: idempotent, conflicts refused.
+
+An ended session becomes trainable with its session reward; per-turn rewards alone make it
+trainable only when the run says they suffice (``turn_rewards_suffice``). The session's
+``rewarded`` flag means exactly that: it has what it needs to become trainable.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.store import sessions
-from server.store.tables import Reward, Session, Turn, utcnow
-
-SESSION_TARGET = "session"
+from server.store.tables import SESSION_TARGET, Reward, Session, Turn, utcnow
 
 
 class RewardConflict(Exception):
@@ -30,7 +33,11 @@ class UnknownCompletion(Exception):
 
 
 async def add_reward(
-    db: AsyncSession, session: Session, value: float, completion_id: str | None = None
+    db: AsyncSession,
+    session: Session,
+    value: float,
+    completion_id: str | None = None,
+    turn_rewards_suffice: bool = False,
 ) -> tuple[Reward, bool]:
     """Record a reward; returns it and whether it is new. Reposting the same value is a no-op."""
     if session.status in (sessions.CLAIMED, sessions.CONSUMED, sessions.DROPPED):
@@ -55,7 +62,7 @@ async def add_reward(
         except IntegrityError:  # the same target, posted concurrently
             existing = await _existing(db, session.id, target)
         else:
-            await _mark_rewarded(db, session)
+            await _mark_rewarded(db, session, completion_id is None or turn_rewards_suffice)
             return reward, True
     assert existing is not None
     if existing.value != value:
@@ -68,19 +75,24 @@ async def _existing(db: AsyncSession, session_id: str, target: str) -> Reward | 
     return (await db.scalars(query)).first()
 
 
-async def _mark_rewarded(db: AsyncSession, session: Session) -> None:
+async def _mark_rewarded(db: AsyncSession, session: Session, sufficient: bool) -> None:
+    """A sufficient reward makes the session rewarded (an ended one trainable); either way the
+    session must still take rewards (a claim may have taken it meanwhile)."""
     ended = Session.status == sessions.ENDED
+    values: dict = {"rewarded": Session.rewarded}  # an insufficient reward changes nothing
+    if sufficient:
+        values = {
+            "rewarded": True,
+            "trainable_at": case((ended, utcnow()), else_=Session.trainable_at),
+            "status": case((ended, sessions.TRAINABLE), else_=Session.status),
+        }
     result = await db.execute(
         update(Session)
         .where(
             Session.id == session.id,
             Session.status.in_((sessions.OPEN, sessions.ENDED, sessions.TRAINABLE)),
         )
-        .values(
-            rewarded=True,
-            trainable_at=case((ended, utcnow()), else_=Session.trainable_at),
-            status=case((ended, sessions.TRAINABLE), else_=Session.status),
-        )
+        .values(**values)
         .execution_options(synchronize_session=False)
     )
     if not result.rowcount:  # type: ignore[attr-defined]

@@ -4,11 +4,20 @@ A turn whose prompt extends the previous turn's prompt + completion token for to
 that turn's row: its new prompt tokens (tool results, the next user message, template glue) get
 loss mask 0 and its completion tokens loss mask 1. Any other turn starts a new row (a "break":
 the agent edited or dropped history). This module knows nothing about SQL or HTTP.
+
+A turn is an *alternative* when the session did not go on from it: every choice of a request
+that was retried (the next request asks the same again), and every choice but the one the next
+request continues (choice 0 when the next request continues none, or there is none). The rows
+keep alternatives; each row's turns say which they are, and the trainer decides.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 PROMPT_VERSION = -1  # version recorded for prompt positions, which no policy sampled
 
@@ -16,11 +25,16 @@ PROMPT_VERSION = -1  # version recorded for prompt positions, which no policy sa
 @dataclass(frozen=True)
 class TurnTokens:
     completion_id: str
+    request_id: str  # the choices of one request (n > 1) share it
+    turn_index: int
     row_index: int
+    extends_previous: bool  # it continues a turn of the previous request in that turn's row
+    signature: str  # what its request asked (request_signature): equal ones are retries
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
     versions: list[int]
+    temperature: float | None = None  # the temperature it was sampled at (None: unknown)
     reward: float | None = None
 
 
@@ -33,7 +47,8 @@ class Row:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # behaviour logprobs; 0.0 on prompt
     versions: list[int] = field(default_factory=list)  # PROMPT_VERSION on prompt positions
-    turns: list[dict] = field(default_factory=list)  # completion_id, start, end, reward
+    # completion_id, turn_index, start, end, reward, temperature, alternative
+    turns: list[dict] = field(default_factory=list)
 
 
 def continues(prev_prompt: list[int], prev_completion: list[int], prompt: list[int]) -> bool:
@@ -46,8 +61,53 @@ def continues(prev_prompt: list[int], prev_completion: list[int], prompt: list[i
     )
 
 
+def request_signature(messages: Any, tools: Any, prompt_ids: Sequence[int]) -> str:
+    """What a request asked for: its messages and tools when it has messages (chat), else its
+    prompt token ids. Two requests with the same signature are a retry of one another."""
+    if messages is not None:
+        asked = json.dumps(["chat", messages, tools], sort_keys=True, separators=(",", ":"))
+    else:
+        asked = json.dumps(["ids", list(prompt_ids)], separators=(",", ":"))
+    return hashlib.sha256(asked.encode()).hexdigest()
+
+
+def requests_of(turns: Sequence[TurnTokens]) -> list[list[TurnTokens]]:
+    """The session's requests in order, each its turns by turn_index (choice 0 first)."""
+    by_request: dict[str, list[TurnTokens]] = {}
+    for turn in sorted(turns, key=lambda t: t.turn_index):
+        by_request.setdefault(turn.request_id, []).append(turn)
+    return list(by_request.values())
+
+
+def path_turn(request: list[TurnTokens], following: list[TurnTokens] | None) -> TurnTokens | None:
+    """The turn of ``request`` the session went on from, given the request after it: none when
+    that one is a retry, the turn it continues, else choice 0."""
+    if following is None:
+        return request[0]
+    first = following[0]
+    if first.signature == request[0].signature:
+        return None
+    if first.extends_previous:
+        for turn in request:
+            if turn.row_index == first.row_index:
+                return turn
+    return request[0]
+
+
+def alternatives(turns: Sequence[TurnTokens]) -> set[str]:
+    """The completion ids of the session's turns that are alternatives (the rule above)."""
+    requests = requests_of(turns)
+    found: set[str] = set()
+    for index, request in enumerate(requests):
+        following = requests[index + 1] if index + 1 < len(requests) else None
+        kept = path_turn(request, following)
+        found.update(turn.completion_id for turn in request if turn is not kept)
+    return found
+
+
 def assemble_rows(turns: list[TurnTokens]) -> list[Row]:
     """Rows of a session from its turns in order (turns of one row share ``row_index``)."""
+    off_path = alternatives(turns)
     rows: dict[int, Row] = {}
     for turn in turns:
         row = rows.get(turn.row_index)
@@ -68,9 +128,12 @@ def assemble_rows(turns: list[TurnTokens]) -> list[Row]:
         row.turns.append(
             {
                 "completion_id": turn.completion_id,
+                "turn_index": turn.turn_index,
                 "start": start,
                 "end": len(row.input_ids),
                 "reward": turn.reward,
+                "temperature": turn.temperature,
+                "alternative": turn.completion_id in off_path,
             }
         )
     return [rows[index] for index in sorted(rows)]

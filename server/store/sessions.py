@@ -1,7 +1,8 @@
 """Sessions: their lifecycle (open -> ended -> trainable -> claimed -> consumed | dropped).
 
-A session is trainable once it is ended and rewarded. Deadlines (``expire``) end idle sessions
-and resolve sessions whose reward never came, as the run's config says.
+A session is trainable once it is ended and rewarded (``server.store.rewards`` says which rewards
+suffice). Deadlines (``expire``) end idle sessions and resolve sessions whose reward never came,
+as the run's config says; a dropped session says why in ``drop_reason``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from sqlalchemy import case, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.run_config import RunConfig
+from server.store import drop_reasons
 from server.store.keys import new_id, new_key
-from server.store.tables import Reward, Run, Session, utcnow
+from server.store.tables import SESSION_TARGET, Reward, Run, Session, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -125,17 +127,28 @@ async def expire(db: AsyncSession, now: datetime | None = None) -> dict[str, str
 async def _resolve_missing_reward(
     db: AsyncSession, session: Session, config: RunConfig, now: datetime
 ) -> None:
-    if session.rewarded:
+    """No session reward by the deadline: per-turn rewards do if the run says they suffice,
+    else on_missing_reward drops the session or gives it the default reward."""
+    if session.rewarded or (config.turn_rewards_suffice and await _has_turn_reward(db, session.id)):
+        session.rewarded = True
         session.status = TRAINABLE
         session.trainable_at = now
         return
     if config.on_missing_reward == "drop":
         session.status = DROPPED
+        session.drop_reason = drop_reasons.no_reward(config.reward_timeout_s or 0.0)
         return
-    db.add(Reward(session_id=session.id, target="session", value=config.default_reward))
+    db.add(Reward(session_id=session.id, target=SESSION_TARGET, value=config.default_reward))
     session.rewarded = True
     session.status = TRAINABLE
     session.trainable_at = now
+
+
+async def _has_turn_reward(db: AsyncSession, session_id: str) -> bool:
+    query = select(Reward.id).where(
+        Reward.session_id == session_id, Reward.target != SESSION_TARGET
+    )
+    return (await db.scalar(query.limit(1))) is not None
 
 
 async def touch(db: AsyncSession, session_id: str, **values: Any) -> None:

@@ -19,6 +19,9 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+DROP_REASON_LENGTH = 500  # a drop reason: a short code, a colon, a sentence
+SESSION_TARGET = "session"  # the target of a reward for the whole session
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
@@ -63,7 +66,7 @@ class Run(Base):
 
 class Session(Base):
     """One agent episode in a run; its status moves open -> ended -> trainable -> claimed ->
-    consumed, or to dropped when its reward never comes."""
+    consumed, or to dropped (with a ``drop_reason``) when it cannot be trained."""
 
     __tablename__ = "sessions"
     __table_args__ = (
@@ -91,6 +94,7 @@ class Session(Base):
     claim_id: Mapped[str | None] = mapped_column(String(64), index=True)
     claim_expires_at: Mapped[datetime | None]
     consumed_at: Mapped[datetime | None]
+    drop_reason: Mapped[str | None] = mapped_column(String(DROP_REASON_LENGTH))
 
 
 class Turn(Base):

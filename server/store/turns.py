@@ -10,7 +10,7 @@ from sqlalchemy import Connection, Dialect, bindparam, func, insert, select, upd
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.store.packing import pack_floats, pack_ints, unpack_floats, unpack_ints
-from server.store.rows import TurnTokens
+from server.store.rows import TurnTokens, request_signature
 from server.store.tables import Session, Turn, utcnow
 
 
@@ -194,13 +194,25 @@ async def last_request_turns(db: AsyncSession, session_id: str) -> list[Turn]:
     return list(await db.scalars(query.order_by(Turn.turn_index)))
 
 
+def sampled_temperature(turn: Turn) -> float | None:
+    """The temperature the turn was sampled at, as its sampling settings recorded it."""
+    value = (turn.sampling or {}).get("temperature")
+    return float(value) if isinstance(value, int | float) else None
+
+
 def tokens_of(turn: Turn, reward: float | None = None) -> TurnTokens:
+    prompt_ids = unpack_ints(turn.prompt_ids)
     return TurnTokens(
         completion_id=turn.completion_id,
+        request_id=turn.request_id,
+        turn_index=turn.turn_index,
         row_index=turn.row_index,
-        prompt_ids=unpack_ints(turn.prompt_ids),
+        extends_previous=turn.extends_previous,
+        signature=request_signature(turn.messages, turn.tools, prompt_ids),
+        prompt_ids=prompt_ids,
         completion_ids=unpack_ints(turn.completion_ids),
         logprobs=unpack_floats(turn.logprobs),
         versions=unpack_ints(turn.versions),
+        temperature=sampled_temperature(turn),
         reward=reward,
     )

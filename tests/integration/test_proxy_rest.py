@@ -74,8 +74,11 @@ class Proxy(RestClient):
         return self.ok("POST", f"/rl/sessions/{session_id}/end")
 
     def trainable_session(self, run_id: str, reward: float = 1.0, **fields) -> str:
-        """A session that is ended and rewarded; its id."""
-        session_id = self.new_session(run_id, **fields)["session_id"]
+        """A session with one model call that is ended and rewarded; its id. (A session without
+        a turn is dropped at the next claim.)"""
+        session = self.new_session(run_id, **fields)
+        session_id = session["session_id"]
+        chat(session)
         assert self.reward(session_id, reward).status_code == 200
         assert self.end(session_id)["status"] == "trainable"
         return session_id
@@ -244,7 +247,9 @@ def test_show_run_counts_sessions_by_status_and_totals(proxy):
     chatting = proxy.new_session(run["id"])
     reply = chat(chatting)
     proxy.end(proxy.new_session(run["id"])["session_id"])
-    proxy.trainable_session(run["id"])
+    rewarded = proxy.new_session(run["id"])["session_id"]  # no turn: the totals stay the chat's
+    proxy.reward(rewarded, 1.0)
+    proxy.end(rewarded)
 
     shown = proxy.run(run["id"])
     assert shown["sessions"] == {"open": 1, "ended": 1, "trainable": 1}
@@ -380,6 +385,7 @@ ADMIN_ROUTES = [
     ("POST", "/rl/runs/{run_id}/claims", {"max_sessions": 1}),
     ("POST", "/rl/claims/claim-x/confirm", None),
     ("POST", "/rl/claims/claim-x/release", None),
+    ("POST", "/rl/claims/renew", {"claim_ids": ["claim-x"]}),
     ("POST", "/admin/weights", {"model_path": "/nowhere"}),
     ("GET", "/admin/engines", None),
 ]
@@ -580,20 +586,27 @@ def test_an_idle_session_is_ended(proxy):
 
 def test_a_missing_reward_drops_the_session(proxy):
     """Ended and never rewarded within reward_timeout_s, with on_missing_reward=drop: dropped,
-    and it refuses rewards from then on."""
+    saying why, and it refuses rewards from then on."""
     run = proxy.new_run()
     session_id = proxy.new_session(run["id"])["session_id"]
     proxy.end(session_id)
+    assert proxy.session(session_id)["drop_reason"] is None
     proxy.patch_run(run["id"], reward_timeout_s=0.5, on_missing_reward="drop")
     dropped = proxy.wait_for_status(session_id, "dropped", timeout=5)
     assert dropped["reward"] is None
+    assert dropped["drop_reason"] == (
+        "no_reward: no session reward within reward_timeout_s (0.5 s); post the reward "
+        "sooner, raise reward_timeout_s, or set on_missing_reward=default"
+    )
     assert_error(proxy.reward(session_id, 1.0), 409, code="rewards_closed")
 
 
 def test_a_missing_reward_defaults_when_the_run_says_so(proxy):
     """With on_missing_reward=default the session becomes trainable with default_reward."""
     run = proxy.new_run()
-    session_id = proxy.new_session(run["id"])["session_id"]
+    session = proxy.new_session(run["id"])
+    session_id = session["session_id"]
+    chat(session)  # a session without a turn would be dropped at the claim
     proxy.end(session_id)
     proxy.patch_run(
         run["id"], reward_timeout_s=0.5, on_missing_reward="default", default_reward=0.25
@@ -769,24 +782,30 @@ def test_an_expired_lease_returns_the_sessions_to_the_pool(proxy):
 
 
 def test_group_claims_take_only_whole_groups(proxy):
-    """With group_size 2 only groups with two trainable sessions are claimed; a group still
-    waiting for a member, and sessions without a group, stay."""
+    """With group_size 2 only groups with two trainable sessions are claimed, and a session
+    without a group (nothing can join it) at once; a group still waiting for a member stays
+    until it has one (or until group_timeout_s, 600 s here)."""
     run = proxy.new_run()
     whole = {proxy.trainable_session(run["id"], group_id="g1", task_id="t1") for _ in range(2)}
     waiting = proxy.trainable_session(run["id"], group_id="g2", task_id="t2")
-    late = proxy.new_session(run["id"], group_id="g2", task_id="t2")["session_id"]
-    proxy.trainable_session(run["id"])  # no group
+    late_session = proxy.new_session(run["id"], group_id="g2", task_id="t2")
+    late = late_session["session_id"]
+    alone = proxy.trainable_session(run["id"])  # no group
 
     claim = proxy.claim(run["id"], max_sessions=10, group_size=2)
-    assert {s["session_id"] for s in claim["sessions"]} == whole
-    assert {(s["group_id"], s["task_id"]) for s in claim["sessions"]} == {("g1", "t1")}
+    assert {s["session_id"] for s in claim["sessions"]} == whole | {alone}
+    assert {(s["group_id"], s["task_id"]) for s in claim["sessions"]} == {
+        ("g1", "t1"),
+        (None, None),
+    }
 
+    chat(late_session)
     proxy.reward(late, 0.0)
     proxy.end(late)
     proxy.patch_run(run["id"], group_size=2)  # now the run's default for claims
     second = proxy.claim(run["id"], max_sessions=10)
     assert {s["session_id"] for s in second["sessions"]} == {waiting, late}
-    assert proxy.run(run["id"])["sessions"] == {"claimed": 4, "trainable": 1}
+    assert proxy.run(run["id"])["sessions"] == {"claimed": 5}
 
 
 def test_claimed_sessions_carry_training_rows_and_the_reward(proxy):

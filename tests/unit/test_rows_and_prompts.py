@@ -10,7 +10,13 @@ from server.detokenize import IncrementalDecoder
 from server.prompts import from_ids, splice
 from server.session_state import LastTurn, last_turn
 from server.store.packing import pack_floats, pack_ints, unpack_floats, unpack_ints
-from server.store.rows import PROMPT_VERSION, TurnTokens, assemble_rows, continues
+from server.store.rows import (
+    PROMPT_VERSION,
+    TurnTokens,
+    assemble_rows,
+    continues,
+    request_signature,
+)
 from server.tokenization import Tokenizer
 
 
@@ -19,14 +25,22 @@ def tokenizer(tiny_model_dir) -> Tokenizer:
     return Tokenizer.from_pretrained(tiny_model_dir)
 
 
-def turn(cid, row, prompt, completion, versions=None, reward=None) -> TurnTokens:
+def turn(
+    cid, index, row, prompt, completion, versions=None, reward=None, extends=False
+) -> TurnTokens:
+    """Turn ``cid``, a request of its own, sampled at temperature 1."""
     return TurnTokens(
         completion_id=cid,
+        request_id=f"req-{cid}",
+        turn_index=index,
         row_index=row,
+        extends_previous=extends,
+        signature=request_signature(None, None, prompt),
         prompt_ids=prompt,
         completion_ids=completion,
         logprobs=[-0.5] * len(completion),
         versions=versions or [3] * len(completion),
+        temperature=1.0,
         reward=reward,
     )
 
@@ -41,9 +55,9 @@ def test_continues_needs_an_exact_token_prefix():
 def test_assemble_rows_masks_prompts_and_keeps_turns():
     rows = assemble_rows(
         [
-            turn("a", 0, [1, 2], [3, 4], [0, 0]),
-            turn("b", 0, [1, 2, 3, 4, 5, 6], [7], [1], reward=0.5),
-            turn("c", 1, [1, 2], [9], [1]),
+            turn("a", 0, 0, [1, 2], [3, 4], [0, 0]),
+            turn("b", 1, 0, [1, 2, 3, 4, 5, 6], [7], [1], reward=0.5, extends=True),
+            turn("c", 2, 1, [1, 2], [9], [1]),
         ]
     )
     first, second = rows
@@ -51,9 +65,10 @@ def test_assemble_rows_masks_prompts_and_keeps_turns():
     assert first.loss_mask == [0, 0, 1, 1, 0, 0, 1]
     assert first.logprobs == [0.0, 0.0, -0.5, -0.5, 0.0, 0.0, -0.5]
     assert first.versions == [PROMPT_VERSION] * 2 + [0, 0] + [PROMPT_VERSION] * 2 + [1]
+    on_path = {"temperature": 1.0, "alternative": False}
     assert first.turns == [
-        {"completion_id": "a", "start": 2, "end": 4, "reward": None},
-        {"completion_id": "b", "start": 6, "end": 7, "reward": 0.5},
+        {"completion_id": "a", "turn_index": 0, "start": 2, "end": 4, "reward": None, **on_path},
+        {"completion_id": "b", "turn_index": 1, "start": 6, "end": 7, "reward": 0.5, **on_path},
     ]
     assert second.input_ids == [1, 2, 9] and second.loss_mask == [0, 0, 1]
 
