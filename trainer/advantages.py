@@ -1,25 +1,37 @@
-"""Rewards to per-turn advantages: discounted returns, group baselines, a running baseline.
+"""Rewards to per-turn advantages: discounted returns, then one estimator from one table.
 
-A session is a list of turns. A turn may carry its own reward and the session may carry a
-session reward; `turn_returns` folds them into a discounted return G_t per turn. One score
-per session (its G_0) feeds the estimator, which turns into a shift (and for GRPO-style
-estimators a scale) that is applied to every G_t of the session:
+**Returns.** A session's turns on its *path* (the turns it continued, in order) get
+discounted returns, G_t = r_t + discount * G_{t+1}: r_t is the turn's own reward (none: 0)
+and the session reward is added to the last path turn's. A turn the session did not continue
+(an *alternative*: another choice of n > 1, or a request it retried) shares neither the session
+reward nor later turns' rewards; its return is its own reward, and without one it has none.
+The caller decides which turns have returns; this module maps those floats to advantages.
 
-    grpo          (G_t - mean) / (std + eps)      over the session's group
-    dr_grpo       G_t - mean                       over the session's group
-    rloo          G_t - mean of the *other* sessions of the group
-    reinforce_pp  (G_t - mean) / (std + eps)      over the whole batch
-    running       G_t - running baseline of the session's task
+**Estimators.** Each is one entry of `ESTIMATORS`. It pools returns and turns each return G of
+the pool into A = (G - b) / s:
 
-Groups are formed by ``group_key``, else ``task_key`` (a group key and a task key never share
-a group, even if they are spelled the same). A group of one session has nothing to compare
-with, so all its advantages are 0; so has a group (or, under reinforce_pp, a batch) whose
-scores are all equal, because dividing per-turn differences by a zero spread would blow up.
-Sessions with neither key are treated as under ``running`` with the key ``""`` when a
-`RunningBaseline` is given, and get advantage 0 otherwise.
+    grpo          pool: the group's returns    b = mean                         s = std + eps
+    dr_grpo       pool: the group's returns    b = mean                         s = 1
+    rloo          pool: the group's returns    b = mean of the other sessions'  s = 1
+    reinforce_pp  pool: the batch's returns    b = mean                         s = std + eps
+    running       pool: the task's returns     b = the task's running mean      s = 1
 
-This module knows nothing about tokens, storage or torch: it maps floats to floats. Spreading a
-turn's advantage over that turn's tokens is the caller's job.
+The statistics are those of the quantities being normalised: every return of every session in
+the pool counts once (a session of three turns brings three). With one turn per session that is
+exactly the per-session statistic of GRPO; with more, a pool's advantages sum to zero over its
+turns under grpo and dr_grpo, and no grpo or reinforce_pp advantage exceeds sqrt(N - 1) in size
+for a pool of N returns (the largest z-score N numbers can reach; std is the population std).
+
+**No contrast, no signal.** A pool of fewer than two sessions has nothing to compare with, and a
+pool whose returns are all equal has no spread: every estimator but `running` gives 0 to all its
+returns. `running` compares with earlier batches (the first batch of a task is its own
+baseline), so equal returns can still differ from the task's running mean: that is its point.
+
+**Groups.** Sessions pool by ``group_key``, else ``task_key`` (a group key and a task key never
+share a pool, even if spelled the same). Under a group estimator, a session with neither key is
+baselined by the running baseline under the key ``""`` when one is given, and gets 0 otherwise.
+
+This module knows nothing about tokens, storage or torch: it maps floats to floats.
 """
 
 from __future__ import annotations
@@ -29,15 +41,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "running"]
-ESTIMATORS: tuple[Estimator, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "running")
+EstimatorName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "running"]
 NO_KEY = ""  # the running-baseline key of sessions without task (and group) key
 
 
 def turn_returns(
     turn_rewards: Sequence[float | None], session_reward: float | None, discount: float
 ) -> list[float]:
-    """Discounted return per turn: G_t = r_t + discount * G_{t+1}.
+    """Discounted return per path turn: G_t = r_t + discount * G_{t+1}.
 
     r_t is the turn's own reward (None counts as 0); the session reward is added to the last
     turn's reward. A session without turns has no returns.
@@ -55,15 +66,12 @@ def turn_returns(
     return returns
 
 
-# --- estimators on one list of scores -------------------------------------------------------
+# --- one pool: baselines and scales ---------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class _Shift:
-    """Turns a return into an advantage: (value - baseline) / scale.
-
-    Where a session gets ``None`` instead of a shift, it has no signal: every advantage is 0.
-    """
+class Shift:
+    """Turns a return into an advantage: (value - baseline) / scale."""
 
     baseline: float
     scale: float = 1.0
@@ -72,71 +80,86 @@ class _Shift:
         return (value - self.baseline) / self.scale
 
 
-def _mean(scores: Sequence[float]) -> float:
-    return math.fsum(scores) / len(scores)
+# A pool: for each session in it (by index), its returns. An estimator gives each session of
+# the pool a Shift, or None where there is no signal (every advantage of that session is 0).
+Pool = Mapping[int, Sequence[float]]
+Shifts = dict[int, Shift | None]
 
 
-def _std(scores: Sequence[float]) -> float:
+def _values(pool: Pool) -> list[float]:
+    return [value for returns in pool.values() for value in returns]
+
+
+def _mean(values: Sequence[float]) -> float:
+    if max(values) == min(values):  # exactly the value: n * x / n may be off by one ulp
+        return float(values[0])
+    return math.fsum(values) / len(values)
+
+
+def _std(values: Sequence[float]) -> float:
     """Population standard deviation."""
-    mean = _mean(scores)
-    return math.sqrt(math.fsum((x - mean) ** 2 for x in scores) / len(scores))
+    mean = _mean(values)
+    return math.sqrt(math.fsum((x - mean) ** 2 for x in values) / len(values))
 
 
-def _no_contrast(scores: Sequence[float]) -> bool:
-    return len(scores) < 2 or max(scores) == min(scores)
+def _contrast(pool: Pool) -> bool:
+    """Two sessions or more, whose returns are not all equal."""
+    values = _values(pool)
+    return len(pool) >= 2 and bool(values) and max(values) != min(values)
 
 
-def _normalised_shifts(scores: Sequence[float], eps: float) -> list[_Shift | None]:
-    if _no_contrast(scores):
-        return [None] * len(scores)
-    shift = _Shift(_mean(scores), _std(scores) + eps)
-    return [shift] * len(scores)
+def normalised(pool: Pool, eps: float) -> Shifts:
+    """(G - mean) / (std + eps) over every return of the pool."""
+    if not _contrast(pool):
+        return dict.fromkeys(pool)
+    values = _values(pool)
+    shift = Shift(_mean(values), _std(values) + eps)
+    return dict.fromkeys(pool, shift)
 
 
-def _centred_shifts(scores: Sequence[float]) -> list[_Shift | None]:
-    if len(scores) < 2:
-        return [None] * len(scores)
-    return [_Shift(_mean(scores))] * len(scores)
+def centred(pool: Pool, eps: float) -> Shifts:
+    """G - mean over every return of the pool."""
+    if not _contrast(pool):
+        return dict.fromkeys(pool)
+    return dict.fromkeys(pool, Shift(_mean(_values(pool))))
 
 
-def _leave_one_out_shifts(scores: Sequence[float]) -> list[_Shift | None]:
-    if len(scores) < 2:
-        return [None] * len(scores)
-    total = math.fsum(scores)
-    return [_Shift((total - x) / (len(scores) - 1)) for x in scores]
+def leave_one_out(pool: Pool, eps: float) -> Shifts:
+    """G - mean of the returns of the pool's *other* sessions."""
+    if not _contrast(pool):
+        return dict.fromkeys(pool)
+    shifts: Shifts = {}
+    for index in pool:
+        others = [v for other, returns in pool.items() if other != index for v in returns]
+        shifts[index] = Shift(_mean(others)) if others else None
+    return shifts
 
 
-def _apply(shifts: Sequence[_Shift | None], values: Sequence[float]) -> list[float]:
-    return [0.0 if shift is None else shift(x) for shift, x in zip(shifts, values, strict=True)]
+@dataclass(frozen=True)
+class Estimator:
+    """One advantage estimator: how sessions pool, and how a pool becomes shifts."""
+
+    pools: Literal["group", "batch", "task"]
+    shifts: Callable[[Pool, float], Shifts] | None  # None: the task's running baseline
+    help: str
 
 
-def grpo(scores: Sequence[float], eps: float = 1e-6) -> list[float]:
-    """(x - mean) / (population std + eps) within one group; 0 for a group without contrast."""
-    return _apply(_normalised_shifts(scores, eps), scores)
-
-
-def dr_grpo(scores: Sequence[float]) -> list[float]:
-    """x - mean within one group (Dr. GRPO: no std scaling); 0 for a group of one."""
-    return _apply(_centred_shifts(scores), scores)
-
-
-def rloo(scores: Sequence[float]) -> list[float]:
-    """x minus the mean of the other sessions of the group; 0 for a group of one."""
-    return _apply(_leave_one_out_shifts(scores), scores)
-
-
-def reinforce_pp(scores: Sequence[float], eps: float = 1e-6) -> list[float]:
-    """REINFORCE++: (x - mean) / (std + eps) over the whole batch (scores are the batch)."""
-    return _apply(_normalised_shifts(scores, eps), scores)
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator("group", normalised, "group mean and std"),
+    "dr_grpo": Estimator("group", centred, "group mean, no std (Dr. GRPO)"),
+    "rloo": Estimator("group", leave_one_out, "mean of the group's other sessions"),
+    "reinforce_pp": Estimator("batch", normalised, "batch mean and std (REINFORCE++)"),
+    "running": Estimator("task", None, "per-task running mean, for online sessions without groups"),
+}
 
 
 # --- running baseline -----------------------------------------------------------------------
 
 
 class RunningBaseline:
-    """Per-key exponential moving average of session scores.
+    """Per-key exponential moving average of the mean return of each session.
 
-    The first score of a key becomes its value; later ones move it by ``1 - momentum``. The
+    The first value of a key becomes its baseline; later ones move it by ``1 - momentum``. The
     state is a plain ``{key: value}`` dict of floats, so the trainer can checkpoint it as JSON.
     """
 
@@ -163,20 +186,24 @@ class RunningBaseline:
         self._values = {str(key): float(value) for key, value in state.items()}
 
 
-# --- per-session, per-turn advantages ---------------------------------------------------------
+def against_running(pool: Pool, value: float | None) -> Shifts:
+    """G - the key's running value; before it has one, G - the mean of the pool's returns."""
+    values = _values(pool)
+    if not values:
+        return dict.fromkeys(pool)
+    return dict.fromkeys(pool, Shift(_mean(values) if value is None else value))
+
+
+# --- sessions to advantages -----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class SessionReturns:
-    """One session's grouping keys and its per-turn returns (from `turn_returns`)."""
+    """One session's grouping keys and the returns of its trained turns."""
 
     group_key: str | None
     task_key: str | None
     returns: list[float]
-
-    @property
-    def score(self) -> float:
-        return self.returns[0]
 
 
 def _group_of(session: SessionReturns) -> tuple[str, str] | None:
@@ -192,87 +219,63 @@ def _running_key(session: SessionReturns) -> str:
     return NO_KEY if session.task_key is None else session.task_key
 
 
-def _by_key(indices: Sequence[int], key_of: Callable[[int], object]) -> dict[object, list[int]]:
-    groups: dict[object, list[int]] = {}
-    for i in indices:
-        groups.setdefault(key_of(i), []).append(i)
-    return groups
-
-
-def _running_shifts(
-    sessions: Sequence[SessionReturns], indices: Sequence[int], baseline: RunningBaseline
-) -> dict[int, _Shift | None]:
-    """Shift by the key's running value, or by the batch mean of the key before it has one."""
-    shifts: dict[int, _Shift | None] = {}
-    for key, members in _by_key(indices, lambda i: _running_key(sessions[i])).items():
-        value = baseline.value(str(key))
-        if value is None:
-            value = _mean([sessions[i].score for i in members])
-        shifts.update({i: _Shift(value) for i in members})
-    return shifts
-
-
-def _group_shifts(
-    sessions: Sequence[SessionReturns], indices: Sequence[int], estimator: Estimator, eps: float
-) -> dict[int, _Shift | None]:
-    shifts: dict[int, _Shift | None] = {}
-    for members in _by_key(indices, lambda i: _group_of(sessions[i])).values():
-        scores = [sessions[i].score for i in members]
-        if estimator == "grpo":
-            group_shifts = _normalised_shifts(scores, eps)
-        elif estimator == "dr_grpo":
-            group_shifts = _centred_shifts(scores)
+def _pools(
+    sessions: Sequence[SessionReturns], pools: str
+) -> tuple[dict[object, list[int]], dict[str, list[int]]]:
+    """Sessions pooled for the estimator, and (keyed by task) those left to the running
+    baseline."""
+    estimated: dict[object, list[int]] = {}
+    running: dict[str, list[int]] = {}
+    for i, session in enumerate(sessions):
+        if not session.returns:  # nothing trained: not a partner to compare with
+            continue
+        if pools == "batch":
+            estimated.setdefault("batch", []).append(i)
+        elif pools == "task":
+            running.setdefault(_running_key(session), []).append(i)
+        elif (group := _group_of(session)) is not None:
+            estimated.setdefault(group, []).append(i)
         else:
-            group_shifts = _leave_one_out_shifts(scores)
-        shifts.update(zip(members, group_shifts, strict=True))
-    return shifts
+            running.setdefault(NO_KEY, []).append(i)
+    return estimated, running
 
 
-def _shifts(
-    sessions: Sequence[SessionReturns],
-    estimator: Estimator,
-    baseline: RunningBaseline | None,
-    eps: float,
-) -> tuple[dict[int, _Shift | None], list[int]]:
-    """Each session's shift, and the sessions whose scores update the running baseline."""
-    everyone = list(range(len(sessions)))
-    if estimator == "reinforce_pp":
-        batch_shifts = _normalised_shifts([s.score for s in sessions], eps)
-        return dict(enumerate(batch_shifts)), []
-    if estimator == "running":
-        if baseline is None:
-            raise ValueError("the 'running' estimator needs a RunningBaseline")
-        return _running_shifts(sessions, everyone, baseline), everyone
-    grouped = [i for i in everyone if _group_of(sessions[i]) is not None]
-    keyless = [i for i in everyone if _group_of(sessions[i]) is None]
-    shifts = _group_shifts(sessions, grouped, estimator, eps)
-    if baseline is None:
-        shifts.update(dict.fromkeys(keyless, None))
-        return shifts, []
-    shifts.update(_running_shifts(sessions, keyless, baseline))
-    return shifts, keyless
+def _apply(shift: Shift | None, returns: Sequence[float]) -> list[float]:
+    return [0.0 if shift is None else shift(value) for value in returns]
 
 
 def session_advantages(
     sessions: Sequence[SessionReturns],
-    estimator: Estimator,
+    estimator: str,
     baseline: RunningBaseline | None,
     eps: float = 1e-6,
 ) -> list[list[float]]:
-    """Per session, the advantage of each turn (see the module docstring for the rules).
+    """Per session, the advantage of each of its returns (see the module docstring).
 
-    The running baseline is read for the whole batch first and updated afterwards, in batch
-    order, with the score of every session it served: sessions of one batch never baseline
-    each other through it.
+    The running baseline is read for the whole batch first and updated afterwards, with the
+    mean return of every session it served, in batch order: sessions of one batch never
+    baseline each other through it.
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown estimator {estimator!r}; expected one of {ESTIMATORS}")
-    for i, session in enumerate(sessions):
-        if not session.returns:
-            raise ValueError(f"session {i} has no turns, so no returns to compute advantages on")
-    shifts, served = _shifts(sessions, estimator, baseline, eps)
-    advantages = [_apply([shifts[i]] * len(s.returns), s.returns) for i, s in enumerate(sessions)]
+    spec = ESTIMATORS.get(estimator)
+    if spec is None:
+        raise ValueError(f"unknown estimator {estimator!r}; expected one of {tuple(ESTIMATORS)}")
+    if spec.pools == "task" and baseline is None:
+        raise ValueError("the 'running' estimator needs a RunningBaseline")
+    estimated, running = _pools(sessions, spec.pools)
+    shifts: Shifts = {}
+    for members in estimated.values():
+        assert spec.shifts is not None
+        shifts.update(spec.shifts({i: sessions[i].returns for i in members}, eps))
+    served: list[int] = []
+    for key, members in running.items():
+        pool = {i: sessions[i].returns for i in members}
+        if baseline is None:
+            shifts.update(dict.fromkeys(members))
+            continue
+        shifts.update(against_running(pool, baseline.value(key)))
+        served += members
+    advantages = [_apply(shifts.get(i), s.returns) for i, s in enumerate(sessions)]
     if baseline is not None:
-        for i in served:
-            baseline.update(_running_key(sessions[i]), sessions[i].score)
+        for i in sorted(served):
+            baseline.update(_running_key(sessions[i]), _mean(sessions[i].returns))
     return advantages

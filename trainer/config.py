@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
+from trainer.advantages import ESTIMATORS, EstimatorName
+
 
 class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type, or contradicts another."""
@@ -36,18 +38,25 @@ def option(default: Any, help: str, **kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **kwargs})
 
 
+ESTIMATOR_HELP = (
+    "Advantage estimator (trainer/advantages.py; the README has the formulas): "
+    + "; ".join(f"{name}: {spec.help}" for name, spec in ESTIMATORS.items())
+    + "."
+)
+
+
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "running"] = option(
-        "grpo",
-        "Advantage estimator: grpo (group mean/std), dr_grpo (group mean), rloo (leave one "
-        "out), reinforce_pp (batch mean/std) or running (per-task running baseline, for "
-        "online sessions without groups).",
-    )
+    """The RL algorithm, whole: the worker receives this frozen object and the loss, the
+    estimator and the staleness rule read their settings from it. Its bounds are checked when
+    it is made (`check_algorithm`), so nothing downstream checks them again."""
+
+    advantage: EstimatorName = option("grpo", ESTIMATOR_HELP)  # noqa: RUF009 (a Literal alias)
     group_size: int = option(
         1,
-        "Sessions per GRPO group: a group is trained only once this many of its sessions are "
-        "trainable (1: no waiting). Sent to the server's run config.",
+        "Sessions per GRPO group: a group is trained once this many of its sessions are "
+        "trainable, or as it is after the run's group_timeout_s (1: no waiting). Sent to the "
+        "server's run config.",
     )
     discount: float = option(
         1.0, "Discount between turns of a multi-turn session (per-turn rewards), in [0, 1]."
@@ -60,33 +69,57 @@ class AlgorithmConfig:
         "Decoupled PPO: clip against the recomputed proximal policy and weight by "
         "pi_prox / pi_behav. false: plain PPO, the behaviour policy is the proximal one.",
     )
-    eps_clip: float = option(0.2, "PPO clip range below 1 (and above 1 unless eps_clip_high).")
+    eps_clip: float = option(
+        0.2, "PPO clip range below 1 (and above 1 unless eps_clip_high), in (0, 1)."
+    )
     eps_clip_high: float | None = option(
-        None, "PPO clip range above 1 (clip-higher); default: eps_clip."
+        None, "PPO clip range above 1 (clip-higher), > 0; default: eps_clip."
     )
     dual_clip: float | None = option(
         None, "Dual-clip constant c > 1 for negative advantages; default: off."
     )
     behaviour_cap: float | None = option(
-        5.0, "Cap on the behaviour importance weight pi_prox / pi_behav; null: no cap."
+        5.0, "Cap (> 1) on the behaviour importance weight pi_prox / pi_behav; null: no cap."
     )
     behaviour_mode: Literal["truncate", "token_mask", "sequence_mask"] = option(
         "token_mask",
         "What the cap does: truncate the weight, or mask the token / the whole sequence.",
     )
-    kl_coef: float = option(0.0, "Weight of the k3 KL to the initial (reference) policy.")
+    kl_coef: float = option(0.0, "Weight (>= 0) of the k3 KL to the initial (reference) policy.")
     stale: Literal["mask", "drop"] = option(
         "mask",
         "Tokens sampled more than max_staleness versions before the trained one: mask them "
-        "out of the loss, or drop the whole session.",
+        "out of the loss, or drop the whole session (with a reason the server shows).",
     )
     ppo_minibatches: int = option(1, "PPO minibatches (optimizer steps) per training step.")
     max_tokens_per_microbatch: int = option(
-        4096, "Token budget of one packed (padding-free) micro-batch on a worker."
+        4096,
+        "Token budget of one packed (padding-free) micro-batch on a worker. A longer row "
+        "(up to max_tokens_per_row) gets a micro-batch of its own.",
     )
-    temperature: float = option(
-        1.0, "Sampling temperature of the served sessions: logits are divided by it."
+    max_tokens_per_row: int | None = option(
+        None,
+        "Longest row trained; a session with a longer row is dropped with a reason. null: the "
+        "model's context length (max_position_embeddings in its config.json).",
     )
+    temperature: float | None = option(
+        None,
+        "Training temperature: the proximal (and current) logprobs are those of "
+        "softmax(logits / temperature). null: the run's `temperature` on the server (default "
+        "1.0); a number is written into the run's config at start, so the server samples "
+        "requests that give no temperature at it. One value for both.",
+    )
+    off_temperature: Literal["mask", "off_policy"] | None = option(
+        None,
+        "Turns sampled at another temperature than the training one (greedy included): mask "
+        "them out of the loss, or train them off-policy with the behaviour logprob of the "
+        "distribution they were drawn from (greedy: log 1 = 0), capped like every behaviour "
+        "weight. null: the run's `off_temperature` (default mask); a value is written into "
+        "the run's config at start.",
+    )
+
+    def __post_init__(self) -> None:
+        check_algorithm(self)
 
 
 @dataclass(frozen=True)
@@ -154,10 +187,10 @@ class TrainConfig:
         1.0, "How long to wait between claims while too few sessions are trainable."
     )
     claim_lease_s: float = option(
-        1800.0,
-        "How long claimed sessions stay reserved for this trainer. Claims are confirmed at "
-        "each checkpoint, so this must outlast checkpoint_every steps; a crashed trainer's "
-        "claims are released when it restarts, or come back after this long.",
+        300.0,
+        "Lease of a claim: the trainer renews every claim it holds (a quarter of the lease "
+        "apart, from a thread of its own) until a checkpoint covers it and it is confirmed; "
+        "a dead trainer's claims return to the pool after this long (or when it restarts).",
     )
     request_timeout_s: float = option(60.0, "Timeout of each call to the server.")
     log_every: int = option(
@@ -186,7 +219,8 @@ def _positive(value: float, name: str) -> None:
 
 
 def check(config: TrainConfig) -> None:
-    """Ranges and contradictions, each failing with the field it is about."""
+    """Ranges and contradictions across fields, each failing with the field it is about (the
+    algorithm's own bounds are checked when it is made: `check_algorithm`)."""
     for name in ("batch_size", "max_steps", "world_size", "checkpoint_every", "log_every"):
         _positive(getattr(config, name), name)
     _positive(config.lr, "lr")
@@ -201,30 +235,13 @@ def check(config: TrainConfig) -> None:
     if not config.server and not config.model:
         raise ConfigError("server", "give the URL of a running server, or `model` to start one")
     algo = config.algorithm
-    _positive(algo.group_size, "algorithm.group_size")
     if config.batch_size % algo.group_size:
         raise ConfigError(
             "algorithm.group_size",
             f"batch_size {config.batch_size} must be a multiple of group_size {algo.group_size}",
         )
-    if not 0 <= algo.discount <= 1:
-        raise ConfigError("algorithm.discount", "must be in [0, 1]")
-    if not 0 <= algo.baseline_momentum < 1:
-        raise ConfigError("algorithm.baseline_momentum", "must be in [0, 1)")
-    _positive(algo.eps_clip, "algorithm.eps_clip")
-    if algo.eps_clip_high is not None:
-        _positive(algo.eps_clip_high, "algorithm.eps_clip_high")
-    if algo.dual_clip is not None and algo.dual_clip <= 1:
-        raise ConfigError("algorithm.dual_clip", "must be > 1 (or null)")
-    if algo.behaviour_cap is not None and algo.behaviour_cap <= 1:
-        raise ConfigError("algorithm.behaviour_cap", "must be > 1 (or null for no cap)")
-    if algo.kl_coef < 0:
-        raise ConfigError("algorithm.kl_coef", "must be >= 0")
-    _positive(algo.ppo_minibatches, "algorithm.ppo_minibatches")
     if algo.ppo_minibatches > config.batch_size:
         raise ConfigError("algorithm.ppo_minibatches", "must be <= batch_size")
-    _positive(algo.max_tokens_per_microbatch, "algorithm.max_tokens_per_microbatch")
-    _positive(algo.temperature, "algorithm.temperature")
     if config.optim.grad_clip < 0:
         raise ConfigError("optim.grad_clip", "must be >= 0 (0: off)")
     if config.optim.warmup_steps < 0:
@@ -237,6 +254,48 @@ def check(config: TrainConfig) -> None:
     if config.publish.keep_versions < 1:
         raise ConfigError("publish.keep_versions", "must be >= 1")
     _positive(config.publish.timeout_s, "publish.timeout_s")
+
+
+def check_algorithm(algo: AlgorithmConfig) -> None:
+    """Every bound the loss, the estimators and the batching rely on, in one place: the loss
+    does not check them again."""
+    name = "algorithm."
+    _check_choices(algo, name)
+    _positive(algo.group_size, name + "group_size")
+    if not 0 <= algo.discount <= 1:
+        raise ConfigError(name + "discount", f"must be in [0, 1], got {algo.discount}")
+    if not 0 <= algo.baseline_momentum < 1:
+        raise ConfigError(name + "baseline_momentum", "must be in [0, 1)")
+    if not 0 < algo.eps_clip < 1:
+        raise ConfigError(name + "eps_clip", f"must be in (0, 1), got {algo.eps_clip}")
+    if algo.eps_clip_high is not None:
+        _positive(algo.eps_clip_high, name + "eps_clip_high")
+    if algo.dual_clip is not None and algo.dual_clip <= 1:
+        raise ConfigError(name + "dual_clip", "must be > 1 (or null)")
+    if algo.behaviour_cap is not None and algo.behaviour_cap <= 1:
+        raise ConfigError(name + "behaviour_cap", "must be > 1 (or null for no cap)")
+    if algo.kl_coef < 0:
+        raise ConfigError(name + "kl_coef", "must be >= 0")
+    _positive(algo.ppo_minibatches, name + "ppo_minibatches")
+    _positive(algo.max_tokens_per_microbatch, name + "max_tokens_per_microbatch")
+    if algo.max_tokens_per_row is not None:
+        _positive(algo.max_tokens_per_row, name + "max_tokens_per_row")
+    if algo.temperature is not None and not 0 < algo.temperature <= 2:
+        raise ConfigError(name + "temperature", f"must be in (0, 2], got {algo.temperature}")
+
+
+def _check_choices(config: Any, prefix: str) -> None:
+    """Fields typed as a Literal hold one of its values (also when made in Python, not YAML)."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        hint, value = hints[f.name], getattr(config, f.name)
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            if value is None and type(None) in typing.get_args(hint):
+                continue
+            hint = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        if typing.get_origin(hint) is Literal and value not in typing.get_args(hint):
+            allowed = ", ".join(repr(a) for a in typing.get_args(hint))
+            raise ConfigError(prefix + f.name, f"must be one of {allowed}, got {value!r}")
 
 
 # --- loading ---------------------------------------------------------------------------------

@@ -21,11 +21,17 @@ whole step (all micro-batches, all workers). Summing the returned losses over mi
 (and the gradients over workers) therefore gives the token mean of the step. Tokens removed by
 the behaviour mask still count in ``total_tokens``, as in AReaL: they contribute zero.
 
-Plain PPO is the special case ``proximal_logprobs = behaviour_logprobs``: then w = 1 exactly and
-no token exceeds a cap >= 1.
+Plain PPO (``algorithm.decoupled`` false) is the special case ``proximal_logprobs =
+behaviour_logprobs``: then w = 1 exactly and no token exceeds a cap >= 1.
 
-This module knows nothing about models, packing or distributed reduction: it is a pure function
-of tensors, and its statistics are sums the caller all-reduces and divides.
+Masked tokens take no part, not even as NaN: every log-ratio is zeroed outside the loss mask
+before it is exponentiated, so a masked token with an absurd logprob (a prompt position, a
+stale or off-temperature token) can put neither inf nor NaN into the loss or its gradient.
+
+The options come whole from the frozen `AlgorithmConfig`, whose bounds (clip ranges, cap, dual
+clip) are checked once, when it is made; this module does not check them again. It knows
+nothing about models, packing or distributed reduction: it is a pure function of tensors, and
+its statistics are sums the caller all-reduces and divides.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from trainer.config import AlgorithmConfig
 
 BehaviourMode = Literal["truncate", "token_mask", "sequence_mask"]
 BEHAVIOUR_MODES: tuple[BehaviourMode, ...] = ("truncate", "token_mask", "sequence_mask")
@@ -53,10 +61,19 @@ STAT_NAMES = (
 )
 
 
-def k3_kl(logprobs: torch.Tensor, other_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator exp(q - p) - (q - p) - 1 >= 0, with p = logprobs, q = other."""
-    log_ratio = other_logprobs - logprobs
+def k3_kl(
+    logprobs: torch.Tensor, other_logprobs: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-token k3 estimator exp(q - p) - (q - p) - 1 >= 0, with p = logprobs, q = other;
+    0 outside ``mask`` (where the log-ratio is never exponentiated)."""
+    log_ratio = _where(mask, other_logprobs - logprobs)
     return torch.exp(log_ratio) - log_ratio - 1
+
+
+def _where(mask: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+    """``values`` where ``mask``, else 0: applied to log-ratios *before* exp, so that masked
+    tokens neither overflow in the forward pass nor send 0 * inf = NaN back in the backward."""
+    return values if mask is None else torch.where(mask, values, torch.zeros_like(values))
 
 
 def _check_inputs(
@@ -70,25 +87,6 @@ def _check_inputs(
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
     if total_tokens <= 0:
         raise ValueError(f"total_tokens must be positive, got {total_tokens}")
-
-
-def _check_options(
-    eps_clip: float,
-    eps_clip_high: float | None,
-    behaviour_cap: float | None,
-    behaviour_mode: str,
-    dual_clip: float | None,
-) -> None:
-    if not 0.0 < eps_clip < 1.0:
-        raise ValueError(f"eps_clip must be in (0, 1), got {eps_clip}")
-    if eps_clip_high is not None and eps_clip_high <= 0.0:
-        raise ValueError(f"eps_clip_high must be positive, got {eps_clip_high}")
-    if behaviour_cap is not None and behaviour_cap <= 0.0:
-        raise ValueError(f"behaviour_cap must be positive, got {behaviour_cap}")
-    if behaviour_mode not in BEHAVIOUR_MODES:
-        raise ValueError(f"behaviour_mode must be one of {BEHAVIOUR_MODES}, got {behaviour_mode!r}")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
 
 
 def clipped_policy_loss(
@@ -137,8 +135,9 @@ def behaviour_correction(
     mode: BehaviourMode,
     sequence_ids: torch.Tensor | None,
 ) -> BehaviourCorrection:
-    """The importance weight pi_prox / pi_behav (detached), capped or masked above ``cap``."""
-    raw = torch.exp(proximal_logprobs - behaviour_logprobs).detach()
+    """The importance weight pi_prox / pi_behav (detached), capped or masked above ``cap``;
+    1 outside the loss mask."""
+    raw = torch.exp(_where(loss_mask, proximal_logprobs - behaviour_logprobs)).detach()
     if cap is None:
         return BehaviourCorrection(raw, loss_mask, raw, torch.zeros_like(loss_mask))
     over_cap = (raw > cap) & loss_mask
@@ -158,29 +157,31 @@ def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def decoupled_ppo_loss(
     logprobs: torch.Tensor,
-    proximal_logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor | None,
     behaviour_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     *,
     total_tokens: float,
-    eps_clip: float = 0.2,
-    eps_clip_high: float | None = None,
-    behaviour_cap: float | None = None,
-    behaviour_mode: BehaviourMode = "token_mask",
+    algorithm: AlgorithmConfig,
     sequence_ids: torch.Tensor | None = None,
-    dual_clip: float | None = None,
-    kl_coef: float = 0.0,
     reference_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Decoupled PPO loss of one micro-batch and its detached statistics (see module docstring).
 
-    ``loss_mask`` is 1 (or True) on tokens the policy produced. ``behaviour_cap`` None leaves
-    the behaviour weight as it is; otherwise ``behaviour_mode`` says what happens above it:
-    ``truncate`` caps the weight, ``token_mask`` drops the token, ``sequence_mask`` drops every
-    token of its sequence (``sequence_ids`` gives each token's sequence). The statistics are the
-    sums named in `STAT_NAMES`, for the caller to all-reduce and divide.
+    ``loss_mask`` is 1 (or True) on tokens the policy produced. ``proximal_logprobs`` may be
+    None only for plain PPO. From ``algorithm``: ``eps_clip`` / ``eps_clip_high`` and
+    ``dual_clip`` shape the clip; ``behaviour_cap`` None leaves the behaviour weight as it is,
+    otherwise ``behaviour_mode`` says what happens above it: ``truncate`` caps the weight,
+    ``token_mask`` drops the token, ``sequence_mask`` drops every token of its sequence
+    (``sequence_ids`` gives each token's sequence); ``kl_coef`` weighs the k3 KL to
+    ``reference_logprobs``. The statistics are the sums named in `STAT_NAMES`, for the caller
+    to all-reduce and divide.
     """
+    if not algorithm.decoupled or proximal_logprobs is None:
+        if algorithm.decoupled:
+            raise ValueError("decoupled PPO needs proximal_logprobs")
+        proximal_logprobs = behaviour_logprobs  # plain PPO: w = 1 exactly
     _check_inputs(
         logprobs,
         {
@@ -193,29 +194,30 @@ def decoupled_ppo_loss(
         },
         total_tokens,
     )
-    _check_options(eps_clip, eps_clip_high, behaviour_cap, behaviour_mode, dual_clip)
     proximal_logprobs = proximal_logprobs.detach()
     advantages = advantages.detach()
     loss_mask = loss_mask.bool()
 
-    ratio = torch.exp(logprobs - proximal_logprobs)
-    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    log_ratio = _where(loss_mask, logprobs - proximal_logprobs)
+    ratio = torch.exp(log_ratio)
+    eps_high = algorithm.eps_clip if algorithm.eps_clip_high is None else algorithm.eps_clip_high
     pg, clip_active, dual_active = clipped_policy_loss(
-        ratio, advantages, eps_clip, eps_high, dual_clip
+        ratio, advantages, algorithm.eps_clip, eps_high, algorithm.dual_clip
     )
     behaviour = behaviour_correction(
         proximal_logprobs,
         behaviour_logprobs,
         loss_mask,
-        behaviour_cap,
-        behaviour_mode,
+        algorithm.behaviour_cap if algorithm.decoupled else None,
+        algorithm.behaviour_mode,
         sequence_ids,
     )
     kept = behaviour.kept
     pg_loss = behaviour.weight * pg
     reference_kl = torch.zeros_like(pg_loss)
     if reference_logprobs is not None:
-        reference_kl = k3_kl(logprobs, reference_logprobs.detach())
+        reference_kl = k3_kl(logprobs, reference_logprobs.detach(), loss_mask)
+    kl_coef = algorithm.kl_coef
     per_token = pg_loss + kl_coef * reference_kl if kl_coef > 0.0 else pg_loss
     loss = _masked_sum(per_token, kept) / total_tokens
 
@@ -229,7 +231,7 @@ def decoupled_ppo_loss(
             "clipped_tokens": (clip_active & kept).sum(),
             "dual_clipped_tokens": (dual_active & kept).sum(),
             "ratio_sum": _masked_sum(ratio, kept),
-            "approx_kl_sum": _masked_sum(k3_kl(logprobs, proximal_logprobs), kept),
+            "approx_kl_sum": _masked_sum(k3_kl(logprobs, proximal_logprobs, loss_mask), kept),
             "reference_kl_sum": _masked_sum(reference_kl, kept),
             "pg_loss_sum": _masked_sum(pg_loss, kept),
         }

@@ -2,7 +2,8 @@
 
 Tolerances: float64 loss and gradients agree with the reference to 1e-12 (relative to 1);
 gradcheck runs with its float64 defaults (eps 1e-6, atol 1e-5, rtol 1e-3); float32 inputs
-agree with the float64 reference to 1e-5.
+agree with the float64 reference to 1e-5. Masked tokens with absurd values (huge, infinite or
+NaN log-ratios) leave the loss and its gradient finite and unchanged (exactly).
 """
 
 from __future__ import annotations
@@ -13,10 +14,24 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from trainer.config import AlgorithmConfig, ConfigError
 from trainer.loss import STAT_NAMES, decoupled_ppo_loss, k3_kl
 
 TOL = 1e-12
+ARGUMENTS = ("sequence_ids", "reference_logprobs", "total_tokens")
+
+
+def ppo_loss(logprobs, proximal, behaviour, advantages, mask, **options):
+    """`decoupled_ppo_loss` with the algorithm's options given as keywords (no cap unless
+    asked: the reference's default), as the worker passes its frozen AlgorithmConfig."""
+    arguments = {k: options.pop(k) for k in ARGUMENTS if k in options}
+    algorithm = AlgorithmConfig(**{"behaviour_cap": None, **options})
+    return decoupled_ppo_loss(
+        logprobs, proximal, behaviour, advantages, mask, algorithm=algorithm, **arguments
+    )
 
 
 @dataclass
@@ -110,7 +125,7 @@ def reference_loss(case: Case, total_tokens: float, **options) -> tuple[float, l
 
 def run(case: Case, total_tokens: float, **options):
     logprobs = case.logprobs.clone().requires_grad_(True)
-    loss, stats = decoupled_ppo_loss(
+    loss, stats = ppo_loss(
         logprobs,
         case.proximal,
         case.behaviour,
@@ -194,7 +209,7 @@ def test_gradcheck(options):
     options = {**options, "reference_logprobs": case.reference}
 
     def loss_of(logprobs: torch.Tensor) -> torch.Tensor:
-        return decoupled_ppo_loss(
+        return ppo_loss(
             logprobs,
             case.proximal,
             case.behaviour,
@@ -329,7 +344,7 @@ def test_a_prompt_token_over_the_cap_masks_nothing():
 def test_sequence_mask_needs_sequence_ids():
     case = behaviour_case()
     with pytest.raises(ValueError, match="sequence_ids"):
-        decoupled_ppo_loss(
+        ppo_loss(
             case.logprobs,
             case.proximal,
             case.behaviour,
@@ -346,9 +361,7 @@ def test_no_gradient_reaches_proximal_behaviour_or_advantages():
     inputs = [t.clone().requires_grad_(True) for t in (case.proximal, case.behaviour)]
     advantages = case.advantages.clone().requires_grad_(True)
     logprobs = case.logprobs.clone().requires_grad_(True)
-    loss, _ = decoupled_ppo_loss(
-        logprobs, *inputs, advantages, case.mask, total_tokens=10, behaviour_cap=1.5
-    )
+    loss, _ = ppo_loss(logprobs, *inputs, advantages, case.mask, total_tokens=10, behaviour_cap=1.5)
     loss.backward()
     assert logprobs.grad is not None and logprobs.grad.abs().sum() > 0
     assert all(t.grad is None for t in [*inputs, advantages])
@@ -394,18 +407,20 @@ def standard_ppo_loss(logprobs, old_logprobs, advantages, mask, eps):
     return -(surrogate * mask).sum() / mask.sum()
 
 
-@pytest.mark.parametrize("cap", [None, 1.0, 2.0])
+@pytest.mark.parametrize("cap", [None, 1.5, 2.0])
 @pytest.mark.parametrize("mode", ["truncate", "token_mask", "sequence_mask"])
-def test_plain_ppo_is_proximal_equal_to_behaviour(cap, mode):
+@pytest.mark.parametrize("proximal", ["none", "behaviour"])
+def test_plain_ppo_is_proximal_equal_to_behaviour(cap, mode, proximal):
     case = random_case(9)
     logprobs = case.logprobs.clone().requires_grad_(True)
-    loss, stats = decoupled_ppo_loss(
+    loss, stats = ppo_loss(
         logprobs,
-        case.behaviour,
+        None if proximal == "none" else case.behaviour,
         case.behaviour,
         case.advantages,
         case.mask,
         total_tokens=case.mask.sum().item(),
+        decoupled=False,
         behaviour_cap=cap,
         behaviour_mode=mode,
         sequence_ids=case.sequence_ids,
@@ -418,6 +433,12 @@ def test_plain_ppo_is_proximal_equal_to_behaviour(cap, mode):
     assert torch.allclose(logprobs.grad, expected_logprobs.grad, rtol=0, atol=TOL)
     assert stats["behaviour_weight_sum"].item() == stats["tokens"].item()  # w == 1 exactly
     assert stats["behaviour_masked_tokens"].item() == 0
+
+
+def test_decoupled_ppo_needs_the_proximal_logprobs():
+    case = random_case(9, n=4)
+    with pytest.raises(ValueError, match="proximal"):
+        ppo_loss(case.logprobs, None, case.behaviour, case.advantages, case.mask, total_tokens=4)
 
 
 def test_float32_inputs_agree_with_the_float64_reference():
@@ -454,32 +475,73 @@ def test_an_all_masked_micro_batch_has_zero_loss_and_gradient():
     assert stats["tokens"].item() == 0
 
 
+# --- masked tokens are inert ----------------------------------------------------------------
+
+
+ABSURD = [1e4, -1e4, math.inf, -math.inf, math.nan]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    option=st.sampled_from(range(len(OPTIONS))),
+    where=st.sampled_from(["logprobs", "proximal", "behaviour", "reference"]),
+    value=st.sampled_from(ABSURD),
+)
+def test_masked_tokens_with_absurd_values_change_nothing(seed, option, where, value):
+    """A masked token (a prompt position, a stale or off-temperature token) may carry any
+    logprob: the loss and the gradient stay finite, and equal to the loss without it."""
+    case = random_case(seed, n=32)
+    options = {**OPTIONS[option], "kl_coef": 0.1, "reference_logprobs": case.reference}
+    clean_loss, clean_grad, _ = run(case, 32.0, **options)
+    masked = torch.nonzero(case.mask == 0).flatten()
+    if masked.numel() == 0:
+        return
+    getattr(case, where)[masked] = value
+    if where == "reference":
+        options["reference_logprobs"] = case.reference
+    loss, grad, stats = run(case, 32.0, **options)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert loss.item() == clean_loss.item()
+    assert torch.equal(grad[case.mask.bool()], clean_grad[case.mask.bool()])
+    assert (grad[masked] == 0).all()
+    assert all(torch.isfinite(v) for v in stats.values())
+
+
 # --- refused inputs -----------------------------------------------------------------------
 
 
+def test_an_empty_step_is_refused():
+    case = random_case(13, n=4)
+    with pytest.raises(ValueError, match="total_tokens"):
+        ppo_loss(
+            case.logprobs, case.proximal, case.behaviour, case.advantages, case.mask, total_tokens=0
+        )
+
+
 @pytest.mark.parametrize(
-    ("options", "message"),
+    ("options", "field"),
     [
-        ({"total_tokens": 0}, "total_tokens"),
-        ({"total_tokens": 1, "eps_clip": 0.0}, "eps_clip"),
-        ({"total_tokens": 1, "eps_clip_high": -0.1}, "eps_clip_high"),
-        ({"total_tokens": 1, "behaviour_cap": 0.0}, "behaviour_cap"),
-        ({"total_tokens": 1, "behaviour_mode": "clip"}, "behaviour_mode"),
-        ({"total_tokens": 1, "dual_clip": 1.0}, "dual_clip"),
+        ({"eps_clip": 0.0}, "algorithm.eps_clip"),
+        ({"eps_clip": 1.0}, "algorithm.eps_clip"),
+        ({"eps_clip_high": -0.1}, "algorithm.eps_clip_high"),
+        ({"behaviour_cap": 1.0}, "algorithm.behaviour_cap"),
+        ({"behaviour_mode": "clip"}, "algorithm.behaviour_mode"),
+        ({"dual_clip": 1.0}, "algorithm.dual_clip"),
+        ({"kl_coef": -0.1}, "algorithm.kl_coef"),
     ],
 )
-def test_invalid_options_are_refused(options, message):
-    case = random_case(13, n=4)
-    with pytest.raises(ValueError, match=message):
-        decoupled_ppo_loss(
-            case.logprobs, case.proximal, case.behaviour, case.advantages, case.mask, **options
-        )
+def test_every_bound_of_the_loss_is_refused_when_the_algorithm_is_made(options, field):
+    """One check, at start: the loss itself checks none of these again."""
+    with pytest.raises(ConfigError) as caught:
+        AlgorithmConfig(**options)
+    assert caught.value.field_name == field
 
 
 def test_mismatched_shapes_are_refused():
     case = random_case(14, n=4)
     with pytest.raises(ValueError, match="advantages"):
-        decoupled_ppo_loss(
+        ppo_loss(
             case.logprobs,
             case.proximal,
             case.behaviour,
@@ -488,7 +550,7 @@ def test_mismatched_shapes_are_refused():
             total_tokens=4,
         )
     with pytest.raises(ValueError, match="1-D"):
-        decoupled_ppo_loss(
+        ppo_loss(
             case.logprobs[None],
             case.proximal[None],
             case.behaviour[None],

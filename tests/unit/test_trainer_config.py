@@ -60,6 +60,13 @@ def test_every_field_has_help_and_is_listed():
         (["nonsense=1"], "nonsense"),
         (["algorithm.group_size=3"], "algorithm.group_size"),  # 8 sessions in groups of 3
         (["algorithm.dual_clip=0.5"], "algorithm.dual_clip"),
+        (["algorithm.eps_clip=1.0"], "algorithm.eps_clip"),  # passed once, failed in the loss
+        (["algorithm.eps_clip_high=0"], "algorithm.eps_clip_high"),
+        (["algorithm.kl_coef=-1"], "algorithm.kl_coef"),
+        (["algorithm.temperature=0"], "algorithm.temperature"),
+        (["algorithm.off_temperature=ignore"], "algorithm.off_temperature"),
+        (["algorithm.max_tokens_per_row=0"], "algorithm.max_tokens_per_row"),
+        (["algorithm.max_tokens_per_microbatch=0"], "algorithm.max_tokens_per_microbatch"),
         (["algorithm.behaviour_cap=1"], "algorithm.behaviour_cap"),
         (["algorithm.discount=1.5"], "algorithm.discount"),
         (["algorithm.ppo_minibatches=9"], "algorithm.ppo_minibatches"),
