@@ -35,25 +35,21 @@ def _check_lengths(lengths: Sequence[int]) -> None:
 def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Row indices per micro-batch, first-fit decreasing, each micro-batch <= ``max_tokens``.
 
-    Rows are taken longest first (ties by index) and go to the first micro-batch they fit in.
-    Micro-batches come in the order they were opened; indices within one are ascending.
+    Rows are taken longest first (ties by index) and go to the first micro-batch they fit in. A
+    row longer than ``max_tokens`` gets a micro-batch of its own (the trainer limits rows
+    separately, by ``algorithm.max_tokens_per_row``). Micro-batches come in the order they were
+    opened; indices within one are ascending.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     _check_lengths(lengths)
-    for i, length in enumerate(lengths):
-        if length > max_tokens:
-            raise ValueError(
-                f"row {i} has {length} tokens, more than the micro-batch budget of {max_tokens}; "
-                "raise the trainer's max_tokens_per_micro_batch to at least the longest row"
-            )
     bins: list[list[int]] = []
     free: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         slot = next((b for b, room in enumerate(free) if lengths[i] <= room), None)
         if slot is None:
             bins.append([])
-            free.append(max_tokens)
+            free.append(max(max_tokens, lengths[i]))
             slot = len(bins) - 1
         bins[slot].append(i)
         free[slot] -= lengths[i]

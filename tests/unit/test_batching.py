@@ -15,6 +15,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainer import batching
 from trainer.batching import (
@@ -92,9 +94,23 @@ def test_pack_of_nothing_is_nothing():
     assert pack([], 10) == []
 
 
-def test_a_row_over_the_budget_is_refused_with_a_fix():
-    with pytest.raises(ValueError, match=r"row 1 has 11 tokens.*budget of 10.*raise"):
-        pack([3, 11], 10)
+def test_a_row_over_the_budget_trains_alone():
+    # 12 and 11 exceed the budget: one micro-batch each; the short rows share one
+    assert pack([3, 11, 12, 2], 10) == [[2], [1], [0, 3]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    budget=st.integers(1, 64),
+    lengths=st.lists(st.integers(1, 200), max_size=24),
+)
+def test_pack_partitions_any_lengths_and_isolates_long_rows(budget, lengths):
+    groups = pack(lengths, budget)
+    assert_partition(groups, len(lengths))
+    for group in groups:
+        load = sum(lengths[i] for i in group)
+        # a micro-batch is within the budget, or is one row longer than the budget
+        assert load <= budget or (len(group) == 1 and lengths[group[0]] > budget)
 
 
 @pytest.mark.parametrize(("lengths", "budget"), [([1], 0), ([0, 2], 4)])

@@ -1,34 +1,62 @@
-"""Claimed sessions → samples (advantages over turn spans, staleness), and the claim journal."""
+"""Claimed sessions → samples: advantages over turn spans, temperature, alternatives,
+staleness along the lineage, drop reasons instead of exceptions; and the checkpoint store."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainer.advantages import RunningBaseline
-from trainer.checkpoint import Checkpoints, TrainerState
-from trainer.rollouts import build_batch
+from trainer.checkpoint import Checkpoints, TrainerState, WrongCheckpoint
+from trainer.config import AlgorithmConfig
+from trainer.rollouts import ALTERNATIVE, OFF_TEMPERATURE, STALE, Rules, build_batch
+from trainer.staleness import position, versions_behind
+
+DROP_CODES = ("no_turns", "row_too_long", "stale", "no_trainable_tokens")
 
 
-def row(prompt: int, turns: list[tuple[int, list[int], float | None]], row_index: int = 0):
-    """A stored row: ``prompt`` prompt tokens, then per turn (glue tokens, versions, reward)."""
+def turn(versions, reward=None, glue=0, temperature=1.0, alternative=False, order=None):
+    return dict(
+        versions=versions,
+        reward=reward,
+        glue=glue,
+        temperature=temperature,
+        alternative=alternative,
+        order=order,
+    )
+
+
+def row(prompt: int, turns: list[dict], row_index: int = 0, logprob: float = -0.5):
+    """A stored row: ``prompt`` prompt tokens, then per turn its glue and its sampled tokens."""
     input_ids, mask, logprobs, versions, spans = [], [], [], [], []
     input_ids += [1] * prompt
     mask += [0] * prompt
     logprobs += [0.0] * prompt
     versions += [-1] * prompt
-    for glue, turn_versions, reward in turns:
-        input_ids += [2] * glue
-        mask += [0] * glue
-        logprobs += [0.0] * glue
-        versions += [-1] * glue
+    for t in turns:
+        input_ids += [2] * t["glue"]
+        mask += [0] * t["glue"]
+        logprobs += [0.0] * t["glue"]
+        versions += [-1] * t["glue"]
         start = len(input_ids)
-        input_ids += [3] * len(turn_versions)
-        mask += [1] * len(turn_versions)
-        logprobs += [-0.5] * len(turn_versions)
-        versions += turn_versions
-        spans.append(
-            {"completion_id": f"c{start}", "start": start, "end": len(input_ids), "reward": reward}
-        )
+        input_ids += [3] * len(t["versions"])
+        mask += [1] * len(t["versions"])
+        logprobs += [logprob] * len(t["versions"])
+        versions += t["versions"]
+        span = {
+            "completion_id": f"c{row_index}-{start}",
+            "start": start,
+            "end": len(input_ids),
+            "reward": t["reward"],
+            "temperature": t["temperature"],
+            "alternative": t["alternative"],
+        }
+        if t["order"] is not None:
+            span["turn_index"] = t["order"]
+        spans.append(span)
     return {
         "row_index": row_index,
         "input_ids": input_ids,
@@ -50,107 +78,351 @@ def session(sid: str, reward: float | None, rows: list[dict], group: str | None 
     }
 
 
-def batch(sessions, **kwargs):
-    options = dict(
-        policy_version=5,
-        max_staleness=1,
-        stale="mask",
-        estimator="grpo",
-        discount=1.0,
-        baseline=None,
+def rules(**changes) -> Rules:
+    algorithm = {"temperature": 1.0, "off_temperature": "mask", "advantage": "grpo"}
+    algorithm.update(
+        {k: changes.pop(k) for k in list(changes) if k in AlgorithmConfig.__dataclass_fields__}
     )
-    return build_batch(sessions, **{**options, **kwargs})
+    options = {"policy_version": 5, "max_staleness": 1, **changes}
+    return Rules(algorithm=AlgorithmConfig(**algorithm), **options)
+
+
+def batch(sessions, baseline=None, **changes):
+    return build_batch(sessions, rules(**changes), baseline)
+
+
+# --- advantages on spans --------------------------------------------------------------------
 
 
 def test_grpo_advantage_lands_on_the_turn_tokens_only():
     sessions = [
-        session("a", 1.0, [row(3, [(0, [5, 5], None)])]),
-        session("b", 0.0, [row(3, [(0, [5, 5, 5], None)])]),
+        session("a", 1.0, [row(3, [turn([5, 5])])]),
+        session("b", 0.0, [row(3, [turn([5, 5, 5])])]),
     ]
     out = batch(sessions)
-    assert [s.session_id for s in out.samples] == ["a", "b"]
     a, b = out.samples
-    assert a.advantages == pytest.approx([0, 0, 0, 1, 1], abs=1e-5)  # (1 - 0.5) / 0.5
+    # pooled over the 5 turn... returns: one per turn, [1] and [0]: mean 0.5, std 0.5
+    assert a.advantages == pytest.approx([0, 0, 0, 1, 1], abs=1e-5)
     assert b.advantages == pytest.approx([0, 0, 0, -1, -1, -1], abs=1e-5)
     assert out.rewards == [1.0, 0.0]
     assert out.staleness == [0] * 5
+    assert out.dropped == {}
 
 
-def test_per_turn_rewards_are_discounted_over_a_multi_turn_row():
-    multi = row(2, [(0, [5], 0.5), (2, [5, 5], None)])  # turn rewards 0.5, then the session's 1
-    single = row(2, [(0, [5], None)])
-    sessions = [session("m", 1.0, [multi]), session("s", 0.0, [single])]
-    out = batch(sessions, estimator="dr_grpo", discount=0.5)
+def test_per_turn_rewards_are_discounted_and_pooled():
+    multi = row(2, [turn([5], 0.5), turn([5, 5], None, glue=2)])  # turn reward 0.5, session 1
+    sessions = [session("m", 1.0, [multi]), session("s", 0.0, [row(2, [turn([5])])])]
+    out = batch(sessions, advantage="dr_grpo", discount=0.5)
     m = out.samples[0]
-    # returns: G1 = 1.0, G0 = 0.5 + 0.5 * 1.0 = 1.0; group mean of G0 = (1.0 + 0.0) / 2 = 0.5
+    # returns: m: G0 = 0.5 + 0.5 * 1.0 = 1.0, G1 = 1.0; s: 0.0. Pooled mean 2/3.
     spans = multi["turns"]
-    assert m.advantages[spans[0]["start"]] == pytest.approx(0.5)
-    assert m.advantages[spans[1]["start"] : spans[1]["end"]] == pytest.approx([0.5, 0.5])
+    assert m.advantages[spans[0]["start"]] == pytest.approx(1 / 3)
+    assert m.advantages[spans[1]["start"] : spans[1]["end"]] == pytest.approx([1 / 3, 1 / 3])
     assert m.advantages[spans[0]["end"] : spans[1]["start"]] == [0.0, 0.0]  # glue: no loss
+    assert out.samples[1].advantages[2] == pytest.approx(-2 / 3)
 
 
 def test_turns_of_a_session_split_over_rows_keep_their_order():
-    rows = [row(2, [(0, [5], 1.0)], 0), row(4, [(0, [5, 5], None)], 1)]
+    rows = [row(2, [turn([5], 1.0, order=0)], 0), row(4, [turn([5, 5], order=1)], 1)]
     out = batch(
-        [session("x", 0.0, rows, group=None)],
-        estimator="running",
-        baseline=RunningBaseline(0.5),
-        discount=1.0,
+        [session("x", 0.0, rows, group=None)], advantage="running", baseline=RunningBaseline(0.5)
     )
     first, second = out.samples
-    # running baseline with no history: the batch mean of the key's scores (G0 = 1.0)
-    assert first.advantages[2] == pytest.approx(0.0)  # G0 - 1.0
-    assert second.advantages[4:] == pytest.approx([-1.0, -1.0])  # G1 = 0.0
+    # G0 = 1, G1 = 0; a running baseline with no history: the mean of the key's returns, 0.5
+    assert first.advantages[2] == pytest.approx(0.5)
+    assert second.advantages[4:] == pytest.approx([-0.5, -0.5])
+
+
+# --- sampling temperature -------------------------------------------------------------------
+
+
+def test_turns_at_another_temperature_are_masked_and_counted():
+    mixed = row(1, [turn([5, 5], temperature=0.7), turn([5, 5, 5], glue=1, temperature=1.0)])
+    sessions = [session("a", 1.0, [mixed]), session("b", 0.0, [row(1, [turn([5])])])]
+    out = batch(sessions)
+    a = out.samples[0]
+    assert a.loss_mask == [0, 0, 0, 0, 1, 1, 1]
+    assert out.masked[OFF_TEMPERATURE] == 2 and out.off_policy_tokens == 0
+    assert a.fresh == [0, 0, 0, 0, 1, 1, 1]  # the 0.7 tokens never count in the mismatch
+
+
+def test_a_session_sampled_only_at_another_temperature_is_dropped_saying_why():
+    sessions = [
+        session("cold", 1.0, [row(1, [turn([5, 5], temperature=0.7)])]),
+        session("b", 0.0, [row(1, [turn([5])])]),
+        session("c", 1.0, [row(1, [turn([5])])]),
+    ]
+    out = batch(sessions)
+    assert list(out.dropped) == ["cold"]
+    reason = out.dropped["cold"]
+    assert reason.startswith("no_trainable_tokens:")
+    assert "2 sampled at another temperature than the run's 1" in reason
+    assert "off_temperature=mask" in reason
+    # it is nobody's baseline: b and c form the group on their own
+    assert [s.session_id for s in out.samples] == ["b", "c"]
+    assert out.samples[0].advantages[1] == pytest.approx(-1.0, abs=1e-5)
+
+
+def test_off_policy_keeps_the_drawn_distribution_s_logprob_and_greedy_gets_zero():
+    warm = row(1, [turn([5, 5], temperature=0.7)], logprob=-1.25)
+    greedy = row(1, [turn([5, 5, 5], temperature=0.0)], logprob=-0.3)
+    sessions = [session("warm", 1.0, [warm]), session("greedy", 0.0, [greedy])]
+    out = batch(sessions, off_temperature="off_policy")
+    w, g = out.samples
+    assert w.loss_mask == [0, 1, 1] and w.behaviour == [0.0, -1.25, -1.25]
+    assert g.loss_mask == [0, 1, 1, 1] and g.behaviour == [0.0, 0.0, 0.0, 0.0]
+    assert out.off_policy_tokens == 5 and out.masked[OFF_TEMPERATURE] == 0
+    assert w.fresh == [0, 0, 0] and g.fresh == [0, 0, 0, 0]
+
+
+def test_an_unknown_temperature_is_never_trained_as_if_known():
+    unknown = row(1, [turn([5, 5], temperature=None)])
+    out = batch(
+        [session("u", 1.0, [unknown]), session("b", 0.0, [row(1, [turn([5])])])],
+        off_temperature="off_policy",
+    )
+    assert list(out.dropped) == ["u"]
+    assert out.masked[OFF_TEMPERATURE] == 2
+
+
+def test_the_training_temperature_is_the_one_compared():
+    at_07 = row(1, [turn([5, 5], temperature=0.7)])
+    out = batch(
+        [session("a", 1.0, [at_07]), session("b", 0.0, [row(1, [turn([5], temperature=0.7)])])],
+        temperature=0.7,
+    )
+    assert out.dropped == {} and out.masked[OFF_TEMPERATURE] == 0
+    assert out.samples[0].fresh == [0, 1, 1]
+
+
+# --- alternatives ---------------------------------------------------------------------------
+
+
+def test_an_alternative_without_its_own_reward_is_masked_and_gets_no_session_reward():
+    rows = [
+        row(2, [turn([5, 5], order=0, alternative=True)], 0),  # choice 0 of n=2, not continued
+        row(2, [turn([5], order=1), turn([5, 5], glue=1, order=2)], 1),  # choice 1, continued
+    ]
+    sessions = [session("n2", 1.0, rows), session("b", 0.0, [row(2, [turn([5])])])]
+    out = batch(sessions, advantage="dr_grpo")
+    assert out.masked[ALTERNATIVE] == 2
+    samples = [s for s in out.samples if s.session_id == "n2"]
+    assert len(samples) == 1  # the alternative's row has nothing left to train
+    # path returns 1, 1 and b's 0: mean 2/3, so each path turn gets 1/3
+    assert samples[0].advantages[2] == pytest.approx(1 / 3)
+
+
+def test_an_alternative_with_its_own_reward_trains_on_that_reward_alone():
+    rows = [
+        row(2, [turn([5], 0.25, order=0, alternative=True)], 0),
+        row(2, [turn([5], order=1)], 1),
+    ]
+    sessions = [session("n2", 1.0, rows), session("b", 0.0, [row(2, [turn([5])])])]
+    out = batch(sessions, advantage="dr_grpo")
+    # returns: the alternative 0.25 (not the session's 1), the path turn 1.0, b 0.0
+    mean = (0.25 + 1.0 + 0.0) / 3
+    alternative, path = (s for s in out.samples if s.session_id == "n2")
+    assert alternative.advantages[2] == pytest.approx(0.25 - mean)
+    assert path.advantages[2] == pytest.approx(1.0 - mean)
+    assert out.masked[ALTERNATIVE] == 0
+
+
+# --- staleness ------------------------------------------------------------------------------
 
 
 def test_stale_tokens_are_masked_and_counted():
     sessions = [
-        session("a", 1.0, [row(1, [(0, [2, 3, 4, 5], None)])]),
-        session("b", 0.0, [row(1, [(0, [5], None)])]),
+        session("a", 1.0, [row(1, [turn([2, 3, 4, 5])])]),
+        session("b", 0.0, [row(1, [turn([5])])]),
     ]
     out = batch(sessions, policy_version=5, max_staleness=2)  # versions below 3 are stale
     a = out.samples[0]
     assert a.loss_mask == [0, 0, 1, 1, 1]
-    assert out.stale_tokens == 1
+    assert out.stale_tokens == 1 and out.masked[STALE] == 1
     assert sorted(out.staleness) == [0, 0, 1, 2]
-    # fresh: loss tokens the step's own starting policy (version 5) sampled
-    assert a.fresh == [0, 0, 0, 0, 1]
+    assert a.fresh == [0, 0, 0, 0, 1]  # sampled by the step's own starting weights
     assert out.samples[1].fresh == [0, 1]
 
 
-def test_stale_sessions_are_dropped_in_drop_mode():
+def test_stale_sessions_are_dropped_in_drop_mode_with_a_reason():
     sessions = [
-        session("a", 1.0, [row(1, [(0, [2, 5], None)])]),
-        session("b", 0.0, [row(1, [(0, [5], None)])]),
+        session("a", 1.0, [row(1, [turn([2, 5])])]),
+        session("b", 0.0, [row(1, [turn([5])])]),
     ]
     out = batch(sessions, policy_version=5, max_staleness=1, stale="drop")
     assert [s.session_id for s in out.samples] == ["b"]
     assert out.dropped_sessions == 1 and out.sessions == 2
+    assert out.dropped["a"].startswith("stale: tokens sampled 3 updates before")
 
 
-def test_a_row_with_nothing_left_to_train_is_left_out():
+def test_a_restart_s_republish_does_not_make_the_sessions_it_gave_back_stale():
+    # checkpoint at version 2; the engines went on to 5; the restart republished 2 as 6.
+    # Version 6 holds 2's weights (2 updates); 3-5 keep the updates they had (3, 4, 5).
+    republished = [(2, 6)]
+    assert [versions_behind(v, 6, republished) for v in (1, 2, 3, 4, 5, 6)] == [1, 0, 0, 0, 0, 0]
+    assert [versions_behind(v, 8, republished) for v in (1, 2, 3, 4, 5, 6)] == [3, 2, 1, 0, 0, 2]
     sessions = [
-        session("a", 1.0, [row(1, [(0, [0, 0], None)])]),
-        session("b", 0.0, [row(1, [(0, [5], None)])]),
+        session("a", 1.0, [row(1, [turn([3, 4, 5])])]),
+        session("b", 0.0, [row(1, [turn([1, 2])])]),
     ]
-    out = batch(sessions, policy_version=5, max_staleness=1)
+    out = batch(sessions, policy_version=6, max_staleness=1, republished=republished)
+    assert out.stale_tokens == 0 and out.dropped == {}
+    assert sorted(out.staleness) == [0, 0, 0, 0, 1]
+    # without the lineage, the version numbers alone would mask a's and b's tokens
+    plain = batch(sessions, policy_version=6, max_staleness=1)
+    assert plain.stale_tokens == 4
+
+
+def test_two_restarts_from_the_same_checkpoint():
+    # 2 republished as 6, trained to 8 (3 and 4 updates), crashed before a checkpoint: 2 as 9
+    republished = [(2, 6), (2, 9)]
+    assert [position(v, republished) for v in (2, 5, 6, 7, 8, 9, 10)] == [2, 5, 2, 3, 4, 2, 3]
+    assert versions_behind(7, 11, republished) == 1
+    assert versions_behind(8, 9, republished) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_positions_count_updates_along_any_history_of_restarts(data):
+    """Simulate a history: steps add an update and a version; a restart goes back to a
+    checkpointed version and republishes it under a new number. The rule must give every
+    version the number of updates of the weights it published."""
+    updates = {0: 0}  # version -> updates of its weights
+    checkpoints = [0]
+    republished: list[tuple[int, int]] = []
+    version = 0
+    for _ in range(data.draw(st.integers(1, 30))):
+        action = data.draw(st.sampled_from(["step", "step", "checkpoint", "restart"]))
+        if action == "step":
+            updates[version + 1] = updates[version] + 1
+            version += 1
+        elif action == "checkpoint":
+            checkpoints.append(version)
+        else:
+            restored = data.draw(st.sampled_from(checkpoints))
+            republished.append((restored, version + 1))
+            updates[version + 1] = updates[restored]
+            version += 1
+    for v, count in updates.items():
+        assert position(v, republished) == count
+
+
+# --- bad data never raises ------------------------------------------------------------------
+
+
+def test_a_session_without_turns_is_dropped_not_raised():
+    sessions = [session("empty", 1.0, []), session("b", 0.0, [row(1, [turn([5])])])]
+    out = batch(sessions)
+    assert out.dropped == {"empty": "no_turns: the session has no model call to train on"}
     assert [s.session_id for s in out.samples] == ["b"]
-    assert out.stale_tokens == 2
+
+
+def test_a_row_longer_than_the_limit_is_dropped_naming_the_limit():
+    long_row = row(10, [turn([5] * 10)])
+    out = batch(
+        [session("long", 1.0, [long_row]), session("b", 0.0, [row(1, [turn([5])])])],
+        row_limit=16,
+        row_limit_name="the model's context (max_position_embeddings in its config.json)",
+    )
+    assert out.dropped["long"] == (
+        "row_too_long: a row of 20 tokens, more than the model's context "
+        "(max_position_embeddings in its config.json) (16)"
+    )
+
+
+def test_a_turn_that_sampled_nothing_is_dropped_saying_so():
+    out = batch([session("zero", 1.0, [row(3, [turn([])])])])
+    assert out.dropped["zero"] == "no_trainable_tokens: its 1 turn(s) sampled no token"
+    assert out.samples == []
+
+
+@st.composite
+def claimed_sessions(draw):
+    sessions = []
+    for s in range(draw(st.integers(0, 6))):
+        rows = []
+        order = 0
+        for r in range(draw(st.integers(0, 3))):
+            turns = []
+            for _ in range(draw(st.integers(1, 3))):
+                turns.append(
+                    turn(
+                        draw(st.lists(st.integers(0, 9), max_size=6)),
+                        reward=draw(st.none() | st.floats(-1, 1)),
+                        glue=draw(st.integers(0, 2)),
+                        temperature=draw(st.sampled_from([None, 0.0, 0.7, 1.0, 1.0])),
+                        alternative=draw(st.booleans()),
+                        order=order,
+                    )
+                )
+                order += 1
+            rows.append(row(draw(st.integers(1, 3)), turns, r))
+        group = draw(st.sampled_from([None, "g1", "g2"]))
+        sessions.append(session(f"s{s}", draw(st.none() | st.floats(-1, 1)), rows, group))
+    return sessions
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sessions=claimed_sessions(),
+    estimator=st.sampled_from(["grpo", "dr_grpo", "rloo", "reinforce_pp", "running"]),
+    off_temperature=st.sampled_from(["mask", "off_policy"]),
+    stale=st.sampled_from(["mask", "drop"]),
+    max_staleness=st.integers(0, 4),
+    max_tokens_per_row=st.none() | st.integers(4, 30),
+)
+def test_any_claimed_data_becomes_samples_or_reasons(
+    sessions, estimator, off_temperature, stale, max_staleness, max_tokens_per_row
+):
+    out = batch(
+        sessions,
+        baseline=RunningBaseline(0.5),
+        advantage=estimator,
+        off_temperature=off_temperature,
+        stale=stale,
+        policy_version=9,
+        max_staleness=max_staleness,
+        row_limit=max_tokens_per_row,
+    )
+    trained = {s.session_id for s in out.samples}
+    for s in sessions:  # every session is trained or dropped with a reason, never both
+        assert (s["session_id"] in trained) != (s["session_id"] in out.dropped)
+    assert all(reason.split(":")[0] in DROP_CODES for reason in out.dropped.values())
+    for sample in out.samples:
+        assert sample.loss_tokens > 0
+        for i, in_loss in enumerate(sample.loss_mask):
+            if in_loss:
+                assert 9 - sample.versions[i] <= max_staleness
+                assert math.isfinite(sample.advantages[i])
+            assert not (sample.fresh[i] and not in_loss)
+        if max_tokens_per_row is not None:
+            assert len(sample.input_ids) <= max_tokens_per_row
+    assert len(out.staleness) == out.loss_tokens
+
+
+# --- checkpoints ----------------------------------------------------------------------------
 
 
 def test_checkpoints_and_the_claim_journal(tmp_path):
     store = Checkpoints(tmp_path, keep=2)
     assert store.latest() is None
-    store.journal_claim("c1", 0)
-    store.journal_claim("c2", 1)
+    store.journal_claim("c1", 0, 4)
+    store.journal_claim("c2", 1, 8)
     assert store.journalled() == ["c1", "c2"]
     for step in (1, 2, 3):
         path = store.path(step)
         path.mkdir(parents=True)
-        store.commit(path, TrainerState(step=step, version=step + 1, covered_claims=[f"c{step}"]))
+        covered = [{"claim_id": f"c{step}", "sessions": 4, "dropped": {"s": "stale: ..."}}]
+        store.commit(
+            path,
+            TrainerState(run_id="run_a", step=step, version=step + 1, covered_claims=covered),
+        )
     store.path(4).mkdir()  # a checkpoint that crashed half-way is not "latest"
     path, state = store.latest()
-    assert state.step == 3 and state.version == 4 and state.covered_claims == ["c3"]
+    assert state.step == 3 and state.version == 4 and state.run_id == "run_a"
+    assert state.covered_claims == [
+        {"claim_id": "c3", "sessions": 4, "dropped": {"s": "stale: ..."}}
+    ]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "step-000002",
         "step-000003",
@@ -158,3 +430,18 @@ def test_checkpoints_and_the_claim_journal(tmp_path):
     ]
     store.clear_journal()
     assert store.journalled() == []
+
+
+def test_a_checkpoint_of_another_run_is_refused_naming_both(tmp_path):
+    state = TrainerState(run_id="run_old", server="http://127.0.0.1:8001", step=2)
+    state.check_owner("run_old", "http://127.0.0.1:9999", tmp_path)  # its own: fine, any URL
+    with pytest.raises(WrongCheckpoint) as caught:
+        state.check_owner("run_new", "http://127.0.0.1:8002", tmp_path)
+    message = str(caught.value)
+    assert "run run_old (server http://127.0.0.1:8001)" in message
+    assert "run run_new on http://127.0.0.1:8002" in message
+    assert "run_id=run_old" in message
+    anonymous = TrainerState.from_json({"step": 2, "version": 2, "covered_claims": ["c1"]})
+    assert anonymous.covered_claims == [{"claim_id": "c1", "sessions": None}]
+    with pytest.raises(WrongCheckpoint, match="does not name"):
+        anonymous.check_owner("run_new", "http://x", tmp_path)
