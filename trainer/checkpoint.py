@@ -1,13 +1,16 @@
 """What a restarted trainer needs to go on exactly where the last checkpoint left off.
 
 A checkpoint is a directory ``checkpoints/step-NNNNNN`` holding the workers' model and optimizer
-(``train_state.pt``, written by the workers) and ``trainer.json``: the step, the policy version,
-the running baseline, and the claims whose sessions the checkpointed weights were trained on.
+(``train_state.pt``, written by the workers) and ``trainer.json``: the run and server it belongs
+to, the step, the policy version, the versions republished after restarts (the staleness rule
+needs them), the running baseline, and the claims whose sessions the checkpointed weights were
+trained on, each with its size and the sessions the trainer dropped (with their reasons).
 
-Claims are confirmed (their sessions marked consumed) only once a checkpoint covers them, and
-every claim is written to a journal (``claims.jsonl``) the moment it is taken. On restart a
-journalled claim that the checkpoint covers is confirmed, and any other one is released, so
-no session is trained twice or skipped across a crash. This module only reads and writes files.
+Claims are confirmed (their sessions marked consumed, or dropped) only once a checkpoint covers
+them, and every claim is written to a journal (``claims.jsonl``) the moment it is taken. On
+restart a journalled claim that the checkpoint covers is confirmed, and any other one is
+released, so no session is trained twice or skipped across a crash. A checkpoint of another run
+is refused (`WrongCheckpoint`), never resumed. This module only reads and writes files.
 """
 
 from __future__ import annotations
@@ -20,12 +23,45 @@ from pathlib import Path
 from typing import Any
 
 
+class WrongCheckpoint(RuntimeError):
+    """The output directory holds another run's checkpoints."""
+
+
 @dataclass
 class TrainerState:
+    run_id: str = ""
+    server: str = ""
     step: int = 0
     version: int = 0
+    republished: list[list[int]] = field(default_factory=list)  # [checkpoint version, new one]
     baseline: dict[str, Any] = field(default_factory=dict)
-    covered_claims: list[str] = field(default_factory=list)
+    # {"claim_id", "sessions": how many it holds, "dropped": {session_id: reason}}
+    covered_claims: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrainerState:
+        known = {key: data[key] for key in cls.__dataclass_fields__ if key in data}
+        state = cls(**known)
+        state.covered_claims = [  # before claims had sizes, they were bare ids
+            claim if isinstance(claim, dict) else {"claim_id": claim, "sessions": None}
+            for claim in state.covered_claims
+        ]
+        return state
+
+    def check_owner(self, run_id: str, server: str, where: Path) -> None:
+        """Refuse to resume a checkpoint that another run wrote."""
+        if self.run_id == run_id:
+            return
+        owner = (
+            f"run {self.run_id} (server {self.server or '?'})"
+            if self.run_id
+            else "a run it does not name (written before checkpoints recorded their run)"
+        )
+        raise WrongCheckpoint(
+            f"{where} holds checkpoints of {owner}; this trainer trains run {run_id} on "
+            f"{server}. Give this run an output_dir of its own, or run_id={self.run_id or '...'} "
+            "to resume that run."
+        )
 
 
 class Checkpoints:
@@ -43,7 +79,7 @@ class Checkpoints:
         for path in sorted(self.root.glob("step-*"), reverse=True):
             marker = path / "trainer.json"
             if marker.exists():
-                return path, TrainerState(**json.loads(marker.read_text()))
+                return path, TrainerState.from_json(json.loads(marker.read_text()))
         return None
 
     def commit(self, path: Path, state: TrainerState) -> None:
@@ -58,13 +94,15 @@ class Checkpoints:
 
     # ----- the claim journal ----------------------------------------------------------------
 
-    def journal_claim(self, claim_id: str, step: int) -> None:
+    def journal_claim(self, claim_id: str, step: int, sessions: int) -> None:
         with self.journal.open("a") as f:
-            f.write(json.dumps({"claim_id": claim_id, "step": step}) + "\n")
+            record = {"claim_id": claim_id, "step": step, "sessions": sessions}
+            f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
     def journalled(self) -> list[str]:
+        """The claims taken since the journal was last cleared, in order."""
         if not self.journal.exists():
             return []
         lines = self.journal.read_text().splitlines()

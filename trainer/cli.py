@@ -51,7 +51,16 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per claim poll says nothing
+    from trainer.checkpoint import WrongCheckpoint
+    from trainer.claims import ClaimLost
     from trainer.run import train
+    from trainer.server_api import ServerError
 
-    with ExitStack() as stack:
-        train(config, stack)
+    try:
+        with ExitStack() as stack:
+            train(config, stack)
+    except (WrongCheckpoint, ClaimLost, ServerError) as exc:
+        logging.getLogger("proxrl.trainer").error("%s", exc)
+        print(f"proxrl train: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -1,63 +1,86 @@
-"""The training loop: claim → recompute → advantages → update → publish → checkpoint → log.
+"""The training loop: claim → samples → update → publish → checkpoint → log → confirm.
 
 ``Trainer.run`` reads top to bottom like the recipe. Generation never waits for it: the server
 keeps serving while a step trains, and new weights are swapped into the engines in place.
-Each phase is a call into a module that owns it (``rollouts``, ``plan``, the workers,
-``publish``, ``checkpoint``); this module only orders them and keeps the books.
+Each phase is a call into a module that owns it (``rollouts`` for what trains and why not,
+``plan`` and the workers for the update, ``publish``, ``checkpoint``, ``claims`` for leases,
+``figures`` for what is reported); this module only orders them and keeps the books.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer import failpoints
 from trainer.advantages import RunningBaseline
 from trainer.checkpoint import Checkpoints, TrainerState
+from trainer.claims import Claim, ClaimLost, Leases, lost_message
 from trainer.cluster import WorkerGroup
-from trainer.config import TrainConfig, to_dict
+from trainer.config import AlgorithmConfig, TrainConfig, to_dict
+from trainer.figures import Phases, Progress, combine
 from trainer.plan import plan_step
 from trainer.publish import Publisher
-from trainer.rollouts import Batch, build_batch
+from trainer.rollouts import Batch, Rules, build_batch
 from trainer.server_api import ServerAPI
 from trainer.worker import WorkerSettings
 
 log = logging.getLogger("proxrl.trainer")
 
-
-@dataclass
-class Claimed:
-    claim_ids: list[str] = field(default_factory=list)
-    sessions: list[dict[str, Any]] = field(default_factory=list)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
-def worker_settings(config: TrainConfig, model_dir: str) -> WorkerSettings:
-    algo, optim = config.algorithm, config.optim
+def resolve_algorithm(algorithm: AlgorithmConfig, run_config: dict[str, Any]) -> AlgorithmConfig:
+    """The algorithm with the run's temperature and off-temperature rule where it leaves them
+    to the run: one value each, whichever side sets it."""
+    temperature = algorithm.temperature
+    if temperature is None:
+        temperature = float(run_config.get("temperature") or 1.0)
+    off_temperature = algorithm.off_temperature or run_config.get("off_temperature") or "mask"
+    return dataclasses.replace(algorithm, temperature=temperature, off_temperature=off_temperature)
+
+
+def row_limit(algorithm: AlgorithmConfig, model_dir: str) -> tuple[int | None, str]:
+    """The longest row to train, and the name a drop reason gives it."""
+    if algorithm.max_tokens_per_row is not None:
+        return algorithm.max_tokens_per_row, "algorithm.max_tokens_per_row"
+    path = Path(model_dir) / "config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    for key in CONTEXT_KEYS:
+        if isinstance(config.get(key), int):
+            return config[key], f"the model's context ({key} in its config.json)"
+    return None, "algorithm.max_tokens_per_row"
+
+
+def worker_settings(
+    config: TrainConfig, model_dir: str, algorithm: AlgorithmConfig
+) -> WorkerSettings:
     return WorkerSettings(
         model_dir=model_dir,
         lr=config.lr,
-        weight_decay=optim.weight_decay,
-        betas=(optim.beta1, optim.beta2),
-        adam_eps=optim.eps,
-        grad_clip=optim.grad_clip,
-        warmup_steps=optim.warmup_steps,
-        temperature=algo.temperature,
-        decoupled=algo.decoupled,
-        eps_clip=algo.eps_clip,
-        eps_clip_high=algo.eps_clip_high,
-        dual_clip=algo.dual_clip,
-        behaviour_cap=algo.behaviour_cap if algo.decoupled else None,
-        behaviour_mode=algo.behaviour_mode,
-        kl_coef=algo.kl_coef,
+        optim=config.optim,
+        algorithm=algorithm,
         seed=config.seed,
         device=config.cluster.device,
         threads=config.cluster.threads_per_worker,
     )
+
+
+@dataclasses.dataclass
+class Claimed:
+    """The claims one step took, and their sessions."""
+
+    claims: list[Claim] = dataclasses.field(default_factory=list)
+    sessions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def record_drops(self, dropped: dict[str, str]) -> None:
+        for claim in self.claims:
+            claim.dropped = {s: dropped[s] for s in claim.session_ids if s in dropped}
 
 
 class Trainer:
@@ -70,47 +93,63 @@ class Trainer:
         run = server.run(config.run_id) if config.run_id else server.default_run()
         self.run_id: str = run["id"]
         self.model_dir: str = config.model or run["model_path"]
-        self.state = TrainerState(version=int(run["policy_version"]))
+        self.algorithm = resolve_algorithm(config.algorithm, run.get("config") or {})
+        self.row_limit = row_limit(self.algorithm, self.model_dir)
+        self.server_version = int(run["policy_version"])
+        self.state = TrainerState(
+            run_id=self.run_id, server=server.url, version=self.server_version
+        )
         self.baseline = RunningBaseline(config.algorithm.baseline_momentum)
-        self.pending: list[str] = []  # claims trained on but not yet covered by a checkpoint
+        self.leases = Leases(server.clone(), config.claim_lease_s)
+        self.pending: list[Claim] = []  # trained on, not yet covered by a checkpoint
         self.stopping = False
+        found = self.checkpoints.latest()
+        if found is not None:  # before anything starts: another run's checkpoint is refused
+            found[1].check_owner(self.run_id, server.url, self.output)
 
     # ----- start ------------------------------------------------------------------------------
 
     def start(self, workers: WorkerGroup) -> None:
-        """Configure the run, restore the last checkpoint, settle the claims it left behind."""
+        """Configure the run, restore this run's last checkpoint, settle the claims it left."""
         self.workers = workers
         self.publisher = Publisher(self.config, self.server, self.run_id, workers, self.output)
-        algo = self.config.algorithm
+        algo = self.algorithm
         self.server.configure_run(
             self.run_id,
             {
                 "batch_size": self.config.batch_size,
                 "max_staleness": self.config.max_staleness,
                 "group_size": algo.group_size if algo.group_size > 1 else None,
+                "temperature": algo.temperature,
+                "off_temperature": algo.off_temperature,
             },
         )
-        server_version = self.state.version
         found = self.checkpoints.latest()
         if found is not None:
-            path, self.state = found
+            path, state = found
+            self.state = dataclasses.replace(state, server=self.server.url)
             workers.call("load_checkpoint", str(path))
-            self.baseline.load_state_dict(self.state.baseline)
-            log.info(
-                "resumed from %s: step %d, version %d", path, self.state.step, self.state.version
-            )
-        self._settle_journal(set(self.state.covered_claims))
-        if server_version != self.state.version:
+            self.baseline.load_state_dict(state.baseline)
+            log.info("resumed from %s: step %d, version %d", path, state.step, state.version)
+        self._settle_journal()
+        if self.server_version != self.state.version:
             # The engines serve weights this trainer no longer has (trained after the last
-            # checkpoint, or by someone else): serve the restored ones under a new version.
-            self.state.version = max(server_version, self.state.version) + 1
+            # checkpoint): serve the restored ones under a new version, and remember that it
+            # holds the checkpoint's weights (the staleness rule counts from there).
+            restored = self.state.version
+            self.state.version = max(self.server_version, restored) + 1
+            self.state.republished.append([restored, self.state.version])
             self.publisher.publish(self.state.version)
-            log.info("republished the restored weights as version %d", self.state.version)
+            log.info(
+                "republished the weights of version %d as version %d", restored, self.state.version
+            )
+        self.leases.start()
 
-    def _settle_journal(self, covered: set[str]) -> None:
+    def _settle_journal(self) -> None:
+        covered = {c["claim_id"]: c for c in self.state.covered_claims}
         for claim_id in self.checkpoints.journalled():
             if claim_id in covered:
-                self.server.confirm(claim_id)
+                self._confirm(covered[claim_id], "on restart")
             else:
                 released = self.server.release(claim_id)
                 log.info(
@@ -127,37 +166,53 @@ class Trainer:
             self.state.step,
             self.output / "metrics.jsonl",
             log_every=config.log_every,
-            reference_kl=config.algorithm.kl_coef > 0,
+            reference_kl=self.algorithm.kl_coef > 0,
+            temperature=self.algorithm.temperature,
         )
         progress.report = lambda record: self.server.post_step(
             self.run_id, record["step"], record["version"], record
         )
-        while self.state.step < config.max_steps and not self.stopping:
-            started = time.monotonic()
-            claimed = self.claim()  # 1. a batch of trainable sessions, exactly once
-            if claimed is None:
-                break
-            claim_s = time.monotonic() - started
-            batch = build_batch(  # 3. advantages; stale tokens masked or sessions dropped
-                claimed.sessions,
-                policy_version=self.state.version,
-                max_staleness=config.max_staleness,
-                stale=config.algorithm.stale,
-                estimator=config.algorithm.advantage,
-                discount=config.algorithm.discount,
-                baseline=self.baseline,
-            )
-            stats = self.train(batch)  # 2 + 4 + 5. proximal logprobs, PPO minibatches
-            self.state.version += 1
-            publish_s = self.publisher.publish(self.state.version)  # 6. engines swap
-            self.state.step += 1
-            self.pending += claimed.claim_ids
-            checkpoint_s = self.checkpoint_if_due()  # 7. model, optimizer, what was consumed
-            phases = Phases(claim_s, publish=publish_s, checkpoint=checkpoint_s)
-            progress.step(self.state, batch, stats, phases)  # 8. log
-        if self.pending:
-            self.checkpoint()
+        try:
+            while self.state.step < config.max_steps and not self.stopping:
+                step = self.state.step + 1
+                started = time.monotonic()
+                claimed = self.claim()  # 1. a batch of trainable sessions, exactly once
+                if claimed is None:
+                    break
+                self.reach("claimed", step)
+                claim_s = time.monotonic() - started
+                batch = build_batch(claimed.sessions, self.rules(), self.baseline)  # 2. samples
+                claimed.record_drops(batch.dropped)  # bad data: dropped with a reason, not fatal
+                self.leases.check()  # never train sessions another claim holds
+                stats = self.train(batch)  # 3. proximal logprobs, PPO minibatches
+                self.reach("trained", step)
+                publish_s = self.publish(batch)  # 4. the engines swap
+                self.reach("published", step)
+                self.state.step = step
+                self.pending += claimed.claims
+                saved = self.save_checkpoint_if_due()  # 5. weights, optimizer, what was consumed
+                phases = Phases(claim_s, publish=publish_s, checkpoint=saved[1] if saved else 0.0)
+                progress.step(self.state, batch, stats, phases)  # 6. every figure
+                if saved:
+                    self.commit_checkpoint(saved[0])  # 7. the checkpoint counts: confirm claims
+            if self.pending:
+                self.commit_checkpoint(self.save_checkpoint())
+        finally:
+            self.leases.stop()
         return self.state
+
+    def rules(self) -> Rules:
+        return Rules(
+            algorithm=self.algorithm,
+            policy_version=self.state.version,
+            max_staleness=self.config.max_staleness,
+            republished=[tuple(pair) for pair in self.state.republished],  # type: ignore[misc]
+            row_limit=self.row_limit[0],
+            row_limit_name=self.row_limit[1],
+        )
+
+    def reach(self, point: str, step: int) -> None:
+        failpoints.reach(point, step, self.output)
 
     def claim(self) -> Claimed | None:
         """``batch_size`` trainable sessions (whole groups), waiting as long as it takes."""
@@ -167,18 +222,23 @@ class Trainer:
         last_note = 0.0
         while len(claimed.sessions) < config.batch_size:
             if self.stopping:
-                for claim_id in claimed.claim_ids:  # untrained: back to the pool
-                    self.server.release(claim_id)
+                for claim in claimed.claims:  # untrained: back to the pool
+                    self.leases.let_go(claim.claim_id)
+                    self.server.release(claim.claim_id)
                 return None
+            self.leases.renew_if_due()  # take back lapsed sessions before anyone else can
+            self.leases.check()
             result = self.server.claim(
                 self.run_id,
                 config.batch_size - len(claimed.sessions),
                 config.claim_lease_s,
-                config.algorithm.group_size,
+                self.algorithm.group_size,
             )
             if result["sessions"]:
-                self.checkpoints.journal_claim(result["claim_id"], self.state.step)
-                claimed.claim_ids.append(result["claim_id"])
+                claim = Claim(result["claim_id"], [s["session_id"] for s in result["sessions"]])
+                self.checkpoints.journal_claim(claim.claim_id, self.state.step, claim.size)
+                self.leases.hold(claim.claim_id, claim.size)
+                claimed.claims.append(claim)
                 claimed.sessions += result["sessions"]
                 continue
             waited = time.monotonic() - waited_since
@@ -193,46 +253,63 @@ class Trainer:
             time.sleep(config.claim_wait_s)
         return claimed
 
-    def train(self, batch: Batch) -> dict[str, float]:
+    def train(self, batch: Batch) -> dict[str, Any]:
         if not batch.samples:
             return {}
+        algo = self.algorithm
         plan = plan_step(
             batch.samples,
             self.config.world_size,
-            self.config.algorithm.ppo_minibatches,
-            self.config.algorithm.max_tokens_per_microbatch,
+            algo.ppo_minibatches,
+            algo.max_tokens_per_microbatch,
         )
         per_rank = [(minibatches, plan.tokens) for minibatches in plan.per_rank]
-        results = self.workers.call_each("train_step", per_rank)
-        totals: dict[str, float] = {}
-        for result in results:
-            for key, value in result.items():
-                totals[key] = totals.get(key, 0.0) + value
-        totals["grad_norm_sum"] = results[0].get("grad_norm_sum", 0.0)  # the same on every rank
-        for key in ("seconds", "proximal_seconds"):  # wall time: the slowest rank's
-            totals[key] = max(r.get(key, 0.0) for r in results)
-        return totals
+        return combine(self.workers.call_each("train_step", per_rank))
 
-    def checkpoint_if_due(self) -> float:
-        """Checkpoint every ``checkpoint_every`` steps and at the last; the seconds it took."""
+    def publish(self, batch: Batch) -> float:
+        """Serve the updated weights as the next version (nothing trained: nothing to serve)."""
+        if not batch.samples:
+            log.info("nothing to train in this step's %d sessions", batch.sessions)
+            return 0.0
+        self.state.version += 1
+        return self.publisher.publish(self.state.version)
+
+    def save_checkpoint_if_due(self) -> tuple[Path, float] | None:
+        """Every ``checkpoint_every`` steps and at the last: save one; where, and the seconds
+        it took. The step's figures are written before it is marked complete, so a crash never
+        keeps a step whose record is missing."""
         step = self.state.step
         if step % self.config.checkpoint_every and step != self.config.max_steps:
-            return 0.0
+            return None
         started = time.monotonic()
-        self.checkpoint()
-        return time.monotonic() - started
+        path = self.save_checkpoint()
+        return path, time.monotonic() - started
 
-    def checkpoint(self) -> None:
+    def save_checkpoint(self) -> Path:
         path = self.checkpoints.path(self.state.step)
         self.workers.call("save_checkpoint", str(path))
+        self.reach("checkpoint_saved", self.state.step)
+        return path
+
+    def commit_checkpoint(self, path: Path) -> None:
+        """Mark the checkpoint complete, then confirm what it covers (consumed, or dropped with
+        why): a restart resumes from it and settles its claims the same way."""
         self.state.baseline = self.baseline.state_dict()
-        self.state.covered_claims = list(self.pending)
+        self.state.covered_claims = [claim.covered() for claim in self.pending]
         self.checkpoints.commit(path, self.state)
-        for claim_id in self.pending:
-            if self.server.confirm(claim_id) == 0:
-                log.warning("claim %s had expired before it was confirmed", claim_id)
+        self.reach("checkpointed", self.state.step)
+        for covered in self.state.covered_claims:
+            self._confirm(covered, "at a checkpoint")
         self.pending = []
         self.checkpoints.clear_journal()
+
+    def _confirm(self, covered: dict[str, Any], when: str) -> None:
+        claim_id = covered["claim_id"]
+        self.leases.let_go(claim_id)  # first: a renewal racing the confirm must not count it lost
+        result = self.server.confirm(claim_id, covered.get("dropped"))
+        size = covered.get("sessions")
+        if size is not None and int(result["settled"]) < size:
+            raise ClaimLost(lost_message(claim_id, int(result["settled"]), size, when))
 
     def request_stop(self, *_: object) -> None:
         if self.stopping:
@@ -241,180 +318,16 @@ class Trainer:
         self.stopping = True
 
 
-# (record key prefix, name in the progress line) of the phases the line times
-PHASES_SHOWN = (
-    ("claim", "claim"),
-    ("proximal", "prox"),
-    ("update", "update"),
-    ("publish", "publish"),
-    ("checkpoint", "ckpt"),
-)
-
-
-@dataclass(frozen=True)
-class Phases:
-    """Seconds the driver spent in the step's phases outside the workers' update."""
-
-    claim: float
-    publish: float
-    checkpoint: float = 0.0  # 0 in a step that wrote no checkpoint
-
-
-def step_record(
-    state: TrainerState,
-    batch: Batch,
-    stats: dict[str, float],
-    phases: Phases,
-    reference_kl: bool = False,
-) -> dict[str, Any]:
-    """Every figure of one step, as written to ``metrics.jsonl`` and posted to the server.
-
-    ``stats`` are the workers' sums (``loss.STAT_NAMES`` and the worker's own, summed over
-    micro-batches and ranks); fractions and the entropy are over the step's loss tokens, the
-    ratio and KL figures over the tokens the behaviour mask kept. ``reference_kl`` adds the KL
-    to the reference model (trained with ``kl_coef > 0``).
-    """
-    tokens = batch.loss_tokens
-    tokens_all = max(stats.get("tokens", tokens), 1)
-    kept = max(stats.get("kept_tokens", 0.0), 1.0)
-    train_s = stats.get("seconds", 0.0)
-    proximal_s = stats.get("proximal_seconds", 0.0)
-    advantages = [
-        advantage
-        for sample in batch.samples
-        for advantage, in_loss in zip(sample.advantages, sample.loss_mask, strict=True)
-        if in_loss
-    ]
-    record: dict[str, Any] = {
-        "time": time.time(),
-        "step": state.step,
-        "version": state.version,
-        "sessions": batch.sessions,
-        "session_ids": batch.session_ids,
-        "dropped_sessions": batch.dropped_sessions,
-        "reward_mean": _mean(batch.rewards),
-        **_summary("advantage", advantages),
-        "trained_tokens": tokens,
-        "stale_tokens": batch.stale_tokens,
-        "staleness_mean": _mean(batch.staleness),
-        "staleness_max": max(batch.staleness, default=0),
-        "staleness_histogram": _histogram(batch.staleness),
-        "loss": stats.get("loss_sum", 0.0) / max(stats.get("optimizer_steps", 1.0), 1.0),
-        "entropy": stats.get("entropy_sum", 0.0) / tokens_all,
-        "clip_fraction": stats.get("clipped_tokens", 0.0) / tokens_all,
-        "dual_clip_fraction": stats.get("dual_clipped_tokens", 0.0) / tokens_all,
-        "ratio_mean": stats.get("ratio_sum", 0.0) / kept,
-        "approx_kl": stats.get("approx_kl_sum", 0.0) / kept,
-        "behaviour_over_cap_fraction": stats.get("behaviour_over_cap_tokens", 0.0) / tokens_all,
-        "behaviour_masked_fraction": stats.get("behaviour_masked_tokens", 0.0) / tokens_all,
-        "behaviour_weight_mean": stats.get("behaviour_weight_sum", 0.0) / tokens_all,
-        "logprob_mismatch_mean": (
-            stats["mismatch_sum"] / stats["mismatch_tokens"]
-            if stats.get("mismatch_tokens")
-            else None
-        ),
-        "grad_norm": stats.get("grad_norm_sum", 0.0),
-        "claim_seconds": phases.claim,
-        "train_seconds": train_s,
-        "proximal_seconds": proximal_s,
-        "update_seconds": max(train_s - proximal_s, 0.0),
-        "publish_seconds": phases.publish,
-        "checkpoint_seconds": phases.checkpoint,
-        "tokens_per_second": tokens / max(train_s + phases.publish, 1e-9),
-    }
-    if reference_kl:
-        record["reference_kl"] = stats.get("reference_kl_sum", 0.0) / kept
-    return record
-
-
-class Progress:
-    """Every step's figures to ``metrics.jsonl`` and the server; a line every ``log_every``
-    steps (and on the last) with rates, phase times and an ETA."""
-
-    def __init__(
-        self,
-        max_steps: int,
-        first_step: int,
-        path: Path,
-        log_every: int = 1,
-        reference_kl: bool = False,
-    ) -> None:
-        self.max_steps = max_steps
-        self.first_step = first_step
-        self.log_every = log_every
-        self.reference_kl = reference_kl
-        self.started = time.monotonic()
-        self.path = path
-        self.report: Callable[[dict[str, Any]], None] | None = None
-
-    def step(
-        self, state: TrainerState, batch: Batch, stats: dict[str, float], phases: Phases
-    ) -> dict[str, Any]:
-        record = step_record(state, batch, stats, phases, self.reference_kl)
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.report is not None:
-            self.report(record)
-        if state.step % self.log_every == 0 or state.step >= self.max_steps:
-            log.info("%s", self.line(record))
-        return record
-
-    def line(self, record: dict[str, Any]) -> str:
-        elapsed = time.monotonic() - self.started
-        done = record["step"] - self.first_step
-        eta = elapsed / done * (self.max_steps - record["step"]) if done else float("nan")
-        seconds = " ".join(
-            f"{short} {record[f'{name}_seconds']:.2f}" for name, short in PHASES_SHOWN
-        )
-        return (
-            f"step {record['step']}/{self.max_steps} · v{record['version']} · "
-            f"reward {record['reward_mean']:.3f} · {record['sessions']} sessions, "
-            f"{record['trained_tokens']} tokens ({record['tokens_per_second']:.0f} tok/s) · "
-            f"staleness {record['staleness_mean']:.2f} (max {record['staleness_max']}) · "
-            f"loss {record['loss']:.4f} · entropy {record['entropy']:.3f} · "
-            f"clip {record['clip_fraction']:.3f} · seconds: {seconds} · ETA {_duration(eta)}"
-        )
-
-
-def _histogram(values: list[int]) -> list[int]:
-    """Counts of 0, 1, 2, ... (versions behind)."""
-    counts = [0] * (max(values, default=-1) + 1)
-    for value in values:
-        counts[value] += 1
-    return counts
-
-
-def _mean(values: list[float] | list[int]) -> float:
-    return sum(values) / len(values) if values else 0.0
-
-
-def _summary(name: str, values: list[float]) -> dict[str, float]:
-    """``name``_mean, _std (population), _min and _max of ``values``; all 0 when empty."""
-    mean = _mean(values)
-    variance = _mean([(value - mean) ** 2 for value in values])
-    return {
-        f"{name}_mean": mean,
-        f"{name}_std": variance**0.5,
-        f"{name}_min": min(values, default=0.0),
-        f"{name}_max": max(values, default=0.0),
-    }
-
-
-def _duration(seconds: float) -> str:
-    if seconds != seconds:  # NaN: no step finished yet
-        return "?"
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes}m{secs:02d}s"
-
-
 def install_signal_handlers(trainer: Trainer) -> None:
     signal.signal(signal.SIGINT, trainer.request_stop)
     signal.signal(signal.SIGTERM, trainer.request_stop)
 
 
 def describe_start(config: TrainConfig, trainer: Trainer) -> str:
+    algo = trainer.algorithm
     return (
         f"training run {trainer.run_id} from version {trainer.state.version} "
         f"({config.world_size} worker(s), batch {config.batch_size}, "
-        f"max staleness {config.max_staleness}); config: {json.dumps(to_dict(config))}"
+        f"max staleness {config.max_staleness}, temperature {algo.temperature:g}, "
+        f"off_temperature {algo.off_temperature}); config: {json.dumps(to_dict(config))}"
     )

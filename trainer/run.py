@@ -149,7 +149,9 @@ def train(config: TrainConfig, stack: ExitStack) -> TrainerState:
         LocalRay(config.cluster, config.world_size * config.cluster.cpus_per_worker)
     )
     workers = WorkerGroup(
-        config.world_size, worker_settings(config, trainer.model_dir), config.cluster
+        config.world_size,
+        worker_settings(config, trainer.model_dir, trainer.algorithm),
+        config.cluster,
     )
     stack.callback(workers.shutdown)
     log.info(describe_start(config, trainer))

@@ -24,11 +24,16 @@ class ServerAPI:
     def __init__(self, url: str, admin_key: str, timeout_s: float, retries: int = 5) -> None:
         self.url = url.rstrip("/")
         self.retries = retries
+        self._admin_key, self._timeout_s = admin_key, timeout_s
         self.http = httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {admin_key}"},
             timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
         )
+
+    def clone(self, retries: int = 0) -> ServerAPI:
+        """Another client of the same server, for another thread."""
+        return ServerAPI(self.url, self._admin_key, self._timeout_s, retries)
 
     def close(self) -> None:
         self.http.close()
@@ -78,8 +83,17 @@ class ServerAPI:
         # when its lease runs out.
         return self._call("POST", f"/rl/runs/{run_id}/claims", retry=False, json=body)
 
-    def confirm(self, claim_id: str) -> int:
-        return int(self._call("POST", f"/rl/claims/{claim_id}/confirm")["consumed"])
+    def renew(self, claim_ids: list[str], lease_s: float) -> dict[str, int]:
+        """Extend the leases of ``claim_ids``; how many sessions each claim still holds."""
+        body = {"claim_ids": claim_ids, "lease_s": lease_s}
+        held = self._call("POST", "/rl/claims/renew", json=body)["held"]
+        return {claim_id: int(held.get(claim_id, 0)) for claim_id in claim_ids}
+
+    def confirm(self, claim_id: str, dropped: dict[str, str] | None = None) -> dict[str, Any]:
+        """Mark the claim's sessions consumed, or dropped with the given reasons (idempotent);
+        ``settled`` counts the claim's sessions now consumed or dropped."""
+        body = {"dropped": dropped or {}}
+        return self._call("POST", f"/rl/claims/{claim_id}/confirm", json=body)
 
     def release(self, claim_id: str) -> int:
         return int(self._call("POST", f"/rl/claims/{claim_id}/release")["released"])

@@ -32,6 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from trainer import attention
 from trainer.batching import PackedBatch, packed, shift_entropy, shift_logprobs
+from trainer.config import AlgorithmConfig, OptimConfig
 from trainer.loss import decoupled_ppo_loss
 
 # Files of a model directory that are not weights: copied next to every published version.
@@ -60,24 +61,21 @@ class MicroBatch:
 
 @dataclass(frozen=True)
 class WorkerSettings:
+    """What a worker needs: the model, the optimizer, and the whole frozen algorithm (whose
+    ``temperature`` is resolved: the run's)."""
+
     model_dir: str
     lr: float
-    weight_decay: float
-    betas: tuple[float, float]
-    adam_eps: float
-    grad_clip: float
-    warmup_steps: int
-    temperature: float
-    decoupled: bool
-    eps_clip: float
-    eps_clip_high: float | None
-    dual_clip: float | None
-    behaviour_cap: float | None
-    behaviour_mode: str
-    kl_coef: float
+    optim: OptimConfig
+    algorithm: AlgorithmConfig
     seed: int
     device: str  # "auto" | "cpu" | "cuda"
     threads: int
+
+    @property
+    def temperature(self) -> float:
+        assert self.algorithm.temperature is not None, "resolve the run's temperature first"
+        return self.algorithm.temperature
 
 
 def pick_device(preference: str) -> torch.device:
@@ -140,15 +138,16 @@ class Worker:
         torch.manual_seed(settings.seed)
         self.model = load_sharded_model(settings.model_dir, self.device)
         self.reference = None
-        if settings.kl_coef > 0:
+        if settings.algorithm.kl_coef > 0:
             self.reference = load_sharded_model(settings.model_dir, self.device)
             self.reference.requires_grad_(False)
+        optim = settings.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=settings.lr,
-            betas=settings.betas,
-            eps=settings.adam_eps,
-            weight_decay=settings.weight_decay,
+            betas=(optim.beta1, optim.beta2),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
         )
         return {
             "parameters": sum(p.numel() for p in self.model.parameters()),
@@ -194,14 +193,17 @@ class Worker:
         """One training step: proximal logprobs, then one optimizer step per PPO minibatch.
 
         ``tokens[i]`` is the number of loss tokens in minibatch ``i`` over all workers, so each
-        micro-batch's loss is already a share of the global token mean.
+        micro-batch's loss is already a share of the global token mean. Returns this worker's
+        sums (summed over its micro-batches; the driver adds the workers'), ``grad_norms`` (one
+        per minibatch, before clipping: the same on every worker) and its phase seconds.
         """
         started = time.perf_counter()
         flat = [micro for minibatch in minibatches for micro in minibatch]
         proximal = self._proximal(flat)
         self._synchronize()
         proximal_seconds = time.perf_counter() - started
-        totals = self._mismatch(flat, proximal)
+        totals: dict[str, Any] = self._mismatch(flat, proximal)
+        grad_norms = []
         index = 0
         for minibatch, count in zip(minibatches, tokens, strict=True):
             self._set_lr()
@@ -211,12 +213,11 @@ class Worker:
                 index += 1
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
-            norm = self._clip_gradients()
-            totals["grad_norm_sum"] = totals.get("grad_norm_sum", 0.0) + norm
+            grad_norms.append(self._clip_gradients())
             self.optimizer.step()
         self.step_count += 1
-        totals["optimizer_steps"] = float(len(minibatches))
         self._synchronize()
+        totals["grad_norms"] = grad_norms
         totals["seconds"] = time.perf_counter() - started
         totals["proximal_seconds"] = proximal_seconds
         return totals
@@ -228,7 +229,7 @@ class Worker:
 
     def _proximal(self, micros: list[MicroBatch]) -> list[torch.Tensor | None]:
         """Logprobs under the weights at the start of the step (decoupled PPO's pi_prox)."""
-        if not self.settings.decoupled:
+        if not self.settings.algorithm.decoupled:
             return [None] * len(micros)  # plain PPO: the behaviour policy is the proximal one
         with torch.no_grad():
             return [self._forward(self.model, micro)[0] for micro in micros]
@@ -262,26 +263,19 @@ class Worker:
             advantages = _flat(micro.advantages, torch.float32, device)
         else:
             mask = behaviour = advantages = torch.zeros_like(logprobs)
-        if proximal is None:
-            proximal = behaviour
         reference = None
         if self.reference is not None:
             with torch.no_grad():
                 reference = self._forward(self.reference, micro)[0]
         loss, stats = decoupled_ppo_loss(
             logprobs,
-            proximal.detach(),
+            proximal,
             behaviour,
             advantages,
             mask,
             total_tokens=total_tokens,
-            eps_clip=settings.eps_clip,
-            eps_clip_high=settings.eps_clip_high,
-            behaviour_cap=settings.behaviour_cap,
-            behaviour_mode=settings.behaviour_mode,  # type: ignore[arg-type]
+            algorithm=settings.algorithm,
             sequence_ids=batch.sequence_ids.to(device),
-            dual_clip=settings.dual_clip,
-            kl_coef=settings.kl_coef,
             reference_logprobs=reference,
         )
         # FSDP2 averages gradients over workers; each worker's loss is a share of the global sum.
@@ -292,13 +286,14 @@ class Worker:
         return out
 
     def _set_lr(self) -> None:
-        warmup = self.settings.warmup_steps
+        warmup = self.settings.optim.warmup_steps
         scale = min(1.0, (self.step_count + 1) / warmup) if warmup > 0 else 1.0
         for group in self.optimizer.param_groups:
             group["lr"] = self.settings.lr * scale
 
     def _clip_gradients(self) -> float:
-        limit = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
+        clip = self.settings.optim.grad_clip
+        limit = clip if clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
         full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         return float(full)

@@ -1,4 +1,4 @@
-"""The per-step figures (trainer/loop.py's step_record) and the progress log.
+"""The per-step figures (trainer/figures.py: combine, step_record) and the progress log.
 
 The loss statistics come from the real `decoupled_ppo_loss` on small float64 tensors, summed
 over two micro-batches as the loop sums them; every figure is checked against a per-token
@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from trainer.checkpoint import TrainerState
-from trainer.loop import Phases, Progress, step_record
+from trainer.config import AlgorithmConfig
+from trainer.figures import Phases, Progress, combine, step_record
 from trainer.loss import decoupled_ppo_loss
-from trainer.rollouts import Batch, Sample
+from trainer.rollouts import ALTERNATIVE, OFF_TEMPERATURE, STALE, Batch, Sample
 
 TOL = 1e-12
 CAP = 1.5
@@ -45,9 +46,6 @@ def make_batch() -> Batch:
     ]
     return Batch(
         samples=samples,
-        sessions=3,
-        dropped_sessions=0,
-        stale_tokens=0,
         rewards=[1.0, 0.0, 0.5],
         staleness=[0, 1, 1, 2, 0, 0, 1],
         session_ids=["a", "b", "c"],
@@ -72,9 +70,8 @@ def loss_stats(micros: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     total = sum(int(m["loss_mask"].sum()) for m in micros)
     totals: dict[str, float] = {}
     for m in micros:
-        _, stats = decoupled_ppo_loss(
-            **m, total_tokens=total, behaviour_cap=CAP, behaviour_mode="token_mask", kl_coef=0.1
-        )
+        algorithm = AlgorithmConfig(behaviour_cap=CAP, behaviour_mode="token_mask", kl_coef=0.1)
+        _, stats = decoupled_ppo_loss(**m, total_tokens=total, algorithm=algorithm)
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + float(value)
     return totals
@@ -158,9 +155,10 @@ def test_reference_kl_only_when_trained_with_a_reference():
 
 
 def test_an_empty_step_has_finite_figures():
-    empty = Batch([], sessions=2, dropped_sessions=2, stale_tokens=0, rewards=[], staleness=[],
-                  session_ids=["a", "b"])  # fmt: skip
+    empty = Batch([], session_ids=["a", "b"], dropped={"a": "no_turns: x", "b": "stale: y"})
     record = step_record(TrainerState(step=1, version=1), empty, {}, Phases(0.1, 0.0), True)
+    assert record["dropped_sessions"] == 2
+    assert record["dropped_no_turns"] == record["dropped_stale"] == 1
     numbers = [v for v in record.values() if isinstance(v, float)]
     assert numbers and all(math.isfinite(v) for v in numbers)
     assert record["advantage_std"] == 0.0 and record["entropy"] == 0.0
@@ -183,3 +181,45 @@ def test_every_step_is_recorded_and_a_line_printed_every_log_every_steps(tmp_pat
         assert f" {name} " in lines[0], (name, lines[0])
     written = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in written] == [r["step"] for r in posted] == list(range(1, 8))
+
+
+def test_masked_and_off_policy_shares_are_over_every_sampled_token():
+    batch = make_batch()  # 7 loss tokens
+    batch.masked.update({STALE: 1, OFF_TEMPERATURE: 4, ALTERNATIVE: 2})
+    batch.off_policy_tokens = 3
+    record = step_record(TrainerState(step=1, version=1), batch, {}, Phases(0.0, 0.0), False, 0.7)
+    assert (record["stale_tokens"], record["off_temperature_tokens"]) == (1, 4)
+    assert (record["alternative_tokens"], record["off_policy_tokens"]) == (2, 3)
+    assert record["off_temperature_masked_fraction"] == pytest.approx(4 / 14, abs=TOL)
+    assert record["off_policy_fraction"] == pytest.approx(3 / 14, abs=TOL)
+    assert record["temperature"] == 0.7
+
+
+def worker_result(rng: random.Random, minibatches: int, grad_norms: list[float]) -> dict:
+    sums = {
+        name: rng.uniform(0, 10) for name in ("loss_sum", "tokens", "entropy_sum", "kept_tokens")
+    }
+    return {**sums, "grad_norms": grad_norms, "seconds": rng.uniform(1, 2), "proximal_seconds": 0.5}
+
+
+def test_figures_do_not_depend_on_how_many_workers_shared_the_sums():
+    """Two workers return halves of the sums and the same per-minibatch grad norms (they are
+    computed on the whole model); the figures equal one worker's on the whole."""
+    rng = random.Random(1)
+    norms = [0.5, 1.5, 4.0]  # three PPO minibatches
+    one = worker_result(rng, 3, norms)
+    halves = [dict(one), dict(one)]
+    for key in ("loss_sum", "tokens", "entropy_sum", "kept_tokens"):
+        halves[0][key] = one[key] * 0.25
+        halves[1][key] = one[key] * 0.75
+    halves[1]["seconds"] = one["seconds"] + 0.5  # the step waits for the slowest worker
+    alone = combine([one])
+    shared = combine(halves)
+    state, phases = TrainerState(step=1, version=1), Phases(0.0, 0.0)
+    a = step_record(state, make_batch(), alone, phases)
+    b = step_record(state, make_batch(), shared, phases)
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-12)
+    assert a["loss"] == pytest.approx(one["loss_sum"] / 3, rel=1e-12)  # the minibatches' mean
+    assert a["grad_norm"] == b["grad_norm"] == pytest.approx(2.0)  # mean, not sum, of the norms
+    assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-12)
+    assert b["train_seconds"] == one["seconds"] + 0.5

@@ -11,6 +11,7 @@ import socket
 import pytest
 import torch
 
+from trainer.config import AlgorithmConfig, OptimConfig
 from trainer.plan import plan_step
 from trainer.rollouts import Sample
 from trainer.worker import Worker, WorkerSettings
@@ -23,19 +24,8 @@ def worker(tiny_model_dir):
     settings = WorkerSettings(
         model_dir=str(tiny_model_dir),
         lr=1e-3,
-        weight_decay=0.0,
-        betas=(0.9, 0.999),
-        adam_eps=1e-8,
-        grad_clip=1.0,
-        warmup_steps=0,
-        temperature=TEMPERATURE,
-        decoupled=True,
-        eps_clip=0.2,
-        eps_clip_high=None,
-        dual_clip=None,
-        behaviour_cap=5.0,
-        behaviour_mode="token_mask",
-        kl_coef=0.0,
+        optim=OptimConfig(),
+        algorithm=AlgorithmConfig(temperature=TEMPERATURE, off_temperature="mask"),
         seed=0,
         device="cpu",
         threads=1,

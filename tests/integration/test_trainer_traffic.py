@@ -1,0 +1,396 @@
+"""`proxrl train` against a live `proxrl serve` on the traffic real agents send.
+
+Each test drives a real proxy (tiny model, embedded engine, SQLite) with the real openai SDK and
+a real trainer process (Ray, FSDP2), and counts from the outside what the trainer did with:
+agents sampling at other temperatures and greedy; sessions that cannot be training rows; rows
+longer than a micro-batch; GRPO groups that will never be whole; a lease shorter than a step;
+alternatives (n > 1, retries) and per-turn rewards; a checkpoint of another run; and a trainer
+killed at each point of a step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.support import ROOT, ProxyProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+MISMATCH_LIMIT = 1e-4  # nats: engine vs trainer on tokens both computed with the same weights
+
+
+# ----- helpers ----------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    proxy: ProxyProcess
+    http: httpx.Client = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.http = httpx.Client(base_url=self.proxy.url, headers=self.proxy.admin, timeout=60)
+
+    @property
+    def run(self) -> dict:
+        return next(r for r in self.http.get("/rl/runs").json() if r["is_default"])
+
+    def configure(self, **config) -> None:
+        reply = self.http.patch(f"/rl/runs/{self.run['id']}", json={"config": config})
+        assert reply.status_code == 200, reply.text
+
+    def session(self, **body) -> tuple[str, OpenAI]:
+        created = self.proxy.session(**body)
+        client = OpenAI(base_url=created["base_url"], api_key=created["api_key"], max_retries=5)
+        return created["session_id"], client
+
+    def reward(self, session_id: str, value: float, completion_id: str | None = None) -> dict:
+        body = {"reward": value} | ({"completion_id": completion_id} if completion_id else {})
+        reply = self.http.post(f"/rl/sessions/{session_id}/reward", json=body)
+        assert reply.status_code in (200, 201), reply.text
+        return reply.json()
+
+    def end(self, session_id: str) -> None:
+        assert self.http.post(f"/rl/sessions/{session_id}/end").status_code == 200
+
+    def get(self, session_id: str) -> dict:
+        return self.proxy.get_session(session_id)
+
+    def statuses(self) -> dict[str, str]:
+        listed = self.http.get("/rl/sessions", params={"limit": 1000}).json()
+        return {s["session_id"]: s["status"] for s in listed}
+
+    def episode(
+        self,
+        *,
+        turns: int = 1,
+        reward: float | None = 1.0,
+        max_tokens: int = 6,
+        end: bool = True,
+        **sampling,
+    ) -> str:
+        """One session: ``turns`` chat turns continuing each other, a reward, the end."""
+        session_id, client = self.session(task_id=sampling.pop("task_id", "t"))
+        messages = [{"role": "user", "content": "Count."}]
+        for _ in range(turns):
+            reply = client.chat.completions.create(
+                model=self.proxy_model, messages=messages, max_tokens=max_tokens, **sampling
+            )
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content or ""},
+                {"role": "user", "content": "More."},
+            ]
+        if reward is not None:
+            self.reward(session_id, reward)
+        if end:
+            self.end(session_id)
+        return session_id
+
+    @property
+    def proxy_model(self) -> str:
+        return self.http.get("/v1/models").json()["data"][0]["id"]
+
+
+def start_trainer(server: Server, out: Path, *overrides: str, env: dict | None = None):
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / f"trainer-{time.monotonic_ns()}.log").open("w")
+    command = [
+        sys.executable, "-m", "server.cli", "train", "--server", server.proxy.url,
+        "--admin-key", server.proxy.ADMIN_KEY, f"output_dir={out}", "lr=1e-3",
+        "claim_wait_s=0.1", "cluster.cpus_per_worker=1", *overrides,
+    ]  # fmt: skip
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=environment,
+        start_new_session=True,
+    )  # fmt: skip
+    process.log_path = Path(log.name)  # type: ignore[attr-defined]
+    return process
+
+
+def finish(process, timeout: float = 400) -> str:
+    """Wait for the trainer to exit 0; its log."""
+    try:
+        code = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    log = process.log_path.read_text()
+    assert code == 0, log[-4000:]
+    return log
+
+
+def kill(process) -> None:
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(60)
+
+
+def metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture
+def server(tiny_model_dir, tmp_path):
+    with ProxyProcess(tiny_model_dir, tmp_path / "server") as proxy:
+        yield Server(proxy)
+
+
+# ----- 1. sampling temperature is part of the data ---------------------------------------------
+
+
+def test_turns_at_other_temperatures_are_masked_then_trained_off_policy(server, tmp_path):
+    out = tmp_path / "train"
+    # The run trains at 1.0. A request without a temperature is sampled at the run's.
+    plain = [server.episode(reward=float(i % 2)) for i in range(4)]
+    warm = [server.episode(temperature=0.7, reward=float(i % 2)) for i in range(2)]
+    greedy = [server.episode(temperature=0.0, reward=1.0) for _ in range(2)]
+    assert {t["sampling"]["temperature"] for s in plain for t in server.get(s)["turns"]} == {1.0}
+
+    finish(start_trainer(server, out, "batch_size=8", "max_steps=1"))
+    (step,) = metrics(out)
+    # masked (the default), and counted: the 0.7 and greedy tokens are a quarter to a half
+    assert step["off_temperature_tokens"] > 0 and step["off_policy_tokens"] == 0
+    assert 0 < step["off_temperature_masked_fraction"] < 1
+    assert step["logprob_mismatch_mean"] < MISMATCH_LIMIT  # on the tokens that trained
+    assert step["dropped_sessions"] == 4 and step["dropped_no_trainable_tokens"] == 4
+    for session_id in warm + greedy:
+        shown = server.get(session_id)
+        assert shown["status"] == "dropped"
+        assert shown["drop_reason"].startswith("no_trainable_tokens:")
+        assert "another temperature than the run's 1" in shown["drop_reason"]
+    assert all(server.get(s)["status"] == "consumed" for s in plain)
+
+    # The same run, trained off-policy now: the trainer writes the rule into the run's config.
+    plain = [server.episode(reward=float(i % 2)) for i in range(4)]
+    warm = [server.episode(temperature=0.7, reward=float(i % 2)) for i in range(2)]
+    greedy = [server.episode(temperature=0.0, reward=1.0) for _ in range(2)]
+    finish(
+        start_trainer(
+            server, out, "batch_size=8", "max_steps=2", "algorithm.off_temperature=off_policy"
+        )
+    )
+    assert server.run["config"]["off_temperature"] == "off_policy"
+    step = metrics(out)[-1]
+    assert step["step"] == 2 and step["dropped_sessions"] == 0
+    assert step["off_policy_tokens"] > 0 and step["off_temperature_tokens"] == 0
+    assert step["logprob_mismatch_mean"] < MISMATCH_LIMIT  # off-policy tokens are not in it
+    assert all(server.get(s)["status"] == "consumed" for s in plain + warm + greedy)
+
+
+def test_the_training_temperature_is_one_value_with_the_run(server, tmp_path):
+    out = tmp_path / "train"
+    server.configure(temperature=0.7)  # set on the run: the trainer takes it
+    sessions = [server.episode(reward=float(i % 2)) for i in range(4)]  # sampled at the run's 0.7
+    log = finish(start_trainer(server, out, "batch_size=4", "max_steps=1"))
+    assert "temperature 0.7" in log
+    (step,) = metrics(out)
+    assert step["temperature"] == 0.7 and step["off_temperature_tokens"] == 0
+    assert step["logprob_mismatch_mean"] < MISMATCH_LIMIT  # trained at the temperature sampled
+    assert all(server.get(s)["status"] == "consumed" for s in sessions)
+
+
+# ----- 3. bad data never stops the trainer --------------------------------------------------
+
+
+def test_sessions_that_cannot_train_are_dropped_and_the_trainer_keeps_publishing(server, tmp_path):
+    out = tmp_path / "train"
+    empty, _ = server.session(task_id="t")  # rewarded and ended without a single model call
+    server.reward(empty, 1.0)
+    server.end(empty)
+    long_one = server.episode(turns=4, max_tokens=12, reward=1.0)  # one row over the row limit
+    good = [server.episode(reward=float(i % 2)) for i in range(8)]
+    rows = [len(r["input_ids"]) for s in good for r in server.get(s)["rows"]]
+    assert min(rows) > 16  # every good row is longer than a micro-batch: each trains alone
+    assert max(len(r["input_ids"]) for r in server.get(long_one)["rows"]) > 60 > max(rows)
+
+    process = start_trainer(
+        server, out, "batch_size=4", "max_steps=3", "max_staleness=2",
+        "algorithm.max_tokens_per_microbatch=16", "algorithm.max_tokens_per_row=60",
+    )  # fmt: skip
+    extra = [server.episode(reward=float(i % 2)) for i in range(4)]  # enough for three steps
+    finish(process)
+    steps = metrics(out)
+    assert [s["version"] for s in steps] == [1, 2, 3]  # it kept publishing
+    assert server.run["policy_version"] == 3
+    assert server.get(empty)["status"] == "dropped"
+    assert server.get(empty)["drop_reason"].startswith("no_turns:")
+    dropped = server.get(long_one)
+    assert dropped["status"] == "dropped"
+    assert dropped["drop_reason"].startswith("row_too_long: a row of")
+    assert "algorithm.max_tokens_per_row (60)" in dropped["drop_reason"]
+    trained = {s for step in steps for s in step["session_ids"]} - {long_one, empty}
+    assert len(trained) == sum(step["sessions"] for step in steps) - 1  # all but the long one
+    assert trained <= set(good + extra)
+    assert all(server.get(s)["status"] == "consumed" for s in trained)
+
+
+# ----- 4. groups never get stuck ------------------------------------------------------------
+
+
+def test_incomplete_groups_train_after_their_deadline_and_never_block(server, tmp_path):
+    out = tmp_path / "train"
+    server.configure(group_timeout_s=2.0, reward_timeout_s=1.0)
+
+    def member(group: str | None, task: str | None, reward: float | None = 1.0) -> str:
+        body = {k: v for k, v in {"group_id": group, "task_id": task}.items() if v}
+        session_id, client = server.session(**body)
+        client.chat.completions.create(
+            model=server.proxy_model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+        if reward is not None:
+            server.reward(session_id, reward)
+        server.end(session_id)
+        return session_id
+
+    whole = [member("g1", "t1", 1.0), member("g1", "t1", 0.0)]
+    lost = member("g2", "t2", None)  # its reward never comes: dropped at the reward deadline
+    survivor = member("g2", "t2", 1.0)  # so its group can never be whole
+    by_task = [member(None, "t3", float(i % 2)) for i in range(3)]  # task only: no group id
+    keyless = [member(None, None, 1.0) for _ in range(2)]  # neither key
+    broken = [*whole, survivor, *by_task, *keyless]
+    later = [member(f"g{i}", None, float(j)) for i in (5, 6) for j in (0, 1)]  # whole, newer
+
+    finish(start_trainer(server, out, "batch_size=4", "max_steps=2", "algorithm.group_size=2"))
+    steps = metrics(out)
+    trained = [s for step in steps for s in step["session_ids"]]
+    assert len(trained) == len(set(trained)) >= 8
+    assert set(broken) <= set(trained)  # oldest first: the broken groups did not wait forever
+    assert set(trained) <= set(broken + later)
+    assert any(set(whole) <= set(step["session_ids"]) for step in steps)  # a group stays whole
+    assert server.get(lost)["status"] == "dropped"
+    assert server.get(lost)["drop_reason"].startswith("no_reward:")
+    assert all(server.get(s)["status"] == "consumed" for s in trained)
+
+
+# ----- 5. exactly once ----------------------------------------------------------------------
+
+
+def test_a_lease_shorter_than_a_step_is_renewed_and_never_handed_out_twice(server, tmp_path):
+    out = tmp_path / "train"
+    # all at version 0, long enough that a step (4 PPO minibatches) outlasts the lease
+    sessions = [server.episode(reward=float(i % 2), max_tokens=48) for i in range(24)]
+    stop = threading.Event()
+    stolen: list[str] = []
+
+    def rival() -> None:
+        """Another claimer, all the time: it would get any session whose lease lapsed."""
+        run_id = server.run["id"]
+        with httpx.Client(
+            base_url=server.proxy.url, headers=server.proxy.admin, timeout=30
+        ) as http:
+            while not stop.is_set():
+                body = {"max_sessions": 1, "lease_s": 30}
+                claim = http.post(f"/rl/runs/{run_id}/claims", json=body).json()
+                if claim["sessions"]:
+                    stolen.append(claim["sessions"][0]["session_id"])
+                    http.post(f"/rl/claims/{claim['claim_id']}/release")
+                time.sleep(0.05)
+
+    process = start_trainer(
+        server, out, "batch_size=8", "max_steps=3", "max_staleness=2", "claim_lease_s=0.4",
+        "checkpoint_every=3", "algorithm.ppo_minibatches=4",
+    )  # fmt: skip
+    # the rival starts once the trainer has claimed its first batch
+    deadline = time.monotonic() + 300
+    while not (out / "claims.jsonl").exists() or not (out / "claims.jsonl").read_text():
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    thread = threading.Thread(target=rival, daemon=True)
+    thread.start()
+    try:
+        log = finish(process)  # a lost claim would stop it with ClaimLost
+    finally:
+        stop.set()
+        thread.join(30)
+    steps = metrics(out)
+    assert len(steps) == 3
+    trained = [s for step in steps for s in step["session_ids"]]
+    assert len(trained) == len(set(trained)) == 24
+    assert set(trained) == set(sessions)
+    assert all(server.get(s)["status"] == "consumed" for s in sessions)
+    assert "could not renew" not in log
+    # a step outlasted the lease, and the first claim was held (unconfirmed until the checkpoint
+    # after step 3) for several: without renewal the rival would have taken held sessions
+    assert max(s["train_seconds"] for s in steps) > 0.4
+    assert sum(s["train_seconds"] + s["publish_seconds"] for s in steps) > 2 * 0.4
+
+
+def test_another_run_s_checkpoint_is_refused_naming_both(server, tmp_path):
+    out = tmp_path / "train"
+    [server.episode(reward=float(i % 2)) for i in range(2)]
+    finish(start_trainer(server, out, "batch_size=2", "max_steps=1"))
+    first = server.run["id"]
+    other = server.http.post("/rl/runs", json={"name": "other"}).json()["id"]
+    process = start_trainer(server, out, "batch_size=2", "max_steps=1", f"run_id={other}")
+    assert process.wait(120) == 1
+    log = process.log_path.read_text()
+    assert f"holds checkpoints of run {first}" in log and f"trains run {other}" in log
+    assert "worker(s) ready" not in log  # refused before anything started
+
+
+KILL_POINTS = [
+    ("claimed", 3),
+    ("trained", 3),
+    ("published", 3),
+    ("checkpoint_saved", 4),
+    ("checkpointed", 4),
+]
+
+
+@pytest.mark.parametrize(("point", "step"), KILL_POINTS, ids=[p for p, _ in KILL_POINTS])
+def test_a_trainer_killed_at_any_point_trains_every_session_exactly_once(
+    server, tmp_path, point, step
+):
+    """Checkpoints every 2 steps; SIGKILL at ``point`` of ``step``; a new trainer finishes.
+
+    Every session is sampled by version 0 before training starts, and max_staleness (4) lets
+    the last of 5 steps train them: so a token masked as stale can only come from the versions
+    a restart adds (the republish), which is what the rule must see through."""
+    out = tmp_path / "train"
+    batch, steps = 4, 5
+    sessions = [server.episode(reward=float(i % 2)) for i in range(batch * steps)]
+    common = [
+        f"batch_size={batch}", f"max_steps={steps}", "checkpoint_every=2",
+        f"max_staleness={steps - 1}",
+    ]  # fmt: skip
+    first = start_trainer(server, out, *common, env={"PROXRL_TRAINER_PAUSE_AT": f"{point}@{step}"})
+    marker = out / "paused-at"
+    deadline = time.monotonic() + 400
+    while not marker.exists():
+        assert first.poll() is None, first.log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, "the trainer never reached the point"
+        time.sleep(0.1)
+    kill(first)  # SIGKILL exactly there
+    before = metrics(out)
+    log = finish(start_trainer(server, out, *common), 500)
+    after = metrics(out)[len(before) :]
+
+    # The surviving lineage: run 1's steps up to the checkpoint run 2 resumed from, then run 2.
+    resumed_from = after[0]["step"] - 1
+    assert resumed_from == (4 if point == "checkpointed" else 2)
+    lineage = [s for s in before if s["step"] <= resumed_from] + after
+    assert [s["step"] for s in lineage] == list(range(1, steps + 1))
+    trained = [s for record in lineage for s in record["session_ids"]]
+    assert sorted(trained) == sorted(sessions)  # each once, none lost
+    statuses = server.statuses()
+    assert {statuses[s] for s in sessions} == {"consumed"}
+    assert (out / "claims.jsonl").read_text() == ""
+    # none skipped because of the restart itself: not a token masked, not a session dropped
+    assert all(r["stale_tokens"] == 0 and r["dropped_sessions"] == 0 for r in lineage)
+    # the engines had a version the checkpoint does not hold only after a publish
+    assert ("republished the weights of version" in log) == (
+        point in ("published", "checkpoint_saved")
+    )
+    assert server.run["policy_version"] == lineage[-1]["version"]

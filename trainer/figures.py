@@ -1,0 +1,233 @@
+"""Every figure of a training step, and the progress line: from the workers' sums to
+``metrics.jsonl``, the server's dashboard and the log.
+
+`combine` adds up what the workers return: their sums over micro-batches are summed over
+workers, ``grad_norms`` (one per minibatch, the same on every worker) are taken once, and wall
+times are the slowest worker's. So a step's figures are the same whether one worker or several
+trained it. `step_record` turns those totals and the batch into the figures, by name; `Progress`
+writes them and prints a line every ``log_every`` steps with rates, phase times and an ETA.
+
+This module knows nothing about HTTP, Ray or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint import TrainerState
+from trainer.rollouts import ALTERNATIVE, OFF_TEMPERATURE, Batch
+
+log = logging.getLogger("proxrl.trainer")
+
+WALL_TIMES = ("seconds", "proximal_seconds")  # per worker; the step waits for the slowest
+PER_STEP = ("grad_norms",)  # computed on the whole model: every worker holds the same values
+
+
+def combine(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The step's totals from each worker's ``train_step`` result."""
+    totals: dict[str, Any] = {}
+    for result in results:
+        for key, value in result.items():
+            if key in PER_STEP:
+                totals.setdefault(key, value)
+            elif key in WALL_TIMES:
+                totals[key] = max(totals.get(key, 0.0), value)
+            else:
+                totals[key] = totals.get(key, 0.0) + value
+    return totals
+
+
+# (record key prefix, name in the progress line) of the phases the line times
+PHASES_SHOWN = (
+    ("claim", "claim"),
+    ("proximal", "prox"),
+    ("update", "update"),
+    ("publish", "publish"),
+    ("checkpoint", "ckpt"),
+)
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Seconds the driver spent in the step's phases outside the workers' update."""
+
+    claim: float
+    publish: float
+    checkpoint: float = 0.0  # 0 in a step that wrote no checkpoint
+
+
+def step_record(
+    state: TrainerState,
+    batch: Batch,
+    stats: dict[str, Any],
+    phases: Phases,
+    reference_kl: bool = False,
+    temperature: float | None = None,
+) -> dict[str, Any]:
+    """Every figure of one step, as written to ``metrics.jsonl`` and posted to the server.
+
+    ``stats`` are the step's totals (`combine`: ``loss.STAT_NAMES`` and the worker's own sums,
+    ``grad_norms``, wall times); fractions and the entropy are over the step's loss tokens, the
+    ratio and KL figures over the tokens the behaviour mask kept. ``reference_kl`` adds the KL
+    to the reference model (trained with ``kl_coef > 0``).
+    """
+    tokens = batch.loss_tokens
+    tokens_all = max(stats.get("tokens", tokens), 1)
+    kept = max(stats.get("kept_tokens", 0.0), 1.0)
+    sampled = max(tokens + sum(batch.masked.values()), 1)
+    grad_norms = stats.get("grad_norms", [])
+    train_s = stats.get("seconds", 0.0)
+    proximal_s = stats.get("proximal_seconds", 0.0)
+    advantages = [
+        advantage
+        for sample in batch.samples
+        for advantage, in_loss in zip(sample.advantages, sample.loss_mask, strict=True)
+        if in_loss
+    ]
+    record: dict[str, Any] = {
+        "time": time.time(),
+        "step": state.step,
+        "version": state.version,
+        "temperature": temperature,
+        "sessions": batch.sessions,
+        "session_ids": batch.session_ids,
+        "dropped_sessions": batch.dropped_sessions,
+        **_drop_counts(batch.dropped.values()),
+        "reward_mean": _mean(batch.rewards),
+        **_summary("advantage", advantages),
+        "trained_tokens": tokens,
+        "stale_tokens": batch.stale_tokens,
+        "off_temperature_tokens": batch.masked[OFF_TEMPERATURE],
+        "alternative_tokens": batch.masked[ALTERNATIVE],
+        "off_policy_tokens": batch.off_policy_tokens,
+        "off_temperature_masked_fraction": batch.masked[OFF_TEMPERATURE] / sampled,
+        "off_policy_fraction": batch.off_policy_tokens / sampled,
+        "staleness_mean": _mean(batch.staleness),
+        "staleness_max": max(batch.staleness, default=0),
+        "staleness_histogram": _histogram(batch.staleness),
+        "loss": stats.get("loss_sum", 0.0) / max(len(grad_norms), 1),
+        "entropy": stats.get("entropy_sum", 0.0) / tokens_all,
+        "clip_fraction": stats.get("clipped_tokens", 0.0) / tokens_all,
+        "dual_clip_fraction": stats.get("dual_clipped_tokens", 0.0) / tokens_all,
+        "ratio_mean": stats.get("ratio_sum", 0.0) / kept,
+        "approx_kl": stats.get("approx_kl_sum", 0.0) / kept,
+        "behaviour_over_cap_fraction": stats.get("behaviour_over_cap_tokens", 0.0) / tokens_all,
+        "behaviour_masked_fraction": stats.get("behaviour_masked_tokens", 0.0) / tokens_all,
+        "behaviour_weight_mean": stats.get("behaviour_weight_sum", 0.0) / tokens_all,
+        "logprob_mismatch_mean": (
+            stats["mismatch_sum"] / stats["mismatch_tokens"]
+            if stats.get("mismatch_tokens")
+            else None
+        ),
+        "grad_norm": _mean(grad_norms),
+        "claim_seconds": phases.claim,
+        "train_seconds": train_s,
+        "proximal_seconds": proximal_s,
+        "update_seconds": max(train_s - proximal_s, 0.0),
+        "publish_seconds": phases.publish,
+        "checkpoint_seconds": phases.checkpoint,
+        "tokens_per_second": tokens / max(train_s + phases.publish, 1e-9),
+    }
+    if reference_kl:
+        record["reference_kl"] = stats.get("reference_kl_sum", 0.0) / kept
+    return record
+
+
+def _drop_counts(reasons: Any) -> dict[str, int]:
+    """``dropped_<code>``: sessions dropped for each reason code (the text before the colon)."""
+    counts: dict[str, int] = {}
+    for reason in reasons:
+        key = "dropped_" + reason.split(":", 1)[0]
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+class Progress:
+    """Every step's figures to ``metrics.jsonl`` and the server; a line every ``log_every``
+    steps (and on the last) with rates, phase times and an ETA."""
+
+    def __init__(
+        self,
+        max_steps: int,
+        first_step: int,
+        path: Path,
+        log_every: int = 1,
+        reference_kl: bool = False,
+        temperature: float | None = None,
+    ) -> None:
+        self.max_steps = max_steps
+        self.first_step = first_step
+        self.log_every = log_every
+        self.reference_kl = reference_kl
+        self.temperature = temperature
+        self.started = time.monotonic()
+        self.path = path
+        self.report: Callable[[dict[str, Any]], None] | None = None
+
+    def step(
+        self, state: TrainerState, batch: Batch, stats: dict[str, Any], phases: Phases
+    ) -> dict[str, Any]:
+        record = step_record(state, batch, stats, phases, self.reference_kl, self.temperature)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.report is not None:
+            self.report(record)
+        if state.step % self.log_every == 0 or state.step >= self.max_steps:
+            log.info("%s", self.line(record))
+        for session_id, reason in batch.dropped.items():
+            log.info("dropped session %s: %s", session_id, reason)
+        return record
+
+    def line(self, record: dict[str, Any]) -> str:
+        elapsed = time.monotonic() - self.started
+        done = record["step"] - self.first_step
+        eta = elapsed / done * (self.max_steps - record["step"]) if done else float("nan")
+        seconds = " ".join(
+            f"{short} {record[f'{name}_seconds']:.2f}" for name, short in PHASES_SHOWN
+        )
+        dropped = f" ({record['dropped_sessions']} dropped)" if record["dropped_sessions"] else ""
+        return (
+            f"step {record['step']}/{self.max_steps} · v{record['version']} · "
+            f"reward {record['reward_mean']:.3f} · {record['sessions']} sessions{dropped}, "
+            f"{record['trained_tokens']} tokens ({record['tokens_per_second']:.0f} tok/s) · "
+            f"staleness {record['staleness_mean']:.2f} (max {record['staleness_max']}) · "
+            f"loss {record['loss']:.4f} · entropy {record['entropy']:.3f} · "
+            f"clip {record['clip_fraction']:.3f} · seconds: {seconds} · ETA {_duration(eta)}"
+        )
+
+
+def _histogram(values: list[int]) -> list[int]:
+    """Counts of 0, 1, 2, ... (versions behind)."""
+    counts = [0] * (max(values, default=-1) + 1)
+    for value in values:
+        counts[value] += 1
+    return counts
+
+
+def _mean(values: Sequence[float] | Sequence[int]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _summary(name: str, values: list[float]) -> dict[str, float]:
+    """``name``_mean, _std (population), _min and _max of ``values``; all 0 when empty."""
+    mean = _mean(values)
+    variance = _mean([(value - mean) ** 2 for value in values])
+    return {
+        f"{name}_mean": mean,
+        f"{name}_std": variance**0.5,
+        f"{name}_min": min(values, default=0.0),
+        f"{name}_max": max(values, default=0.0),
+    }
+
+
+def _duration(seconds: float) -> str:
+    if seconds != seconds:  # NaN: no step finished yet
+        return "?"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s"
