@@ -274,6 +274,69 @@ def test_incomplete_groups_train_after_their_deadline_and_never_block(server, tm
     assert all(server.get(s)["status"] == "consumed" for s in trained)
 
 
+# ----- 6. rewards and alternatives -----------------------------------------------------------
+
+
+def test_alternatives_train_only_on_their_own_reward_and_late_session_rewards_count(
+    server, tmp_path
+):
+    out = tmp_path / "train"
+    model = server.proxy_model
+    ask = [{"role": "user", "content": "Count."}]
+
+    def more(messages: list, reply) -> list:
+        said = {"role": "assistant", "content": reply.message.content or ""}
+        return [*messages, said, {"role": "user", "content": "More."}]
+
+    # n = 2, continued from choice 1: choice 0 is an alternative without a reward of its own
+    picked, client = server.session(task_id="t")
+    two = client.chat.completions.create(model=model, messages=ask, n=2, max_tokens=6)
+    client.chat.completions.create(model=model, messages=more(ask, two.choices[1]), max_tokens=6)
+    server.reward(picked, 1.0)
+    server.end(picked)
+    # a retried request: its first attempt is an alternative
+    retried, client = server.session(task_id="t")
+    client.chat.completions.create(model=model, messages=ask, max_tokens=6)
+    again = client.chat.completions.create(model=model, messages=ask, max_tokens=6)
+    client.chat.completions.create(model=model, messages=more(ask, again.choices[0]), max_tokens=6)
+    server.reward(retried, 0.0)
+    server.end(retried)
+    # n = 2 where the choice not continued has a reward of its own: it trains on that alone
+    scored, client = server.session(task_id="t")
+    both = client.chat.completions.create(model=model, messages=ask, n=2, max_tokens=6)
+    server.reward(scored, 0.25, completion_id=both.choices[1].completion_id)
+    server.reward(scored, 1.0)
+    server.end(scored)
+    # per-turn rewards, then the end: trainable only once the session reward comes
+    late, client = server.session(task_id="t")
+    first = client.chat.completions.create(model=model, messages=ask, max_tokens=6)
+    server.reward(late, 0.5, completion_id=first.id)
+    server.end(late)
+    assert server.get(late)["status"] == "ended"
+    assert server.reward(late, 0.0)["status"] == "trainable"  # accepted after per-turn ones
+
+    turns = {s: server.get(s)["turns"] for s in (picked, retried, scored)}
+    flags = {
+        s: [t["alternative"] for row in server.get(s)["rows"] for t in row["turns"]] for s in turns
+    }
+    assert sorted(flags[picked]) == [False, False, True]
+    assert sorted(flags[retried]) == [False, False, True]
+    unrewarded = [  # choice 0 of `picked` and the first attempt of `retried`
+        len(t["completion_ids"])
+        for s in (picked, retried)
+        for row in server.get(s)["rows"]
+        for span in row["turns"]
+        if span["alternative"]
+        for t in turns[s]
+        if t["completion_id"] == span["completion_id"]
+    ]
+    finish(start_trainer(server, out, "batch_size=4", "max_steps=1"))
+    (step,) = metrics(out)
+    assert step["alternative_tokens"] == sum(unrewarded) > 0  # masked and counted
+    assert step["dropped_sessions"] == 0
+    assert all(server.get(s)["status"] == "consumed" for s in (picked, retried, scored, late))
+
+
 # ----- 5. exactly once ----------------------------------------------------------------------
 
 

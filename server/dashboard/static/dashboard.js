@@ -181,10 +181,20 @@ function charts() {
       empty: "No trainer steps yet.",
     },
     mismatch: {
-      traces: mismatchKeys.map((key) => line(key, steps, (s) => metric(s, key))),
+      traces: [
+        ...mismatchKeys.map((key) => line(key, steps, (s) => metric(s, key))),
+        // turns sampled at another temperature than the training one: never in the mismatch
+        line("off-temperature share, masked", steps, (s) => metric(s, "off_temperature_masked_fraction"),
+          { yaxis: "y2", line: { dash: "dot" } }),
+        line("off-temperature share, trained off-policy", steps, (s) => metric(s, "off_policy_fraction"),
+          { yaxis: "y2", line: { dash: "dash" } }),
+      ],
+      layout: { yaxis: { title: { text: "nats" } },
+        yaxis2: { overlaying: "y", side: "right", range: [0, 1], title: { text: "share of sampled tokens" } } },
       empty: steps.length
         ? "The trainer does not report an engine-vs-trainer logprob mismatch (a metric named *mismatch*)."
         : "No trainer steps yet.",
+      hasData: mismatchKeys.length > 0,
     },
     breaks: {
       traces: [
