@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -165,6 +166,35 @@ class RestClient:
         reply = self.call(method, path, **kwargs)
         assert reply.status_code == status, reply.text
         return reply.json()
+
+    def new_run(self, **config) -> dict:
+        """A fresh run with ``config``; the answer carries its api_key."""
+        return self.ok("POST", "/rl/runs", 201, json={"name": "test", "config": config})
+
+    def patch_run(self, run_id: str, **config) -> dict:
+        return self.ok("PATCH", f"/rl/runs/{run_id}", json={"config": config})
+
+    def new_session(
+        self, run_id: str | None = None, key: str = ProxyProcess.ADMIN_KEY, **fields
+    ) -> dict:
+        body = {"run_id": run_id, **fields} if run_id else fields
+        return self.ok("POST", "/rl/sessions", 201, key=key, json=body)
+
+    def session(self, session_id: str) -> dict:
+        return self.ok("GET", f"/rl/sessions/{session_id}")
+
+    def end(self, session_id: str) -> dict:
+        return self.ok("POST", f"/rl/sessions/{session_id}/end")
+
+    def wait_for_status(self, session_id: str, wanted: str, timeout: float = 5.0) -> dict:
+        """The session once its status is ``wanted`` (fails after ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            session = self.session(session_id)
+            if session["status"] == wanted or time.monotonic() > deadline:
+                assert session["status"] == wanted, f"still {session['status']} after {timeout}s"
+                return session
+            time.sleep(0.05)
 
 
 # ----- processes (from /proc) -----------------------------------------------------------

@@ -39,33 +39,18 @@ class Proxy(RestClient):
     http: httpx.Client
     model_dir: Path
 
-    def new_run(self, **config) -> dict:
-        return self.ok("POST", "/rl/runs", 201, json={"name": "claims", "config": config})
-
-    def patch_run(self, run_id: str, **config) -> dict:
-        return self.ok("PATCH", f"/rl/runs/{run_id}", json={"config": config})
-
-    def new_session(self, run_id: str, **fields) -> dict:
-        return self.ok("POST", "/rl/sessions", 201, json={"run_id": run_id, **fields})
-
-    def session(self, session_id: str) -> dict:
-        return self.ok("GET", f"/rl/sessions/{session_id}")
-
     def reward(self, session_id: str, value: float, completion_id: str | None = None) -> dict:
         body: dict = {"reward": value}
         if completion_id is not None:
             body["completion_id"] = completion_id
         return self.ok("POST", f"/rl/sessions/{session_id}/reward", json=body)
 
-    def end(self, session_id: str) -> str:
-        return self.ok("POST", f"/rl/sessions/{session_id}/end")["status"]
-
     def trainable_session(self, run_id: str, **fields) -> str:
         """A session with one model call, rewarded and ended; its id."""
         session = self.new_session(run_id, **fields)
         chat(session)
         self.reward(session["session_id"], 1.0)
-        assert self.end(session["session_id"]) == "trainable"
+        assert self.end(session["session_id"])["status"] == "trainable"
         return session["session_id"]
 
     def claim(self, run_id: str, max_sessions: int = 100, **body) -> dict:
@@ -85,15 +70,6 @@ class Proxy(RestClient):
 
     def statuses(self, session_ids) -> dict[str, str]:
         return {sid: self.session(sid)["status"] for sid in session_ids}
-
-    def wait_for_status(self, session_id: str, wanted: str, timeout: float = 5.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            session = self.session(session_id)
-            if session["status"] == wanted or time.monotonic() > deadline:
-                assert session["status"] == wanted, f"still {session['status']} after {timeout}s"
-                return session
-            time.sleep(0.05)
 
 
 def openai_for(session: dict) -> OpenAI:
@@ -153,7 +129,7 @@ def test_a_session_without_a_turn_is_dropped_at_the_claim_with_its_reason(proxy)
     run = proxy.new_run()
     empty = proxy.new_session(run["id"])["session_id"]
     proxy.reward(empty, 1.0)
-    assert proxy.end(empty) == "trainable"
+    assert proxy.end(empty)["status"] == "trainable"
     full = proxy.trainable_session(run["id"])
 
     assert proxy.claimed_ids(run["id"]) == {full}

@@ -32,12 +32,6 @@ class Proxy(RestClient):
     http: httpx.Client
     model_dir: Path
 
-    def new_run(self, **config) -> dict:
-        return self.ok("POST", "/rl/runs", 201, json={"name": "dash", "config": config})
-
-    def new_session(self, run_id: str, **fields) -> dict:
-        return self.ok("POST", "/rl/sessions", 201, json={"run_id": run_id, **fields})
-
     def post_step(self, run_id: str, step: int, version: int, **metrics) -> httpx.Response:
         body = {"step": step, "version": version, "metrics": metrics}
         return self.call("POST", f"/rl/runs/{run_id}/steps", json=body)

@@ -41,22 +41,8 @@ class Proxy(RestClient):
     model_dir: Path
     http: httpx.Client
 
-    def new_run(self, **config) -> dict:
-        """A fresh run with ``config``; the answer carries its api_key."""
-        return self.ok("POST", "/rl/runs", 201, json={"name": "test", "config": config})
-
     def run(self, run_id: str) -> dict:
         return self.ok("GET", f"/rl/runs/{run_id}")
-
-    def patch_run(self, run_id: str, **config) -> dict:
-        return self.ok("PATCH", f"/rl/runs/{run_id}", json={"config": config})
-
-    def new_session(self, run_id: str | None = None, key: str = ADMIN_KEY, **fields) -> dict:
-        body = {"run_id": run_id, **fields} if run_id else fields
-        return self.ok("POST", "/rl/sessions", 201, key=key, json=body)
-
-    def session(self, session_id: str) -> dict:
-        return self.ok("GET", f"/rl/sessions/{session_id}")
 
     def reward(
         self,
@@ -69,9 +55,6 @@ class Proxy(RestClient):
         if completion_id is not None:
             body["completion_id"] = completion_id
         return self.call("POST", f"/rl/sessions/{session_id}/reward", key=key, json=body)
-
-    def end(self, session_id: str) -> dict:
-        return self.ok("POST", f"/rl/sessions/{session_id}/end")
 
     def trainable_session(self, run_id: str, reward: float = 1.0, **fields) -> str:
         """A session with one model call that is ended and rewarded; its id. (A session without
@@ -94,16 +77,6 @@ class Proxy(RestClient):
 
     def engines(self) -> list[dict]:
         return self.ok("GET", "/admin/engines")
-
-    def wait_for_status(self, session_id: str, wanted: str, timeout: float = 5.0) -> dict:
-        """The session once its status is ``wanted`` (fails after ``timeout`` seconds)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            session = self.session(session_id)
-            if session["status"] == wanted or time.monotonic() > deadline:
-                assert session["status"] == wanted, f"still {session['status']} after {timeout}s"
-                return session
-            time.sleep(0.05)
 
 
 def assert_error(reply: httpx.Response, status: int, *, code: str | None = None) -> dict:
