@@ -66,7 +66,8 @@ class Leases:
         self._held: dict[str, int] = {}
         self._lost: list[str] = []
         self._renewed_at = float("-inf")  # when the last renewal that reached the server began
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the held claims, the losses, the time of the last renewal
+        self._calling = threading.Lock()  # one renewal call at a time on the one client
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -80,6 +81,7 @@ class Leases:
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 30)
             self._thread = None
+        self.server.close()
 
     def hold(self, claim_id: str, size: int) -> None:
         with self._lock:
@@ -96,7 +98,8 @@ class Leases:
             held = dict(self._held)
         if not held:
             return
-        counts = self.server.renew(list(held), self.lease_s)
+        with self._calling:
+            counts = self.server.renew(list(held), self.lease_s)
         with self._lock:
             self._renewed_at = max(self._renewed_at, started)
             for claim_id, size in held.items():
@@ -110,8 +113,12 @@ class Leases:
         that no lapsed session of ours can be handed to us (or anyone) a second time."""
         with self._lock:
             due = time.monotonic() - self._renewed_at > self.lease_s / 2
-        if due:
+        if not due:
+            return
+        try:
             self.renew()
+        except ServerError as exc:  # the thread keeps trying; a loss still shows in check()
+            log.warning("could not renew the trainer's claims: %s", exc)
 
     def check(self) -> None:
         """Raise `ClaimLost` if a renewal found a claim that lost sessions."""

@@ -206,7 +206,7 @@ class Trainer:
             algorithm=self.algorithm,
             policy_version=self.state.version,
             max_staleness=self.config.max_staleness,
-            republished=[tuple(pair) for pair in self.state.republished],  # type: ignore[misc]
+            republished=[(restored, new) for restored, new in self.state.republished],
             row_limit=self.row_limit[0],
             row_limit_name=self.row_limit[1],
         )
