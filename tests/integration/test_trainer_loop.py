@@ -73,10 +73,13 @@ class Agent(threading.Thread):
 
 
 def train(proxy: ProxyProcess, out: Path, *overrides: str) -> subprocess.Popen:
+    """``proxrl train`` on the proxy. The agent starts before the trainer sets the run's
+    admission bound, so its first sessions are all sampled by version 0: max_staleness 4 lets
+    every step train them (this test is about resuming, not about staleness)."""
     command = [
         sys.executable, "-m", "server.cli", "train", "--server", proxy.url,
         "--admin-key", proxy.ADMIN_KEY, f"output_dir={out}", f"batch_size={BATCH}",
-        "max_staleness=1", "lr=1e-3", "claim_wait_s=0.2", "cluster.cpus_per_worker=1",
+        "max_staleness=4", "lr=1e-3", "claim_wait_s=0.2", "cluster.cpus_per_worker=1",
         *overrides,
     ]  # fmt: skip
     log = (out.parent / f"{out.name}-{time.monotonic_ns()}.log").open("w")
