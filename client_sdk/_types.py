@@ -16,6 +16,8 @@ class Run(TypedDict):
     name: str
     model: str
     config: dict[str, Any]
+    """The config as it acts: every field, defaults included, and keys the server does not know
+    (the trainer's)."""
     policy_version: int
     """The version of the weights the engines serve."""
     is_default: bool

@@ -31,7 +31,8 @@ class ServerContext:
     metrics: Metrics = field(default_factory=Metrics)
     default_run_id: str = ""
     key_cache: dict[str, tuple[str, str | None, str | None]] = field(default_factory=dict)
-    run_configs: dict[str, RunConfig] = field(default_factory=dict)  # see runs.run_config
+    # run id -> (when it was read, time.monotonic(); the config): see runs.run_config
+    run_configs: dict[str, tuple[float, RunConfig]] = field(default_factory=dict)
     unknown_keys: set[str] = field(default_factory=set)
     started_at: float = field(default_factory=time.time)
     model_name: str = ""  # the served model's name, fixed at start

@@ -11,6 +11,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Rewards (posted, or a run's default_reward) lie within [-REWARD_BOUND, REWARD_BOUND]: the
+# trainer's statistics square returns, and a reward of 1e200 overflowed them.
+REWARD_BOUND = 1e9
+
 
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -48,7 +52,14 @@ class RunConfig(BaseModel):
     on_missing_reward: Literal["drop", "default"] = Field(
         "drop", description="What a reward deadline does: drop the session or use default_reward."
     )
-    default_reward: float = Field(0.0, description="The reward on_missing_reward=default gives.")
+    default_reward: float = Field(
+        0.0,
+        allow_inf_nan=False,
+        ge=-REWARD_BOUND,
+        le=REWARD_BOUND,
+        description="The reward on_missing_reward=default gives: a finite number within "
+        f"[-{REWARD_BOUND:g}, {REWARD_BOUND:g}].",
+    )
     turn_rewards_suffice: bool = Field(
         False,
         description="An ended session with per-turn rewards but no session reward is trainable "

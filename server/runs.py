@@ -1,8 +1,12 @@
 """Runs as the REST API sees them: create, show, configure (the validated config is kept in
-memory), and the trainer's claims: take, renew, confirm (with drops), release."""
+memory for a moment), and the trainer's claims: take, renew, drop sessions, confirm (with
+drops), release."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -14,6 +18,7 @@ from server.schemas import (
     ClaimedSessionOut,
     ClaimOut,
     ConfirmOut,
+    DropOut,
     ReleaseOut,
     RenewOut,
     RowOut,
@@ -22,6 +27,16 @@ from server.schemas import (
 from server.store import claims, runs
 from server.store.groups import GroupRule
 from server.store.tables import Run, utcnow
+
+# How long a run's config is kept in memory: another server process on the same store sees a
+# PATCH within this (every request needs the run's temperature; a read per request would cost).
+RUN_CONFIG_TTL_S = 2.0
+
+
+def effective_config(run: Run) -> dict[str, Any]:
+    """The run's config as it acts: every field, defaults included (for a run stored before a
+    field existed), and the keys the server does not know."""
+    return RunConfig.model_validate(run.config).model_dump()
 
 
 async def run_view(ctx: ServerContext, run: Run) -> dict[str, Any]:
@@ -34,7 +49,7 @@ async def run_view(ctx: ServerContext, run: Run) -> dict[str, Any]:
         model=run.model,
         model_path=str(Path(ctx.settings.model).resolve()),
         weights_path=run.weights_path,
-        config=run.config,
+        config=effective_config(run),
         policy_version=run.policy_version,
         is_default=run.is_default,
         created_at=run.created_at,
@@ -52,12 +67,14 @@ async def get_run(ctx: ServerContext, run_id: str) -> Run:
 
 
 async def run_config(ctx: ServerContext, run_id: str) -> RunConfig:
-    """The run's validated config, read from the store once and then kept in memory (every
-    request needs its temperature); create_run and update_config replace it."""
-    config = ctx.run_configs.get(run_id)
-    if config is None:
-        run = await get_run(ctx, run_id)
-        config = ctx.run_configs[run_id] = RunConfig.model_validate(run.config)
+    """The run's validated config, read from the store at most every RUN_CONFIG_TTL_S seconds
+    and kept in memory meanwhile; create_run and update_config replace it at once."""
+    cached = ctx.run_configs.get(run_id)
+    if cached is not None and time.monotonic() - cached[0] < RUN_CONFIG_TTL_S:
+        return cached[1]
+    read_at = time.monotonic()
+    config = RunConfig.model_validate((await get_run(ctx, run_id)).config)
+    ctx.run_configs[run_id] = (read_at, config)
     return config
 
 
@@ -66,7 +83,7 @@ async def create_run(ctx: ServerContext, name: str, config: RunConfig) -> tuple[
         run, key = await runs.create_run(
             db, name, ctx.model_name, config.model_dump(exclude_none=False)
         )
-    ctx.run_configs[run.id] = config
+    ctx.run_configs[run.id] = (time.monotonic(), config)
     return run, key
 
 
@@ -82,7 +99,7 @@ async def update_config(ctx: ServerContext, run_id: str, patch: dict[str, Any]) 
         except ValueError as exc:
             raise Unprocessable(f"Invalid run config: {exc}") from exc
         run.config = config.model_dump()
-    ctx.run_configs[run_id] = config
+    ctx.run_configs[run_id] = (time.monotonic(), config)
     await ctx.admission.notify()
     return run
 
@@ -90,18 +107,18 @@ async def update_config(ctx: ServerContext, run_id: str, patch: dict[str, Any]) 
 # ----- claims ----------------------------------------------------------------------------------
 
 
-def group_rule(config: RunConfig, group_size: int | None) -> GroupRule | None:
-    """How a claim groups sessions: the claim's group_size, else the run's (None: no groups)."""
+def group_rule(config: RunConfig, group_size: int | None) -> GroupRule:
+    """How a claim groups sessions: by the claim's group_size, else the run's (none: 1, which
+    still keeps group_id groups whole)."""
     size = group_size if group_size is not None else config.group_size
-    if size is None or size <= 1:
-        return None
-    return GroupRule(size, config.group_timeout_s, config.on_incomplete_group)
+    return GroupRule(size or 1, config.group_timeout_s, config.on_incomplete_group)
 
 
 async def claim(
     ctx: ServerContext, run: Run, max_sessions: int, lease_s: float | None, group: int | None
 ) -> ClaimOut:
-    config = await run_config(ctx, run.id)
+    """Claim sessions of ``run`` (as just read from the store: its config is the freshest)."""
+    config = RunConfig.model_validate(run.config)
     rule = group_rule(config, group)
     async with ctx.sessionmaker() as db, db.begin():
         result = await claims.claim(db, run.id, max_sessions, lease_s or config.claim_lease_s, rule)
@@ -110,6 +127,7 @@ async def claim(
     return ClaimOut(
         claim_id=result.claim_id,
         expires_at=result.expires_at,
+        run_config=config.model_dump(),
         sessions=[
             ClaimedSessionOut(
                 session_id=s.session_id,
@@ -139,10 +157,11 @@ async def renew(ctx: ServerContext, claim_ids: list[str], lease_s: float | None)
     return RenewOut(held=held, expires_at=expires if any(held.values()) else None)
 
 
-async def confirm(ctx: ServerContext, claim_id: str, dropped: dict[str, str]) -> ConfirmOut:
+@contextlib.asynccontextmanager
+async def _named_in(claim_id: str) -> AsyncIterator[None]:
+    """Sessions named in ``dropped`` that are not the claim's: a 422 naming them."""
     try:
-        async with ctx.sessionmaker() as db, db.begin():
-            settlement = await claims.confirm(db, claim_id, dropped)
+        yield
     except claims.NotInClaim as exc:
         raise Unprocessable(
             f"Sessions named in dropped are not in claim {claim_id!r}: "
@@ -150,9 +169,23 @@ async def confirm(ctx: ServerContext, claim_id: str, dropped: dict[str, str]) ->
             param="dropped",
             code="not_in_claim",
         ) from exc
+
+
+async def confirm(ctx: ServerContext, claim_id: str, dropped: dict[str, str]) -> ConfirmOut:
+    async with _named_in(claim_id), ctx.sessionmaker() as db, db.begin():
+        settlement = await claims.confirm(db, claim_id, dropped)
     if settlement.dropped:
         await ctx.admission.notify()
     return ConfirmOut(claim_id=claim_id, **vars(settlement))
+
+
+async def drop(ctx: ServerContext, claim_id: str, dropped: dict[str, str]) -> DropOut:
+    """Drop sessions of a claim now; admission waiters look again, as they no longer count."""
+    async with _named_in(claim_id), ctx.sessionmaker() as db, db.begin():
+        drops = await claims.drop(db, claim_id, dropped)
+    if drops.dropped:
+        await ctx.admission.notify()
+    return DropOut(claim_id=claim_id, dropped=drops.dropped, held=drops.held)
 
 
 async def release(ctx: ServerContext, claim_id: str) -> ReleaseOut:

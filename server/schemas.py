@@ -15,7 +15,7 @@ from pydantic import (
     model_validator,
 )
 
-from server.run_config import RunConfig
+from server.run_config import REWARD_BOUND, RunConfig
 from server.store.tables import DROP_REASON_LENGTH
 
 DROP_REASON = (
@@ -44,7 +44,10 @@ class RunOut(BaseModel):
     weights_path: str | None = Field(
         description="The directory of the weights last published from disk (null: the start)."
     )
-    config: dict[str, Any]
+    config: dict[str, Any] = Field(
+        description="The run's config as it acts: every field, defaults included, and keys the "
+        "server does not know (the trainer's)."
+    )
     policy_version: int = Field(description="The version of the weights the engines serve.")
     is_default: bool
     created_at: datetime
@@ -76,7 +79,13 @@ class SessionCreated(BaseModel):
 class RewardIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    reward: StrictFloat | StrictInt = Field(allow_inf_nan=False, description="A finite number.")
+    reward: float = Field(
+        strict=True,
+        allow_inf_nan=False,
+        ge=-REWARD_BOUND,
+        le=REWARD_BOUND,
+        description=f"A finite number within [-{REWARD_BOUND:g}, {REWARD_BOUND:g}].",
+    )
     completion_id: str | None = Field(None, description="Reward one turn instead of the session.")
 
 
@@ -168,7 +177,8 @@ class ClaimIn(BaseModel):
         description="Default: the run's group_size. Above 1, whole groups (by group_id, else "
         "task_id) with group_size trainable sessions, or incomplete ones after the run's "
         "group_timeout_s, and sessions with neither id; on_incomplete_group says whether those "
-        "are trained or dropped.",
+        "are trained or dropped. Unset or 1: the trainable sessions of a group_id all at once, "
+        "in one claim; any other session alone.",
     )
 
 
@@ -184,12 +194,19 @@ class ClaimedSessionOut(BaseModel):
 class ClaimOut(BaseModel):
     claim_id: str
     expires_at: datetime = Field(description="When the lease runs out (renew it before).")
+    run_config: dict[str, Any] = Field(
+        description="The run's config as the claim found it, every field with its default "
+        "(temperature, off_temperature, group_size, ...), and keys the server does not know."
+    )
     sessions: list[ClaimedSessionOut]
 
 
 DropReason = Annotated[
     str, StringConstraints(strip_whitespace=True, min_length=1, max_length=DROP_REASON_LENGTH)
 ]
+EACH_WITH_ITS_REASON = (
+    f'each with its reason ("code: a sentence", at most {DROP_REASON_LENGTH} characters)'
+)
 
 
 class ConfirmIn(BaseModel):
@@ -198,8 +215,7 @@ class ConfirmIn(BaseModel):
     dropped: dict[str, DropReason] = Field(
         default_factory=dict,
         max_length=100_000,
-        description="Sessions of the claim not to consume but to drop, each with its reason "
-        '("code: a sentence", at most 500 characters).',
+        description=f"Sessions of the claim not to consume but to drop, {EACH_WITH_ITS_REASON}.",
     )
 
 
@@ -212,6 +228,22 @@ class ConfirmOut(BaseModel):
         "confirming again); fewer than the claim gave means another claim took some after its "
         "lease ran out."
     )
+
+
+class DropIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dropped: dict[str, DropReason] = Field(
+        min_length=1,
+        max_length=10_000,
+        description=f"Sessions of the claim to drop now, {EACH_WITH_ITS_REASON}.",
+    )
+
+
+class DropOut(BaseModel):
+    claim_id: str
+    dropped: int = Field(description="Sessions this call marked dropped.")
+    held: int = Field(description="Sessions of the claim still claimed.")
 
 
 class ReleaseOut(BaseModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -185,6 +186,28 @@ class RestClient:
 
     def end(self, session_id: str) -> dict:
         return self.ok("POST", f"/rl/sessions/{session_id}/end")
+
+    def create_while(
+        self, run_id: str, unblock: tuple[str, str, dict | None]
+    ) -> tuple[httpx.Response, float]:
+        """Start creating a session in ``run_id`` (admin key), check that it still waits after
+        0.5 s, send ``unblock`` (method, path, JSON body; it must answer 200): the creation's
+        response, and how long it took after ``unblock`` was answered."""
+
+        async def run() -> tuple[httpx.Response, float]:
+            headers = {"Authorization": f"Bearer {ProxyProcess.ADMIN_KEY}"}
+            async with httpx.AsyncClient(base_url=self.url, headers=headers, timeout=60) as client:
+                waiting = asyncio.create_task(client.post("/rl/sessions", json={"run_id": run_id}))
+                await asyncio.sleep(0.5)
+                assert not waiting.done(), (await waiting).text
+                method, path, body = unblock
+                unblocked = await client.request(method, path, json=body)
+                assert unblocked.status_code == 200, unblocked.text
+                started = time.monotonic()
+                reply = await waiting
+                return reply, time.monotonic() - started
+
+        return asyncio.run(run())
 
     def wait_for_status(self, session_id: str, wanted: str, timeout: float = 5.0) -> dict:
         """The session once its status is ``wanted`` (fails after ``timeout`` seconds)."""

@@ -110,7 +110,7 @@ async def run_detail(ctx: ServerContext, run_id: str) -> RunDetail:
     (summary,) = await _summaries(ctx, [run])
     async with ctx.sessionmaker() as db:
         totals = await runs.run_totals(db, run.id)
-    return RunDetail(**summary, config=run.config, totals=totals)
+    return RunDetail(**summary, config=run_views.effective_config(run), totals=totals)
 
 
 def _step_point(step: TrainerStep) -> StepPoint:

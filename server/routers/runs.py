@@ -13,6 +13,8 @@ from server.schemas import (
     ClaimOut,
     ConfirmIn,
     ConfirmOut,
+    DropIn,
+    DropOut,
     ReleaseOut,
     RenewIn,
     RenewOut,
@@ -88,6 +90,15 @@ async def confirm_claim(
     claim_id: str, ctx: Ctx, _: AdminDep, body: ConfirmIn | None = None
 ) -> ConfirmOut:
     return await runs.confirm(ctx, claim_id, body.dropped if body is not None else {})
+
+
+@router.post(
+    "/claims/{claim_id}/drop",
+    response_model=DropOut,
+    summary="Drop sessions of a claim now, each with its reason (before the claim is confirmed)",
+)
+async def drop_from_claim(claim_id: str, body: DropIn, ctx: Ctx, _: AdminDep) -> DropOut:
+    return await runs.drop(ctx, claim_id, body.dropped)
 
 
 @router.post(

@@ -1,16 +1,20 @@
-"""The trainer's reader: claim trainable sessions exactly once, renew, confirm or release them.
+"""The trainer's reader: claim trainable sessions exactly once, renew, confirm, drop or release
+them.
 
 A claim marks sessions ``claimed`` with a lease and its ``claim_id``. Confirming marks them
-``consumed`` (or ``dropped``, with the trainer's reason); releasing gives them back. A lease
-that runs out returns the sessions to ``trainable`` but they keep the claim's id, so its owner
-can still renew or confirm them until another claim takes them (which overwrites the id).
+``consumed`` (or ``dropped``, with the trainer's reason); dropping some before the confirm marks
+them ``dropped`` at once; releasing gives them back. Dropped and consumed sessions keep the
+claim's id, so a confirm counts them as settled. A lease that runs out returns the sessions to
+``trainable`` but they keep the claim's id, so its owner can still renew, drop or confirm them
+until another claim takes them (which overwrites the id).
 
 Every claim first drops the run's trainable sessions that have no turn, then takes the oldest
-sessions, with a ``group_size`` > 1 whole groups (``server.store.groups``). Two trainers never
-get the same session and a group is never split: SQLite serialises writers (each write
-transaction here starts with a write), and on Postgres the chosen sessions are locked with SKIP
-LOCKED and a group of which fewer were locked than chosen is left alone. Claimed sessions come
-back as training rows.
+whole groups (``server.store.groups``: by group_id always, by task_id too under a group_size >
+1, a session without a key alone). Two trainers never get the same session and a group is never
+split: SQLite serialises writers (each write transaction here starts with a write), and on
+Postgres the chosen sessions are locked with SKIP LOCKED; a group of which fewer were locked
+than chosen is left alone, and the claim goes on to the next groups. Claimed sessions come back
+as training rows.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.store import drop_reasons, groups
@@ -59,6 +63,12 @@ class Settlement:
     settled: int  # every session with the claim's id now consumed or dropped
 
 
+@dataclass(frozen=True)
+class Drops:
+    dropped: int  # newly dropped
+    held: int  # the claim's sessions still claimed
+
+
 class NotInClaim(Exception):
     def __init__(self, session_ids: list[str]) -> None:
         super().__init__(f"not sessions of this claim: {', '.join(session_ids)}")
@@ -66,22 +76,15 @@ class NotInClaim(Exception):
 
 
 async def claim(
-    db: AsyncSession,
-    run_id: str,
-    max_sessions: int,
-    lease_s: float,
-    rule: groups.GroupRule | None = None,
+    db: AsyncSession, run_id: str, max_sessions: int, lease_s: float, rule: groups.GroupRule
 ) -> Claim:
-    """Claim up to ``max_sessions`` of the run's oldest trainable sessions (whole groups when
-    ``rule.size`` > 1) for ``lease_s`` seconds."""
+    """Claim up to ``max_sessions`` of the run's oldest trainable sessions, in whole groups, for
+    ``lease_s`` seconds."""
     now = utcnow()
     await _return_lapsed(db, run_id, now)
     dropped = await _drop_without_turns(db, run_id)
-    if rule is not None and rule.size > 1:
-        chosen, dropped_groups = await _whole_groups(db, run_id, max_sessions, rule, now)
-        dropped += dropped_groups
-    else:
-        chosen = await _oldest(db, run_id, max_sessions)
+    chosen, dropped_groups = await _whole_groups(db, run_id, max_sessions, rule, now)
+    dropped += dropped_groups
     claim_id, expires = new_id("claim"), now + timedelta(seconds=lease_s)
     if chosen:
         await db.execute(
@@ -119,22 +122,12 @@ async def _drop_without_turns(db: AsyncSession, run_id: str) -> int:
     return _count(result)
 
 
-async def _oldest(db: AsyncSession, run_id: str, max_sessions: int) -> list[str]:
-    query = (
-        select(Session.id)
-        .where(*_trainable(run_id), Session.turn_count > 0)
-        .order_by(Session.trainable_at, Session.id)
-        .limit(max_sessions)
-        .with_for_update(skip_locked=True)
-    )
-    return list(await db.scalars(query))
-
-
 async def _whole_groups(
     db: AsyncSession, run_id: str, max_sessions: int, rule: groups.GroupRule, now: datetime
 ) -> tuple[list[str], int]:
     """The sessions of the groups to claim, and how many sessions of resolved incomplete groups
-    were dropped. A group only part of which could be locked is left for a later claim."""
+    were dropped. A group only part of which could be locked (a concurrent claim holds the
+    rest) is left for a later claim, and the plan goes on with the groups after it."""
     found = await db.execute(
         select(Session.id, Session.group_id, Session.task_id, Session.trainable_at).where(
             *_trainable(run_id), Session.turn_count > 0
@@ -144,19 +137,29 @@ async def _whole_groups(
         groups.Candidate(session_id, group_id, task_id, trainable_at or now)
         for session_id, group_id, task_id, trainable_at in found
     ]
-    plan = groups.plan_claim(candidates, rule, max_sessions, now)
-    planned = [*plan.claim, *(group for group, _ in plan.drop)]
-    locked = await _lock(db, [sid for group in planned for sid in group.session_ids])
-
-    def whole(group: groups.Group) -> bool:
-        return all(sid in locked for sid in group.session_ids)
-
-    to_drop = {
-        sid: reason for group, reason in plan.drop if whole(group) for sid in group.session_ids
-    }
-    await _drop(db, to_drop, claim_id=None)
-    chosen = [sid for group in plan.claim if whole(group) for sid in group.session_ids]
-    return chosen, len(to_drop)
+    chosen: list[str] = []
+    dropped = 0
+    while True:
+        plan = groups.plan_claim(candidates, rule, max_sessions, now, already=len(chosen))
+        planned = [*plan.claim, *(group for group, _ in plan.drop)]
+        planned_ids = {sid for group in planned for sid in group.session_ids}
+        locked = await _lock(db, sorted(planned_ids))
+        to_drop = {
+            sid: reason
+            for group, reason in plan.drop
+            if locked.issuperset(group.session_ids)
+            for sid in group.session_ids
+        }
+        dropped += await _drop(db, to_drop, claim_id=None)
+        chosen += [
+            sid
+            for group in plan.claim
+            if locked.issuperset(group.session_ids)
+            for sid in group.session_ids
+        ]
+        if len(locked) == len(planned_ids):
+            return chosen, dropped
+        candidates = [c for c in candidates if c.session_id not in planned_ids]
 
 
 async def _lock(db: AsyncSession, session_ids: list[str]) -> set[str]:
@@ -250,32 +253,63 @@ async def runs_of(db: AsyncSession, claim_ids: list[str]) -> list[str]:
     return list(await db.scalars(query))
 
 
+def _held(claim_id: str) -> tuple[ColumnElement[bool], ...]:
+    """The claim's sessions it can still settle: claimed, or lapsed and not retaken."""
+    return (Session.claim_id == claim_id, Session.status.in_(HELD))
+
+
 async def confirm(db: AsyncSession, claim_id: str, dropped: dict[str, str]) -> Settlement:
     """The claim's sessions (held, or lapsed and not retaken) become consumed, except those in
     ``dropped``, which become dropped with their reason. Confirming again changes nothing.
 
-    A session named in ``dropped`` that no claim holds (an unknown id, or one never claimed or
-    since released) raises :class:`NotInClaim`; one another claim took after a lapse is that
-    claim's to settle."""
-    held = (Session.claim_id == claim_id, Session.status.in_(HELD))
-    newly_dropped = await _drop(db, dropped, *held)  # a write first: see the module docstring
+    A session named in ``dropped`` that is not the claim's raises :class:`NotInClaim` (see
+    :func:`_check_named`)."""
+    newly_dropped = await _drop(db, dropped, *_held(claim_id))  # a write first: see the module doc
     result = await db.execute(
-        update(Session).where(*held).values(status=status.CONSUMED, consumed_at=utcnow())
+        update(Session).where(*_held(claim_id)).values(status=status.CONSUMED, consumed_at=utcnow())
     )
-    await _check_named(db, list(dropped))
+    await _check_named(db, claim_id, list(dropped))
     settled = await db.scalar(
         select(func.count()).where(Session.claim_id == claim_id, Session.status.in_(SETTLED))
     )
     return Settlement(_count(result), newly_dropped, int(settled or 0))
 
 
-async def _check_named(db: AsyncSession, session_ids: list[str]) -> None:
+async def drop(db: AsyncSession, claim_id: str, dropped: dict[str, str]) -> Drops:
+    """The named sessions the claim holds (or that lapsed and were not retaken) become dropped
+    with their reason now, before the claim is confirmed. They keep the claim's id, so a later
+    confirm counts them as settled; dropping again changes nothing. A named session that is not
+    the claim's raises :class:`NotInClaim`."""
+    newly_dropped = await _drop(db, dropped, *_held(claim_id))  # a write first: see the module doc
+    await _check_named(db, claim_id, list(dropped))
+    held = await db.scalar(
+        select(func.count()).where(Session.claim_id == claim_id, Session.status == status.CLAIMED)
+    )
+    return Drops(newly_dropped, int(held or 0))
+
+
+async def _check_named(db: AsyncSession, claim_id: str, session_ids: list[str]) -> None:
+    """Every named session must carry the claim's id, or be claimed now by another claim of the
+    same run (it lapsed and was retaken: that claim's to settle, so it is left alone; when every
+    session of the claim was retaken, its run is unknown and any claimed session passes).
+    Anything else (an unknown id, a session never claimed, released, settled by another claim,
+    or of another run) raises :class:`NotInClaim`."""
     if not session_ids:
         return
-    found = await db.execute(
-        select(Session.id).where(Session.id.in_(session_ids), Session.claim_id.is_not(None))
+    runs = set(
+        await db.scalars(select(Session.run_id).where(Session.claim_id == claim_id).distinct())
     )
-    missing = sorted(set(session_ids) - set(found.scalars()))
+    found = await db.execute(
+        select(Session.id, Session.claim_id, Session.status, Session.run_id).where(
+            Session.id.in_(session_ids)
+        )
+    )
+    accepted = {
+        session_id
+        for session_id, held_by, state, run_id in found
+        if held_by == claim_id or (state == status.CLAIMED and (not runs or run_id in runs))
+    }
+    missing = sorted(set(session_ids) - accepted)
     if missing:
         raise NotInClaim(missing)
 
@@ -284,7 +318,7 @@ async def release(db: AsyncSession, claim_id: str) -> int:
     """Give a claim's sessions (held, or lapsed and not retaken) back to the pool."""
     result = await db.execute(
         update(Session)
-        .where(Session.claim_id == claim_id, Session.status.in_(HELD))
+        .where(*_held(claim_id))
         .values(status=status.TRAINABLE, claim_id=None, claim_expires_at=None)
     )
     return _count(result)

@@ -1,12 +1,15 @@
 """GRPO groups of a run's trainable sessions: which ones a claim takes, which it drops, in what
 order.
 
-A session's group key is its group_id, else its task_id (a group_id and a task_id spelled the
-same are different keys), else none: a session without a key is a group of one that nothing can
-join. With group_size > 1 a group is claimable when it has group_size trainable sessions, or
-when its oldest trainable session has waited group_timeout_s (an incomplete group); a keyless
-session is claimable at once. Incomplete groups and keyless sessions are then trained as they
-are or dropped, as the run's on_incomplete_group says. Claimable groups are taken oldest first
+A session's group key is its group_id, else (with group_size > 1) its task_id (a group_id and a
+task_id spelled the same are different keys), else none: a session without a key is a group of
+one that nothing can join. With group_size > 1 a group is claimable when it has group_size
+trainable sessions, or when its oldest trainable session has waited group_timeout_s (an
+incomplete group); a keyless session is claimable at once. Incomplete groups and keyless
+sessions are then trained as they are or dropped, as the run's on_incomplete_group says.
+Without a group size (or with 1) every group is claimable at once, a group_id's all its
+trainable sessions together, and a task_id makes no group: an online task's sessions would
+otherwise all come in one claim, however many piled up. Claimable groups are taken oldest first
 (by their newest session), never split, up to max_sessions (the first one whole even if it is
 larger).
 
@@ -36,9 +39,14 @@ class Candidate:
 
 @dataclass(frozen=True)
 class GroupRule:
-    size: int
-    timeout_s: float | None  # None: wait for the whole group
-    on_incomplete: Literal["train", "drop"]
+    size: int  # 1: no group size (group_id groups are still kept whole)
+    timeout_s: float | None = None  # None: wait for the whole group
+    on_incomplete: Literal["train", "drop"] = "train"
+
+    @property
+    def by_task(self) -> bool:
+        """Do sessions with only a task_id form groups too? Only under a group size > 1."""
+        return self.size > 1
 
 
 @dataclass(frozen=True)
@@ -65,20 +73,20 @@ class Plan:
     drop: list[tuple[Group, str]] = field(default_factory=list)  # each with its reason
 
 
-def group_key(candidate: Candidate) -> GroupKey | None:
+def group_key(candidate: Candidate, by_task: bool) -> GroupKey | None:
     if candidate.group_id is not None:
         return ("group", candidate.group_id)
-    if candidate.task_id is not None:
+    if by_task and candidate.task_id is not None:
         return ("task", candidate.task_id)
     return None
 
 
-def form_groups(candidates: list[Candidate]) -> list[Group]:
+def form_groups(candidates: list[Candidate], by_task: bool) -> list[Group]:
     """Sessions with the same key form one group; each keyless session is a group of its own."""
     keyed: dict[GroupKey, list[Candidate]] = {}
     alone: list[Group] = []
     for candidate in candidates:
-        key = group_key(candidate)
+        key = group_key(candidate, by_task)
         if key is None:
             alone.append(Group(None, (candidate,)))
         else:
@@ -88,7 +96,7 @@ def form_groups(candidates: list[Candidate]) -> list[Group]:
 
 def resolution(group: Group, rule: GroupRule, now: datetime) -> str | None:
     """ "claim", "drop" or None (the group still waits for members)."""
-    if group.key is not None and len(group.members) >= rule.size:
+    if len(group.members) >= rule.size:
         return "claim"
     if group.key is not None and (
         rule.timeout_s is None or now - group.oldest < timedelta(seconds=rule.timeout_s)
@@ -108,21 +116,27 @@ def drop_reason(group: Group, rule: GroupRule, now: datetime) -> str:
 
 
 def plan_claim(
-    candidates: list[Candidate], rule: GroupRule, max_sessions: int, now: datetime
+    candidates: list[Candidate],
+    rule: GroupRule,
+    max_sessions: int,
+    now: datetime,
+    already: int = 0,
 ) -> Plan:
-    """Which groups of ``candidates`` one claim takes, and which it drops (with reasons)."""
+    """Which groups of ``candidates`` one claim takes, and which it drops (with reasons).
+    ``already``: sessions the claim holds before these (the first group goes whole, even
+    beyond ``max_sessions``, only when it holds none)."""
     plan = Plan()
     ready = []
-    for group in form_groups(candidates):
+    for group in form_groups(candidates, rule.by_task):
         decided = resolution(group, rule, now)
         if decided == "drop":
             plan.drop.append((group, drop_reason(group, rule, now)))
         elif decided == "claim":
             ready.append(group)
     ready.sort(key=lambda group: (group.newest, min(group.session_ids)))
-    total = 0
+    total = already
     for group in ready:
-        if plan.claim and total + len(group.members) > max_sessions:
+        if total > 0 and total + len(group.members) > max_sessions:
             break
         plan.claim.append(group)
         total += len(group.members)

@@ -13,8 +13,6 @@ keep alternatives; each row's turns say which they are, and the trainer decides.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +27,8 @@ class TurnTokens:
     turn_index: int
     row_index: int
     extends_previous: bool  # it continues a turn of the previous request in that turn's row
-    signature: str  # what its request asked (request_signature): equal ones are retries
+    messages: list[Any] | None  # what its request asked (chat; None: a prompt of token ids)
+    tools: list[Any] | None
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
@@ -61,14 +60,17 @@ def continues(prev_prompt: list[int], prev_completion: list[int], prompt: list[i
     )
 
 
-def request_signature(messages: Any, tools: Any, prompt_ids: Sequence[int]) -> str:
-    """What a request asked for: its messages and tools when it has messages (chat), else its
-    prompt token ids. Two requests with the same signature are a retry of one another."""
-    if messages is not None:
-        asked = json.dumps(["chat", messages, tools], sort_keys=True, separators=(",", ":"))
-    else:
-        asked = json.dumps(["ids", list(prompt_ids)], separators=(",", ":"))
-    return hashlib.sha256(asked.encode()).hexdigest()
+def asks_the_same(turn: TurnTokens, other: TurnTokens) -> bool:
+    """Did the two turns' requests ask the same, i.e. is one a retry of the other? Chat requests
+    by their messages and tools, others by their prompt token ids. The whole history is only
+    compared when the message counts match, and equality stops at the first difference."""
+    if turn.messages is None or other.messages is None:
+        return turn.messages is other.messages and turn.prompt_ids == other.prompt_ids
+    return (
+        len(turn.messages) == len(other.messages)
+        and turn.messages == other.messages
+        and turn.tools == other.tools
+    )
 
 
 def requests_of(turns: Sequence[TurnTokens]) -> list[list[TurnTokens]]:
@@ -85,7 +87,7 @@ def path_turn(request: list[TurnTokens], following: list[TurnTokens] | None) -> 
     if following is None:
         return request[0]
     first = following[0]
-    if first.signature == request[0].signature:
+    if asks_the_same(first, request[0]):
         return None
     if first.extends_previous:
         for turn in request:

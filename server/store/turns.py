@@ -10,7 +10,7 @@ from sqlalchemy import Connection, Dialect, bindparam, func, insert, select, upd
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.store.packing import pack_floats, pack_ints, unpack_floats, unpack_ints
-from server.store.rows import TurnTokens, request_signature
+from server.store.rows import TurnTokens
 from server.store.tables import Session, Turn, utcnow
 
 
@@ -201,15 +201,15 @@ def sampled_temperature(turn: Turn) -> float | None:
 
 
 def tokens_of(turn: Turn, reward: float | None = None) -> TurnTokens:
-    prompt_ids = unpack_ints(turn.prompt_ids)
     return TurnTokens(
         completion_id=turn.completion_id,
         request_id=turn.request_id,
         turn_index=turn.turn_index,
         row_index=turn.row_index,
         extends_previous=turn.extends_previous,
-        signature=request_signature(turn.messages, turn.tools, prompt_ids),
-        prompt_ids=prompt_ids,
+        messages=turn.messages,
+        tools=turn.tools,
+        prompt_ids=unpack_ints(turn.prompt_ids),
         completion_ids=unpack_ints(turn.completion_ids),
         logprobs=unpack_floats(turn.logprobs),
         versions=unpack_ints(turn.versions),

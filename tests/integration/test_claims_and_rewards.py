@@ -1,5 +1,6 @@
-"""Claims that never get stuck, lease renewal, confirming with drops, when a session becomes
-trainable, the run's sampling temperature and alternatives, against a real ``proxrl serve``.
+"""Claims that never get stuck, groups kept whole, lease renewal, dropping sessions of a claim
+and confirming with drops, when a session becomes trainable, the run's config in the claim, its
+sampling temperature and alternatives, against a real ``proxrl serve``.
 
 Claim, group, lease and admission tests run on SQLite and on PostgreSQL; reward, temperature and
 alternative tests on SQLite (the store logic they touch is the same on both). Every test makes
@@ -63,6 +64,9 @@ class Proxy(RestClient):
     def confirm(self, claim_id: str, dropped: dict[str, str] | None = None) -> dict:
         body = None if dropped is None else {"dropped": dropped}
         return self.ok("POST", f"/rl/claims/{claim_id}/confirm", json=body)
+
+    def drop(self, claim_id: str, dropped: dict[str, str]) -> dict:
+        return self.ok("POST", f"/rl/claims/{claim_id}/drop", json={"dropped": dropped})
 
     def renew(self, *claim_ids: str, lease_s: float | None = None) -> dict:
         body = {"claim_ids": list(claim_ids), "lease_s": lease_s}
@@ -256,6 +260,22 @@ def test_concurrent_group_claims_never_split_a_group_nor_share_a_session(proxy):
 
 
 @BOTH
+def test_without_a_group_size_a_group_id_is_claimed_whole_and_task_sessions_one_by_one(proxy):
+    """No group_size: a group_id's trainable sessions all come in one claim, even beyond
+    max_sessions (a batch boundary never cuts a GRPO group); sessions with only a task_id are
+    not grouped (an online task's sessions would pile up), so they come one by one."""
+    run = proxy.new_run()
+    group = {proxy.trainable_session(run["id"], group_id="g", task_id="t") for _ in range(3)}
+    tasks = [proxy.trainable_session(run["id"], task_id="t") for _ in range(3)]
+    pair = {proxy.trainable_session(run["id"], group_id="h") for _ in range(2)}
+
+    assert proxy.claimed_ids(run["id"], max_sessions=2) == group
+    assert proxy.claimed_ids(run["id"], max_sessions=2) == set(tasks[:2])
+    assert proxy.claimed_ids(run["id"], max_sessions=2, group_size=1) == {tasks[2]}
+    assert proxy.claimed_ids(run["id"], max_sessions=1, group_size=1) == pair
+
+
+@BOTH
 def test_an_incomplete_group_no_longer_deadlocks_admission(proxy):
     """At its admission bound with two sessions each waiting for a group member, a run used to
     admit nothing forever. Now, after group_timeout_s, the trainer claims them, confirms,
@@ -436,6 +456,136 @@ def test_confirm_refuses_bad_drops_and_changes_nothing(proxy):
 
 
 @BOTH
+def test_only_the_claims_own_sessions_may_be_named_and_a_retaken_one_is_left_alone(proxy):
+    """A session named in dropped (drop or confirm) must carry the claim's id, or be claimed
+    now by another claim of the run (it lapsed and was retaken: that claim's to settle, left
+    alone). One another claim consumed, one released, one claimed in another run, an unknown
+    id: 422 not_in_claim, and nothing changes."""
+    run, elsewhere = proxy.new_run(), proxy.new_run()
+    lapsed, kept = proxy.trainable_session(run["id"]), proxy.trainable_session(run["id"])
+    first = proxy.claim(run["id"], lease_s=0.3)
+    time.sleep(0.5)
+    retaken = proxy.claim(run["id"], max_sessions=1)
+    assert [s["session_id"] for s in retaken["sessions"]] == [lapsed]
+    assert proxy.renew(first["claim_id"], lease_s=60)["held"] == {first["claim_id"]: 1}
+    consumed = proxy.trainable_session(run["id"])
+    other = proxy.claim(run["id"])
+    assert [s["session_id"] for s in other["sessions"]] == [consumed]
+    proxy.confirm(other["claim_id"])
+    released = proxy.trainable_session(run["id"])
+    proxy.ok("POST", f"/rl/claims/{proxy.claim(run['id'])['claim_id']}/release")
+    foreign = proxy.trainable_session(elsewhere["id"])
+    proxy.claim(elsewhere["id"])
+
+    reason = "stale: too old"
+    for route in ("drop", "confirm"):
+        path = f"/rl/claims/{first['claim_id']}/{route}"
+        for outsider in (consumed, released, foreign, "sess-nope"):
+            body = {"dropped": {kept: reason, outsider: reason}}
+            error = error_of(proxy.call("POST", path, json=body), 422)
+            assert error["code"] == "not_in_claim" and outsider in error["message"]
+            assert kept not in error["message"]
+    assert proxy.statuses([kept, lapsed, consumed, released, foreign]) == {
+        kept: "claimed",
+        lapsed: "claimed",
+        consumed: "consumed",
+        released: "trainable",
+        foreign: "claimed",
+    }
+
+    assert proxy.drop(first["claim_id"], {lapsed: reason}) == {
+        "claim_id": first["claim_id"],
+        "dropped": 0,
+        "held": 1,
+    }
+    settled = proxy.confirm(first["claim_id"], {kept: reason, lapsed: reason})
+    assert (settled["consumed"], settled["dropped"], settled["settled"]) == (0, 1, 1)
+    assert proxy.statuses([kept, lapsed]) == {kept: "dropped", lapsed: "claimed"}
+    assert proxy.confirm(retaken["claim_id"])["settled"] == 1
+
+
+@BOTH
+def test_dropping_sessions_of_a_claim_is_settled_by_its_confirm_and_idempotent(proxy):
+    """Sessions dropped from a claim are dropped at once, with their reason, and stay the
+    claim's: its confirm consumes the rest and counts them all as settled. Dropping again, or
+    naming them in the confirm, changes nothing."""
+    run = proxy.new_run()
+    ids = sorted(proxy.trainable_session(run["id"]) for _ in range(4))
+    claim_id = proxy.claim(run["id"])["claim_id"]
+    reason = "row_too_long: 9000 tokens, max_tokens_per_row 8192"
+    named = {ids[0]: reason, ids[1]: reason}
+
+    assert proxy.drop(claim_id, named) == {"claim_id": claim_id, "dropped": 2, "held": 2}
+    shown = proxy.session(ids[0])
+    assert (shown["status"], shown["drop_reason"]) == ("dropped", reason)
+    assert proxy.drop(claim_id, named) == {"claim_id": claim_id, "dropped": 0, "held": 2}
+    assert proxy.renew(claim_id, lease_s=60)["held"] == {claim_id: 2}
+
+    assert proxy.confirm(claim_id, named) == {
+        "claim_id": claim_id,
+        "consumed": 2,
+        "dropped": 0,
+        "settled": 4,
+    }
+    assert proxy.confirm(claim_id)["settled"] == 4
+    assert proxy.drop(claim_id, named) == {"claim_id": claim_id, "dropped": 0, "held": 0}
+    assert proxy.statuses(ids) == {
+        ids[0]: "dropped",
+        ids[1]: "dropped",
+        ids[2]: "consumed",
+        ids[3]: "consumed",
+    }
+    assert proxy.ok("GET", f"/rl/runs/{run['id']}")["sessions"] == {"dropped": 2, "consumed": 2}
+
+
+@BOTH
+def test_a_lapsed_session_can_be_dropped_from_its_claim(proxy):
+    run = proxy.new_run()
+    pair = sorted(proxy.trainable_session(run["id"], group_id="p") for _ in range(2))
+    claim_id = proxy.claim(run["id"], lease_s=0.3)["claim_id"]
+    lapse_into_the_pool(proxy, run["id"])
+    dropped = proxy.drop(claim_id, {pair[0]: "stale: too old"})
+    assert (dropped["dropped"], dropped["held"]) == (1, 0)
+    settled = proxy.confirm(claim_id)
+    assert (settled["consumed"], settled["settled"]) == (1, 2)
+
+
+@BOTH
+def test_drop_refuses_bad_bodies_and_changes_nothing(proxy):
+    run = proxy.new_run()
+    session_id = proxy.trainable_session(run["id"])
+    path = f"/rl/claims/{proxy.claim(run['id'])['claim_id']}/drop"
+    for body, param in [
+        ({}, "dropped"),
+        ({"dropped": {}}, "dropped"),
+        ({"dropped": {f"s{i}": "x: y" for i in range(10_001)}}, "dropped"),
+        ({"dropped": {session_id: "  "}}, f"dropped.{session_id}"),
+        ({"dropped": {session_id: "x" * 501}}, f"dropped.{session_id}"),
+        ({"dropped": {session_id: "x: y"}, "held": 1}, "held"),
+    ]:
+        assert error_of(proxy.call("POST", path, json=body), 422)["param"] == param
+    assert proxy.session(session_id)["status"] == "claimed"
+
+
+@BOTH
+def test_dropping_from_a_claim_frees_admission_at_once(proxy):
+    """At its admission bound with its sessions claimed, a run admits a waiting session as soon
+    as the trainer drops one from its claim (not at its next confirm)."""
+    run = proxy.new_run(batch_size=2, max_staleness=0, admission_wait_s=20)
+    ids = [proxy.trainable_session(run["id"]) for _ in range(2)]
+    claim_id = proxy.claim(run["id"])["claim_id"]
+    drop = ("POST", f"/rl/claims/{claim_id}/drop", {"dropped": {ids[0]: "stale: too old"}})
+    reply, after_drop = proxy.create_while(run["id"], drop)
+    assert reply.status_code == 201, reply.text
+    assert after_drop < 5.0
+    assert proxy.ok("GET", f"/rl/runs/{run['id']}")["sessions"] == {
+        "claimed": 1,
+        "dropped": 1,
+        "open": 1,
+    }
+
+
+@BOTH
 def test_release_gives_back_a_lapsed_claim_and_clears_its_id(proxy):
     run = proxy.new_run()
     pair = {proxy.trainable_session(run["id"], group_id="p") for _ in range(2)}
@@ -511,6 +661,26 @@ def test_at_the_reward_deadline_turn_rewards_count_only_where_they_suffice(proxy
 
 # --------------------------------------------------------------------------------------------
 # the run's temperature, and what the claim rows say about each turn
+
+
+@BOTH
+def test_the_claim_carries_the_runs_config_with_every_default(proxy):
+    """Each claim answers with the run's config as it acts (the trainer reads temperature,
+    off_temperature and group_size from it every step), defaults and unknown keys included,
+    a PATCH showing in the next claim."""
+    run = proxy.new_run(temperature=0.8, lr=1e-6)
+    proxy.trainable_session(run["id"])
+    config = proxy.claim(run["id"])["run_config"]
+    assert (config["temperature"], config["off_temperature"], config["group_size"]) == (
+        0.8,
+        "mask",
+        None,
+    )
+    assert config["lr"] == 1e-6
+    assert config == proxy.ok("GET", f"/rl/runs/{run['id']}")["config"]
+    proxy.patch_run(run["id"], off_temperature="off_policy", group_size=2)
+    config = proxy.claim(run["id"])["run_config"]
+    assert (config["off_temperature"], config["group_size"]) == ("off_policy", 2)
 
 
 def sampled_temperatures(proxy: Proxy, session_id: str) -> list[float]:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import UTC, datetime
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import select as sa_select
 
 from server.store.database import downgrade, sync_url, upgrade
 from server.store.tables import Base
@@ -104,6 +106,42 @@ def test_migrations_match_the_models(empty_database):
     difference (a new column or index without a migration fails here)."""
     upgrade(empty_database)
     assert drift(empty_database) == []
+
+
+def test_default_rewards_stored_before_the_bound_are_clamped(empty_database):
+    """Runs stored at 0002 with a default reward the server now refuses (1e200; NaN, which only
+    SQLite's JSON could hold) validate after the upgrade, so their pages do not fail."""
+    url = empty_database
+    upgrade(url, "0002")
+    stored = {"huge": 1e200, "small": -1e300, "fine": 0.5}
+    if url.startswith("sqlite"):
+        stored["nan"] = float("nan")
+    engine = create_engine(sync_url(url))
+    runs = Base.metadata.tables["runs"]
+    try:
+        with engine.begin() as connection:
+            for name, value in stored.items():
+                connection.execute(
+                    runs.insert().values(
+                        id=name,
+                        name=name,
+                        model="m",
+                        config={"default_reward": value},
+                        policy_version=0,
+                        api_key_hash=name,
+                        is_default=False,
+                        created_at=datetime.now(UTC),
+                    )
+                )
+        upgrade(url)
+        with engine.connect() as connection:
+            found = dict(connection.execute(sa_select(runs.c.id, runs.c.config)).all())
+    finally:
+        engine.dispose()
+    want = {"huge": 1e9, "small": -1e9, "fine": 0.5, "nan": 0.0}
+    assert {name: config["default_reward"] for name, config in found.items()} == {
+        name: want[name] for name in stored
+    }
 
 
 def test_proxrl_db_upgrade_and_downgrade(tmp_path):

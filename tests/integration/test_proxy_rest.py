@@ -17,8 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
-from sqlalchemy import create_engine, select
+from sqlalchemy import create_engine, select, update
 
+from server.run_config import REWARD_BOUND
+from server.runs import RUN_CONFIG_TTL_S
 from server.store.database import default_url, sync_url
 from server.store.tables import Run, Session
 from tests.support import ProxyProcess, RestClient
@@ -132,25 +134,6 @@ def reward_and_end_at_once(proxy: Proxy, session_ids: list[str]) -> None:
     assert [reply.status_code for reply in replies] == [200] * len(requests)
 
 
-def create_while(proxy: Proxy, run_id: str, unblock: Request) -> tuple[httpx.Response, float]:
-    """Start creating a session in ``run_id``, check that it is still waiting after 0.5 s, send
-    ``unblock`` (which must succeed); the creation's response and how long it took after that."""
-
-    async def run() -> tuple[httpx.Response, float]:
-        async with admin_client(proxy) as client:
-            waiting = asyncio.create_task(client.post("/rl/sessions", json={"run_id": run_id}))
-            await asyncio.sleep(0.5)
-            assert not waiting.done(), (await waiting).text
-            method, path, body = unblock
-            unblocked = await client.request(method, path, json=body)
-            assert unblocked.status_code == 200, unblocked.text
-            started = time.monotonic()
-            reply = await waiting
-            return reply, time.monotonic() - started
-
-    return asyncio.run(run())
-
-
 def admin_client(proxy: Proxy) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
     return httpx.AsyncClient(base_url=proxy.url, headers=headers, timeout=60)
@@ -158,6 +141,18 @@ def admin_client(proxy: Proxy) -> httpx.AsyncClient:
 
 def sha256(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def store_config(proxy: Proxy, run_id: str, config: dict) -> None:
+    """Write a run's config row behind the server's back, as another server process on the
+    same store, or an older version of the server, would have left it."""
+    runs = Run.__table__
+    engine = create_engine(sync_url(proxy.db_url))
+    try:
+        with engine.begin() as db:
+            db.execute(update(runs).where(runs.c.id == run_id).values(config=config))
+    finally:
+        engine.dispose()
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,6 +275,10 @@ def test_patch_merges_into_the_config(proxy):
         ("on_missing_reward", "sometimes"),
         ("claim_lease_s", "long"),
         ("idle_timeout_s", 0),
+        ("default_reward", 1e200),
+        ("default_reward", -2e9),
+        ("default_reward", "NaN"),
+        ("default_reward", "-Infinity"),
     ],
 )
 def test_patch_with_an_invalid_value_is_422_naming_the_field(proxy, field, value):
@@ -290,6 +289,48 @@ def test_patch_with_an_invalid_value_is_422_naming_the_field(proxy, field, value
     assert field in error["message"]
     assert error["type"] == "invalid_request_error"
     assert proxy.run(run["id"])["config"] == run["config"]
+
+
+def test_a_default_reward_at_the_bound_is_accepted_and_nan_in_json_is_not(proxy):
+    run = proxy.new_run()
+    patched = proxy.patch_run(run["id"], default_reward=-REWARD_BOUND)
+    assert patched["config"]["default_reward"] == -REWARD_BOUND
+    reply = proxy.call(
+        "PATCH",
+        f"/rl/runs/{run['id']}",
+        content='{"config": {"default_reward": NaN}}',
+        headers={"Content-Type": "application/json"},
+    )
+    assert "default_reward" in assert_error(reply, 422)["message"]
+    assert proxy.run(run["id"])["config"]["default_reward"] == -REWARD_BOUND
+
+
+def test_a_run_stored_before_a_field_existed_shows_the_fields_default(proxy):
+    """GET and PATCH show the config as it acts: a field the stored config lacks (a run
+    created by an older server) shows its default, and the keys the server does not know stay."""
+    run = proxy.new_run(batch_size=4, lr=1e-6)
+    stored = {"batch_size": 4, "lr": 1e-6, "temperature": 0.9}
+    store_config(proxy, run["id"], stored)
+    shown = proxy.run(run["id"])["config"]
+    assert shown == {**run["config"], "temperature": 0.9}
+    assert (shown["off_temperature"], shown["claim_lease_s"], shown["lr"]) == ("mask", 300.0, 1e-6)
+    (listed,) = [r for r in proxy.ok("GET", "/rl/runs") if r["id"] == run["id"]]
+    assert listed["config"] == shown
+    assert proxy.patch_run(run["id"], max_staleness=2)["config"] == {**shown, "max_staleness": 2}
+
+
+def test_a_config_changed_by_another_process_is_used_within_the_cache_ttl(proxy):
+    """The run's temperature is kept in memory for RUN_CONFIG_TTL_S: a config written to the
+    store by another server process (here: directly) samples the next request once that has
+    passed."""
+    run = proxy.new_run(temperature=0.7)
+    session = proxy.new_session(run["id"])
+    chat(session)
+    store_config(proxy, run["id"], {**run["config"], "temperature": 1.3})
+    time.sleep(RUN_CONFIG_TTL_S + 0.3)
+    chat(session)
+    turns = proxy.session(session["session_id"])["turns"]
+    assert [turn["sampling"]["temperature"] for turn in turns] == [0.7, 1.3]
 
 
 def test_unknown_run_is_404(proxy):
@@ -357,6 +398,7 @@ ADMIN_ROUTES = [
     ("PATCH", "/rl/runs/{run_id}", {"config": {"batch_size": 1}}),
     ("POST", "/rl/runs/{run_id}/claims", {"max_sessions": 1}),
     ("POST", "/rl/claims/claim-x/confirm", None),
+    ("POST", "/rl/claims/claim-x/drop", {"dropped": {"sess-x": "x: y"}}),
     ("POST", "/rl/claims/claim-x/release", None),
     ("POST", "/rl/claims/renew", {"claim_ids": ["claim-x"]}),
     ("POST", "/admin/weights", {"model_path": "/nowhere"}),
@@ -471,13 +513,17 @@ def test_a_reward_for_an_unknown_completion_is_404(proxy):
         '{"reward": true}',
         '{"reward": null}',
         '{"reward": [1.0]}',
+        '{"reward": "NaN"}',
+        '{"reward": 1e200}',
+        '{"reward": -2e9}',
+        '{"reward": 1000000001}',
         "{}",
         '{"reward": 1.0, "extra": 1}',
     ],
 )
 def test_a_reward_that_is_not_a_finite_number_is_422(proxy, body):
-    """NaN, infinities, strings, booleans, null, lists, a missing reward or an unknown field:
-    422 invalid_request_error, and nothing is recorded."""
+    """NaN, infinities, numbers beyond +-1e9, strings, booleans, null, lists, a missing reward
+    or an unknown field: 422 invalid_request_error, and nothing is recorded."""
     session_id = proxy.new_session()["session_id"]
     reply = proxy.call(
         "POST",
@@ -487,6 +533,14 @@ def test_a_reward_that_is_not_a_finite_number_is_422(proxy, body):
     )
     assert assert_error(reply, 422)["type"] == "invalid_request_error"
     assert proxy.session(session_id)["rewards"] == {}
+
+
+def test_rewards_up_to_the_bound_are_taken_and_beyond_it_refused_naming_the_field(proxy):
+    for value in (REWARD_BOUND, -REWARD_BOUND):
+        session_id = proxy.new_session()["session_id"]
+        assert proxy.reward(session_id, value).json()["reward"] == value
+    error = assert_error(proxy.reward(proxy.new_session()["session_id"], 1e200), 422)
+    assert error["param"] == "reward" and "1000000000" in error["message"]
 
 
 def test_a_reward_before_the_end_waits_for_the_end(proxy):
@@ -650,8 +704,8 @@ def test_a_dropped_session_frees_room_for_a_waiting_one(proxy):
     proxy.end(first)
 
     drop_after_deadline = {"config": {"reward_timeout_s": 0.2, "on_missing_reward": "drop"}}
-    reply, after_patch = create_while(
-        proxy, run["id"], ("PATCH", f"/rl/runs/{run['id']}", drop_after_deadline)
+    reply, after_patch = proxy.create_while(
+        run["id"], ("PATCH", f"/rl/runs/{run['id']}", drop_after_deadline)
     )
     assert reply.status_code == 201, reply.text
     assert after_patch < 5.0
@@ -667,7 +721,7 @@ def test_publishing_a_version_admits_a_waiting_session(proxy):
         proxy.new_session(run["id"])
 
     publish = {"model_path": str(proxy.model_dir), "run_id": run["id"]}
-    reply, after_publish = create_while(proxy, run["id"], ("POST", "/admin/weights", publish))
+    reply, after_publish = proxy.create_while(run["id"], ("POST", "/admin/weights", publish))
     assert reply.status_code == 201, reply.text
     assert after_publish < 5.0
     shown = proxy.run(run["id"])

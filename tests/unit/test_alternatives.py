@@ -8,13 +8,14 @@ then properties over random sessions of requests with 1 to 4 choices, retries an
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.store.rows import TurnTokens, alternatives, assemble_rows, request_signature
+from server.store.rows import TurnTokens, alternatives, asks_the_same, assemble_rows
 
 
 @dataclass
@@ -29,7 +30,7 @@ class Recorder:
         """A chat request with the user message ``ask`` and ``n`` choices; ``continues`` is the
         choice of the previous request it continues. Returns the completion ids."""
         request_id = f"req{len(self.requests)}"
-        signature = request_signature([{"role": "user", "content": ask}], None, [])
+        messages = [{"role": "user", "content": ask}]
         continued_row = None
         if continues is not None:
             continued_row = self.requests[-1][continues].row_index
@@ -47,7 +48,8 @@ class Recorder:
                     turn_index=len(self.turns) + choice,
                     row_index=row,
                     extends_previous=extends,
-                    signature=signature,
+                    messages=messages,
+                    tools=None,
                     prompt_ids=[1, 2],
                     completion_ids=[3],
                     logprobs=[-0.1],
@@ -72,7 +74,8 @@ class Recorder:
                     turn_index=len(self.turns) + choice,
                     row_index=self.next_row,
                     extends_previous=False,
-                    signature=previous.signature,
+                    messages=list(previous.messages or []),  # equal, not the same object
+                    tools=previous.tools,
                     prompt_ids=[1, 2],
                     completion_ids=[4],
                     logprobs=[-0.2],
@@ -147,13 +150,63 @@ def test_a_retried_continuation_leaves_the_path_through_the_retry():
     assert first not in alternatives(session.turns) and retried not in alternatives(session.turns)
 
 
+def asked(messages=None, tools=None, prompt_ids=(1,)) -> TurnTokens:
+    """A turn of a request that asked ``messages`` and ``tools`` (None: a prompt of ids)."""
+    return TurnTokens(
+        completion_id="c",
+        request_id="r",
+        turn_index=0,
+        row_index=0,
+        extends_previous=False,
+        messages=messages,
+        tools=tools,
+        prompt_ids=list(prompt_ids),
+        completion_ids=[3],
+        logprobs=[-0.1],
+        versions=[0],
+    )
+
+
 def test_chat_and_token_prompts_are_compared_by_what_they_asked():
     messages = [{"role": "user", "content": "hi"}]
+    longer = [*messages, {"role": "assistant", "content": "hello"}]
     tools = [{"type": "function", "function": {"name": "f"}}]
-    assert request_signature(messages, None, [1]) == request_signature(messages, None, [2])
-    assert request_signature(messages, None, [1]) != request_signature(messages, tools, [1])
-    assert request_signature(None, None, [1, 2]) == request_signature(None, None, [1, 2])
-    assert request_signature(None, None, [1, 2]) != request_signature(None, None, [1, 3])
+    assert asks_the_same(asked(messages, prompt_ids=[1]), asked(messages, prompt_ids=[2]))
+    assert not asks_the_same(asked(messages), asked(messages, tools))
+    assert not asks_the_same(asked(messages), asked(longer))
+    assert asks_the_same(asked(prompt_ids=[1, 2]), asked(prompt_ids=[1, 2]))
+    assert not asks_the_same(asked(prompt_ids=[1, 2]), asked(prompt_ids=[1, 3]))
+    assert not asks_the_same(asked(messages, prompt_ids=[1]), asked(None, prompt_ids=[1]))
+    assert not asks_the_same(asked([], prompt_ids=[1]), asked(None, prompt_ids=[1]))
+
+
+def signature(turn: TurnTokens) -> str:
+    """The reference: what the request asked, as canonical JSON (the rule's definition)."""
+    if turn.messages is not None:
+        return json.dumps(["chat", turn.messages, turn.tools], sort_keys=True)
+    return json.dumps(["ids", turn.prompt_ids])
+
+
+TEXT = st.text(alphabet="ab", max_size=2)
+MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": TEXT}),
+    max_size=3,
+)
+TOOLS = st.none() | st.lists(st.fixed_dictionaries({"name": TEXT}), max_size=2)
+ASKED = st.builds(
+    asked,
+    st.none() | MESSAGES,
+    TOOLS,
+    st.lists(st.integers(0, 2), max_size=3),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(ASKED, ASKED)
+def test_asking_the_same_is_having_the_same_canonical_request(first, other):
+    assert asks_the_same(first, other) == (signature(first) == signature(other))
+    assert asks_the_same(first, other) == asks_the_same(other, first)
+    assert asks_the_same(first, first)
 
 
 def test_rows_flag_their_alternatives():
@@ -184,12 +237,8 @@ def sessions(draw) -> tuple[Recorder, list[str]]:
     for _ in range(draw(st.integers(0, 7))):
         n = draw(st.integers(1, 4))
         kind = draw(st.sampled_from(["retry", "continue", "break"]))
-        previous_ask = session.requests[-1][0].signature
-        others = [
-            ask
-            for ask in ASKS
-            if request_signature([{"role": "user", "content": ask}], None, []) != previous_ask
-        ]
+        previous_ask = session.requests[-1][0].messages
+        others = [ask for ask in ASKS if [{"role": "user", "content": ask}] != previous_ask]
         if kind == "retry":
             session.retry(n)
             kinds.append("retry")

@@ -15,6 +15,7 @@ from server.store.tables import DROP_REASON_LENGTH
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 TRAIN = GroupRule(size=3, timeout_s=60.0, on_incomplete="train")
 DROP = GroupRule(size=3, timeout_s=60.0, on_incomplete="drop")
+NO_SIZE = GroupRule(size=1, timeout_s=60.0, on_incomplete="drop")  # a run without group_size
 
 
 def session(sid: str, age_s: float, group: str | None = None, task: str | None = None):
@@ -32,10 +33,19 @@ def dropped(plan) -> dict[str, str]:
 
 def test_a_group_id_and_a_task_id_spelled_alike_are_different_groups():
     a, b, c = session("a", 1, group="x"), session("b", 1, task="x"), session("c", 1, "x", "y")
-    assert group_key(a) == group_key(c) == ("group", "x")
-    assert group_key(b) == ("task", "x")
-    assert group_key(session("d", 1)) is None
-    assert sorted(sorted(g.session_ids) for g in form_groups([a, b, c])) == [["a", "c"], ["b"]]
+    assert group_key(a, True) == group_key(c, True) == ("group", "x")
+    assert group_key(b, True) == ("task", "x")
+    assert group_key(session("d", 1), True) is None
+    formed = form_groups([a, b, c], by_task=True)
+    assert sorted(sorted(g.session_ids) for g in formed) == [["a", "c"], ["b"]]
+
+
+def test_only_a_group_size_above_1_groups_by_task():
+    assert TRAIN.by_task and not NO_SIZE.by_task
+    task_only = [session("a", 1, task="t"), session("b", 1, task="t"), session("c", 1, "g", "t")]
+    assert group_key(task_only[0], False) is None
+    formed = form_groups(task_only, by_task=False)
+    assert sorted(sorted(g.session_ids) for g in formed) == [["a"], ["b"], ["c"]]
 
 
 def test_a_full_group_is_claimed_and_a_young_incomplete_one_waits():
@@ -76,6 +86,29 @@ def test_a_session_without_a_key_is_claimed_or_dropped_at_once():
     reasons = dropped(plan_claim(alone, DROP, 10, NOW))
     assert set(reasons) == {"a", "b"}
     assert reasons["a"].startswith("no_group: the session has neither group_id nor task_id")
+
+
+def test_without_a_group_size_a_group_id_comes_whole_at_once_and_the_rest_alone():
+    """No group_size: a group_id's trainable sessions are claimed together at once, however
+    few or many and even beyond max_sessions when first; task-only and keyless sessions one by
+    one (never dropped, whatever on_incomplete_group says)."""
+    grouped = [session(f"g{i}", 30, group="g", task="t") for i in range(3)]
+    task_only = [session(f"t{i}", 20, task="t") for i in range(2)]
+    alone = session("z", 10)
+    plan = plan_claim([alone, *task_only, *grouped], NO_SIZE, 2, NOW)
+    assert claimed(plan) == [["g0", "g1", "g2"]] and dropped(plan) == {}
+    plan = plan_claim([alone, *task_only], NO_SIZE, 2, NOW)
+    assert claimed(plan) == [["t0"], ["t1"]]
+    assert claimed(plan_claim([alone, session("h", 0, group="h")], NO_SIZE, 10, NOW)) == [
+        ["z"],
+        ["h"],
+    ]
+
+
+def test_a_claim_that_already_holds_sessions_takes_only_groups_that_fit():
+    mid = [session(f"m{i}", 20, group="mid") for i in range(4)]
+    assert claimed(plan_claim(mid, TRAIN, 5, NOW, already=2)) == []
+    assert claimed(plan_claim(mid, TRAIN, 6, NOW, already=2)) == [["m0", "m1", "m2", "m3"]]
 
 
 def test_groups_go_oldest_first_whole_and_stop_at_the_first_that_does_not_fit():
@@ -127,28 +160,43 @@ def candidates(draw) -> list[Candidate]:
 @given(
     candidates(),
     st.integers(1, 10),
-    st.integers(2, 4),
+    st.integers(1, 4),
     st.sampled_from(["train", "drop"]),
     st.sampled_from([None, 30.0, 90.0]),
+    st.integers(0, 3),
 )
 def test_every_plan_takes_whole_groups_each_session_at_most_once(
-    found, max_sessions, size, on_incomplete, timeout_s
+    found, max_sessions, size, on_incomplete, timeout_s, already
 ):
+    """Whatever the group size (1: none), plans never split a group (by group_id, and by
+    task_id only above 1), take no session twice, stay within max_sessions unless the first
+    group alone is larger, and go oldest first (by a group's newest session)."""
     rule = GroupRule(size, timeout_s, on_incomplete)
-    plan = plan_claim(found, rule, max_sessions, NOW)
+    plan = plan_claim(found, rule, max_sessions, NOW, already=already)
     taken = [sid for group in plan.claim for sid in group.session_ids]
     gone = list(dropped(plan))
     assert len(set(taken)) == len(taken) and not set(taken) & set(gone)
-    members = {}
-    for candidate in found:
-        members.setdefault(group_key(candidate) or candidate.session_id, set()).add(
-            candidate.session_id
-        )
+    members: dict[tuple[str, str], set[str]] = {}
+    for c in found:
+        if c.group_id is not None:
+            key = ("group", c.group_id)
+        elif size > 1 and c.task_id is not None:
+            key = ("task", c.task_id)
+        else:
+            key = ("alone", c.session_id)
+        members.setdefault(key, set()).add(c.session_id)
     for group in [*plan.claim, *(group for group, _ in plan.drop)]:
-        key = group.key or group.session_ids[0]
+        key = group.key or ("alone", group.session_ids[0])
         assert set(group.session_ids) == members[key]  # never split
-    assert len(plan.claim) <= 1 or len(taken) <= max_sessions
-    if on_incomplete == "drop":
+    if len(plan.claim) > 1 or (already and plan.claim):  # only a first group may be too big
+        assert already + len(taken) <= max_sessions
+    newest = [group.newest for group in plan.claim]
+    assert newest == sorted(newest)
+    if size == 1:  # every group complete at once: everything is claimable, nothing dropped
+        assert plan.drop == []
+        if not already:
+            assert plan.claim or not found
+    elif on_incomplete == "drop":
         assert all(len(group.members) >= size for group in plan.claim)
     else:
         assert plan.drop == []

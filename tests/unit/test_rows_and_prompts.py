@@ -15,7 +15,6 @@ from server.store.rows import (
     TurnTokens,
     assemble_rows,
     continues,
-    request_signature,
 )
 from server.tokenization import Tokenizer
 
@@ -35,7 +34,8 @@ def turn(
         turn_index=index,
         row_index=row,
         extends_previous=extends,
-        signature=request_signature(None, None, prompt),
+        messages=None,
+        tools=None,
         prompt_ids=prompt,
         completion_ids=completion,
         logprobs=[-0.5] * len(completion),
