@@ -26,7 +26,10 @@ behaviour_logprobs``: then w = 1 exactly and no token exceeds a cap >= 1.
 
 Masked tokens take no part, not even as NaN: every log-ratio is zeroed outside the loss mask
 before it is exponentiated, so a masked token with an absurd logprob (a prompt position, a
-stale or off-temperature token) can put neither inf nor NaN into the loss or its gradient.
+stale or off-temperature token) can put neither inf nor NaN into the loss or its gradient; a
+token the behaviour mask removes gets weight 0, not an infinite weight times 0; and log-ratios
+are clamped to +-``MAX_LOG_RATIO`` before exp (a ratio of e^80 never occurs in a healthy run,
+but one absurd logprob must not make the loss infinite).
 
 The options come whole from the frozen `AlgorithmConfig`, whose bounds (clip ranges, cap, dual
 clip) are checked once, when it is made; this module does not check them again. It knows
@@ -42,6 +45,8 @@ from typing import Literal
 import torch
 
 from trainer.config import AlgorithmConfig
+
+MAX_LOG_RATIO = 80.0  # exp(80) ~ 5.5e34: finite in float32, and far beyond any cap
 
 BehaviourMode = Literal["truncate", "token_mask", "sequence_mask"]
 BEHAVIOUR_MODES: tuple[BehaviourMode, ...] = ("truncate", "token_mask", "sequence_mask")
@@ -66,14 +71,17 @@ def k3_kl(
 ) -> torch.Tensor:
     """Per-token k3 estimator exp(q - p) - (q - p) - 1 >= 0, with p = logprobs, q = other;
     0 outside ``mask`` (where the log-ratio is never exponentiated)."""
-    log_ratio = _where(mask, other_logprobs - logprobs)
+    log_ratio = _log_ratio(mask, other_logprobs - logprobs)
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def _where(mask: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
-    """``values`` where ``mask``, else 0: applied to log-ratios *before* exp, so that masked
-    tokens neither overflow in the forward pass nor send 0 * inf = NaN back in the backward."""
-    return values if mask is None else torch.where(mask, values, torch.zeros_like(values))
+def _log_ratio(mask: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+    """``values`` where ``mask``, else 0, within +-MAX_LOG_RATIO: applied to log-ratios *before*
+    exp, so that no token overflows in the forward pass or sends 0 * inf = NaN back in the
+    backward."""
+    if mask is not None:
+        values = torch.where(mask, values, torch.zeros_like(values))
+    return torch.clamp(values, -MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
 def _check_inputs(
@@ -136,19 +144,21 @@ def behaviour_correction(
     sequence_ids: torch.Tensor | None,
 ) -> BehaviourCorrection:
     """The importance weight pi_prox / pi_behav (detached), capped or masked above ``cap``;
-    1 outside the loss mask."""
-    raw = torch.exp(_where(loss_mask, proximal_logprobs - behaviour_logprobs)).detach()
+    1 outside the loss mask, and 0 on the tokens it removes."""
+    raw = torch.exp(_log_ratio(loss_mask, proximal_logprobs - behaviour_logprobs)).detach()
     if cap is None:
         return BehaviourCorrection(raw, loss_mask, raw, torch.zeros_like(loss_mask))
     over_cap = (raw > cap) & loss_mask
     if mode == "truncate":
         return BehaviourCorrection(torch.clamp(raw, max=cap), loss_mask, raw, over_cap)
     if mode == "token_mask":
-        return BehaviourCorrection(raw, loss_mask & ~over_cap, raw, over_cap)
-    if sequence_ids is None:
+        kept = loss_mask & ~over_cap
+    elif sequence_ids is None:
         raise ValueError("behaviour_mode='sequence_mask' needs sequence_ids")
-    kept = loss_mask & ~_sequence_any(over_cap, sequence_ids)
-    return BehaviourCorrection(raw, kept, raw, over_cap)
+    else:
+        kept = loss_mask & ~_sequence_any(over_cap, sequence_ids)
+    weight = torch.where(kept | ~loss_mask, raw, torch.zeros_like(raw))
+    return BehaviourCorrection(weight, kept, raw, over_cap)
 
 
 def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -198,8 +208,7 @@ def decoupled_ppo_loss(
     advantages = advantages.detach()
     loss_mask = loss_mask.bool()
 
-    log_ratio = _where(loss_mask, logprobs - proximal_logprobs)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(_log_ratio(loss_mask, logprobs - proximal_logprobs))
     eps_high = algorithm.eps_clip if algorithm.eps_clip_high is None else algorithm.eps_clip_high
     pg, clip_active, dual_active = clipped_policy_loss(
         ratio, advantages, algorithm.eps_clip, eps_high, algorithm.dual_clip

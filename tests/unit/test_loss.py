@@ -508,6 +508,24 @@ def test_masked_tokens_with_absurd_values_change_nothing(seed, option, where, va
     assert all(torch.isfinite(v) for v in stats.values())
 
 
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_mask", "truncate", None])
+@pytest.mark.parametrize("behaviour", [-100.0, -1e4, -math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_loss_token_with_an_absurd_behaviour_logprob_sends_no_nan_back(mode, behaviour, dtype):
+    """A loss token whose pi_prox / pi_behav overflows: removed by the behaviour mask (weight
+    0, not inf * 0), truncated to the cap, or, without a cap, weighted e^MAX_LOG_RATIO: the
+    loss and every gradient stay finite."""
+    case = random_case(15, n=16, dtype=dtype)
+    case.mask[:] = 1
+    case.behaviour[3] = behaviour
+    options = {"behaviour_cap": 2.0, "behaviour_mode": mode} if mode else {}
+    loss, grad, stats = run(case, 16.0, **options)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert all(torch.isfinite(v) for v in stats.values())
+    if mode in ("token_mask", "sequence_mask"):
+        assert grad[3] == 0 and stats["behaviour_masked_tokens"] >= 1
+
+
 # --- refused inputs -----------------------------------------------------------------------
 
 
