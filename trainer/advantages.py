@@ -1,44 +1,50 @@
 """Rewards to per-turn advantages: discounted returns, then one estimator from one table.
 
-**Returns.** A session's turns on its *path* (the turns it continued, in order) get
+**Returns.** A session's turns on its *path* (the turns it went on from, in order) get
 discounted returns, G_t = r_t + discount * G_{t+1}: r_t is the turn's own reward (none: 0)
-and the session reward is added to the last path turn's. A turn the session did not continue
+and the session reward is added to the last path turn's. A turn the session did not go on from
 (an *alternative*: another choice of n > 1, or a request it retried) shares neither the session
-reward nor later turns' rewards; its return is its own reward, and without one it has none.
-The caller decides which turns have returns; this module maps those floats to advantages.
+reward nor later turns' rewards; its return is its own reward, and without one it has none. Its
+position is that of the path turn its request led to. The caller decides which turns have
+returns; this module maps those floats to advantages.
 
-**Estimators.** Each is one entry of `ESTIMATORS`. It pools returns and turns each return G of
-the pool into A = (G - b) / s:
+**Estimators.** Each is one entry of `ESTIMATORS`. Returns are compared position by position
+along the path: the pool at position t holds the group's returns at t, and a session whose path
+ended before t stands in with its *outcome* (its last path return), as a finished episode's
+result. Each return G at t becomes A = (G - b) / s:
 
-    grpo          pool: the group's returns    b = mean                         s = std + eps
-    dr_grpo       pool: the group's returns    b = mean                         s = 1
-    rloo          pool: the group's returns    b = mean of the other sessions'  s = 1
-    reinforce_pp  pool: the batch's returns    b = mean                         s = std + eps
-    running       pool: the task's returns     b = the task's running mean      s = 1
+    grpo          pool: the group's returns at t    b = mean                         s = std + eps
+    dr_grpo       pool: the group's returns at t    b = mean                         s = 1
+    rloo          pool: the group's returns at t    b = mean of the other sessions'  s = 1
+    reinforce_pp  pool: the batch's returns at t    b = mean                         s = std + eps
+    running       the task                          b = running mean of outcomes     s = 1
 
-The statistics are those of the quantities being normalised: every return of every session in
-the pool counts once (a session of three turns brings three). With one turn per session that is
-exactly the per-session statistic of GRPO; with more, a pool's advantages sum to zero over its
-turns under grpo and dr_grpo, and no grpo or reinforce_pp advantage exceeds sqrt(N - 1) in size
-for a pool of N returns (the largest z-score N numbers can reach; std is the population std).
+The statistics are those of the quantities being normalised. With one reward per session and
+no discount every return of a session is its reward, so every position gives exactly the
+per-session GRPO (Dr. GRPO, RLOO, REINFORCE++) advantage, whatever the sessions' lengths. With a
+discount or per-turn rewards, a return is only compared with returns at the same position, so
+returns that differ only by where in a session they fall get nothing from it. No grpo or
+reinforce_pp advantage exceeds sqrt(N - 1) in size, N the values in its position's pool (the
+largest z-score N numbers can reach; std is the population std).
 
 **No contrast, no signal.** A pool of fewer than two sessions has nothing to compare with, and a
-pool whose returns are all equal has no spread: every estimator but `running` gives 0 to all its
-returns. `running` compares with earlier batches (the first batch of a task is its own
-baseline), so equal returns can still differ from the task's running mean: that is its point.
+pool whose values are all equal has no spread: every estimator but `running` gives 0 there.
+`running` compares with earlier batches (the first batch of a task is its own baseline), so
+equal returns can still differ from the task's running mean: that is its point.
 
 **Groups.** Sessions pool by ``group_key``, else ``task_key`` (a group key and a task key never
 share a pool, even if spelled the same). Under a group estimator, a session with neither key is
 baselined by the running baseline under the key ``""`` when one is given, and gets 0 otherwise.
 
-This module knows nothing about tokens, storage or torch: it maps floats to floats.
+This module knows nothing about tokens, storage or torch: it maps floats to floats. The bounds
+of its settings (discount, momentum) are checked once, by the trainer's config.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 EstimatorName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "running"]
@@ -53,8 +59,6 @@ def turn_returns(
     r_t is the turn's own reward (None counts as 0); the session reward is added to the last
     turn's reward. A session without turns has no returns.
     """
-    if not 0.0 <= discount <= 1.0:
-        raise ValueError(f"discount must be in [0, 1], got {discount}")
     rewards = [0.0 if r is None else float(r) for r in turn_rewards]
     if rewards and session_reward is not None:
         rewards[-1] += float(session_reward)
@@ -80,14 +84,14 @@ class Shift:
         return (value - self.baseline) / self.scale
 
 
-# A pool: for each session in it (by index), its returns. An estimator gives each session of
-# the pool a Shift, or None where there is no signal (every advantage of that session is 0).
+# A pool: for each session in it (by index), its values. An estimator gives each session of the
+# pool a Shift, or None where there is no signal (its advantages there are 0).
 Pool = Mapping[int, Sequence[float]]
 Shifts = dict[int, Shift | None]
 
 
 def _values(pool: Pool) -> list[float]:
-    return [value for returns in pool.values() for value in returns]
+    return [value for values in pool.values() for value in values]
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -97,42 +101,44 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def _std(values: Sequence[float]) -> float:
-    """Population standard deviation."""
+    """Population standard deviation, scaled so that no square overflows."""
     mean = _mean(values)
-    return math.sqrt(math.fsum((x - mean) ** 2 for x in values) / len(values))
+    deviations = [x - mean for x in values]
+    largest = max(abs(d) for d in deviations)
+    if largest == 0:
+        return 0.0
+    return largest * math.sqrt(math.fsum((d / largest) ** 2 for d in deviations) / len(values))
 
 
 def _contrast(pool: Pool) -> bool:
-    """Two sessions or more, whose returns are not all equal."""
+    """Two sessions or more, whose values are not all equal."""
     values = _values(pool)
-    return len(pool) >= 2 and bool(values) and max(values) != min(values)
+    return len(pool) >= 2 and max(values) != min(values)
 
 
 def normalised(pool: Pool, eps: float) -> Shifts:
-    """(G - mean) / (std + eps) over every return of the pool."""
+    """(G - mean) / (std + eps) over every value of the pool."""
     if not _contrast(pool):
         return dict.fromkeys(pool)
     values = _values(pool)
-    shift = Shift(_mean(values), _std(values) + eps)
-    return dict.fromkeys(pool, shift)
+    return dict.fromkeys(pool, Shift(_mean(values), _std(values) + eps))
 
 
 def centred(pool: Pool, eps: float) -> Shifts:
-    """G - mean over every return of the pool."""
+    """G - mean over every value of the pool."""
     if not _contrast(pool):
         return dict.fromkeys(pool)
     return dict.fromkeys(pool, Shift(_mean(_values(pool))))
 
 
 def leave_one_out(pool: Pool, eps: float) -> Shifts:
-    """G - mean of the returns of the pool's *other* sessions."""
+    """G - mean of the values of the pool's *other* sessions."""
     if not _contrast(pool):
         return dict.fromkeys(pool)
-    shifts: Shifts = {}
-    for index in pool:
-        others = [v for other, returns in pool.items() if other != index for v in returns]
-        shifts[index] = Shift(_mean(others)) if others else None
-    return shifts
+    return {
+        index: Shift(_mean([v for other, vs in pool.items() if other != index for v in vs]))
+        for index in pool
+    }
 
 
 @dataclass(frozen=True)
@@ -157,15 +163,13 @@ ESTIMATORS: dict[str, Estimator] = {
 
 
 class RunningBaseline:
-    """Per-key exponential moving average of the mean return of each session.
+    """Per-key exponential moving average of the sessions' outcomes (last path returns).
 
     The first value of a key becomes its baseline; later ones move it by ``1 - momentum``. The
     state is a plain ``{key: value}`` dict of floats, so the trainer can checkpoint it as JSON.
     """
 
     def __init__(self, momentum: float) -> None:
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         self.momentum = momentum
         self._values: dict[str, float] = {}
 
@@ -186,24 +190,41 @@ class RunningBaseline:
         self._values = {str(key): float(value) for key, value in state.items()}
 
 
-def against_running(pool: Pool, value: float | None) -> Shifts:
-    """G - the key's running value; before it has one, G - the mean of the pool's returns."""
-    values = _values(pool)
-    if not values:
-        return dict.fromkeys(pool)
-    return dict.fromkeys(pool, Shift(_mean(values) if value is None else value))
-
-
 # --- sessions to advantages -----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class SessionReturns:
-    """One session's grouping keys and the returns of its trained turns."""
+    """One session's grouping keys and the returns of its trained turns.
+
+    ``positions[i]`` is where along the path ``returns[i]`` falls (default 0, 1, 2, ...);
+    ``length`` is the path's length (default: the number of returns) and ``outcome`` its last
+    return (default: the last of ``returns``): from position ``length`` on, the session stands
+    in with its outcome.
+    """
 
     group_key: str | None
     task_key: str | None
     returns: list[float]
+    positions: list[int] = field(default_factory=list)
+    length: int | None = None
+    outcome: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.positions:
+            object.__setattr__(self, "positions", list(range(len(self.returns))))
+        if self.length is None:
+            object.__setattr__(self, "length", max(self.positions, default=-1) + 1)
+        if self.outcome is None and self.returns:
+            object.__setattr__(self, "outcome", self.returns[-1])
+
+    def at(self, position: int) -> list[float]:
+        """Its values at ``position``: its own returns there, else its outcome once its path
+        has ended."""
+        own = [g for g, p in zip(self.returns, self.positions, strict=True) if p == position]
+        if own or self.length is None or position < self.length or self.outcome is None:
+            return own
+        return [self.outcome]
 
 
 def _group_of(session: SessionReturns) -> tuple[str, str] | None:
@@ -223,11 +244,11 @@ def _pools(
     sessions: Sequence[SessionReturns], pools: str
 ) -> tuple[dict[object, list[int]], dict[str, list[int]]]:
     """Sessions pooled for the estimator, and (keyed by task) those left to the running
-    baseline."""
+    baseline. A session with no returns is nobody's partner."""
     estimated: dict[object, list[int]] = {}
     running: dict[str, list[int]] = {}
     for i, session in enumerate(sessions):
-        if not session.returns:  # nothing trained: not a partner to compare with
+        if not session.returns:
             continue
         if pools == "batch":
             estimated.setdefault("batch", []).append(i)
@@ -240,8 +261,20 @@ def _pools(
     return estimated, running
 
 
-def _apply(shift: Shift | None, returns: Sequence[float]) -> list[float]:
-    return [0.0 if shift is None else shift(value) for value in returns]
+def _by_position(
+    sessions: Sequence[SessionReturns],
+    members: list[int],
+    shifts_of: Callable[[Pool, float], Shifts],
+    eps: float,
+) -> dict[tuple[int, int], Shift | None]:
+    """The shift of each (session, position), from the pool of each position."""
+    last = max(max(max(s.positions) + 1, s.length or 0) for s in map(sessions.__getitem__, members))
+    out: dict[tuple[int, int], Shift | None] = {}
+    for position in range(last):
+        pool = {i: values for i in members if (values := sessions[i].at(position))}
+        for i, shift in shifts_of(pool, eps).items():
+            out[(i, position)] = shift
+    return out
 
 
 def session_advantages(
@@ -253,8 +286,8 @@ def session_advantages(
     """Per session, the advantage of each of its returns (see the module docstring).
 
     The running baseline is read for the whole batch first and updated afterwards, with the
-    mean return of every session it served, in batch order: sessions of one batch never
-    baseline each other through it.
+    outcome of every session it served, in batch order: sessions of one batch never baseline
+    each other through it.
     """
     spec = ESTIMATORS.get(estimator)
     if spec is None:
@@ -262,20 +295,28 @@ def session_advantages(
     if spec.pools == "task" and baseline is None:
         raise ValueError("the 'running' estimator needs a RunningBaseline")
     estimated, running = _pools(sessions, spec.pools)
-    shifts: Shifts = {}
+    shifts: dict[tuple[int, int], Shift | None] = {}
     for members in estimated.values():
         assert spec.shifts is not None
-        shifts.update(spec.shifts({i: sessions[i].returns for i in members}, eps))
+        shifts.update(_by_position(sessions, members, spec.shifts, eps))
     served: list[int] = []
     for key, members in running.items():
-        pool = {i: sessions[i].returns for i in members}
         if baseline is None:
-            shifts.update(dict.fromkeys(members))
-            continue
-        shifts.update(against_running(pool, baseline.value(key)))
+            continue  # no shift: no signal
+        value = baseline.value(key)
+        if value is None:  # a new key: its own sessions' mean outcome
+            value = _mean([sessions[i].outcome for i in members])  # type: ignore[misc]
+        for i in members:
+            shifts.update({(i, p): Shift(value) for p in sessions[i].positions})
         served += members
-    advantages = [_apply(shifts.get(i), s.returns) for i, s in enumerate(sessions)]
+    advantages = [
+        [
+            0.0 if (shift := shifts.get((i, p))) is None else shift(g)
+            for g, p in zip(s.returns, s.positions, strict=True)
+        ]
+        for i, s in enumerate(sessions)
+    ]
     if baseline is not None:
         for i in sorted(served):
-            baseline.update(_running_key(sessions[i]), _mean(sessions[i].returns))
+            baseline.update(_running_key(sessions[i]), sessions[i].outcome)  # type: ignore[arg-type]
     return advantages
