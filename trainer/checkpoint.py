@@ -9,7 +9,9 @@ trained on, each with its size and the sessions the trainer dropped (with their 
 Claims are confirmed (their sessions marked consumed, or dropped) only once a checkpoint covers
 them, and every claim is written to a journal (``claims.jsonl``) the moment it is taken. On
 restart a journalled claim that the checkpoint covers is confirmed, and any other one is
-released, so no session is trained twice or skipped across a crash. A checkpoint of another run
+released, so no session is trained twice or skipped across a crash. A republish (the restored
+weights served under a new version) is journalled before it happens, and stays in the journal
+until a checkpoint holds it, so a second crash cannot lose it. A checkpoint of another run
 is refused (`WrongCheckpoint`), never resumed. This module only reads and writes files.
 """
 
@@ -101,15 +103,29 @@ class Checkpoints:
             f.flush()
             os.fsync(f.fileno())
 
-    def journalled(self) -> list[str]:
-        """The claims taken since the journal was last cleared, in order."""
+    def journal_republish(self, restored: int, version: int) -> None:
+        with self.journal.open("a") as f:
+            f.write(json.dumps({"republished": [restored, version]}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _records(self) -> list[dict[str, Any]]:
         if not self.journal.exists():
             return []
-        lines = self.journal.read_text().splitlines()
-        return [json.loads(line)["claim_id"] for line in lines if line.strip()]
+        return [json.loads(line) for line in self.journal.read_text().splitlines() if line.strip()]
 
-    def clear_journal(self) -> None:
-        _write_atomic(self.journal, "")
+    def journalled(self) -> list[str]:
+        """The claims taken since the journal was last cleared, in order."""
+        return [record["claim_id"] for record in self._records() if "claim_id" in record]
+
+    def journalled_republishes(self) -> list[list[int]]:
+        """The republishes no checkpoint holds yet, in order."""
+        return [record["republished"] for record in self._records() if "republished" in record]
+
+    def clear_journal(self, republished: list[list[int]] | None = None) -> None:
+        """Forget the journal but for ``republished`` (those no checkpoint holds yet)."""
+        lines = [json.dumps({"republished": pair}) + "\n" for pair in republished or []]
+        _write_atomic(self.journal, "".join(lines))
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -5,8 +5,10 @@ The server sends each claimed session as rows (``input_ids``, ``loss_mask``, beh
 and whether the session continued them (``alternative``). This module decides, per session:
 
 - **dropped, with a reason** (never an exception: bad data must not stop the trainer): no turns;
-  a row longer than the per-row limit; under ``stale=drop`` a token too stale; or nothing left
-  to train once tokens are masked. The reason reaches the server at confirm time;
+  a return that is not a finite number; a row longer than the per-row limit; under
+  ``stale=drop`` a token too stale; or nothing left to train once tokens are masked. Only tokens
+  that could train count (an alternative without a reward of its own trains nothing). The
+  trainer tells the server at once, so a dropped session stops counting against admission;
 - **masked tokens, counted by cause**: tokens more than ``max_staleness`` updates behind
   (`staleness.versions_behind`); turns sampled at another temperature than the training one
   under ``off_temperature=mask``; alternatives without a reward of their own;
@@ -21,6 +23,7 @@ Pure: it knows nothing about HTTP, Ray or torch.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,8 +33,8 @@ from trainer.advantages import RunningBaseline, SessionReturns, session_advantag
 from trainer.config import AlgorithmConfig
 from trainer.staleness import Republish, versions_behind
 
-PROMPT_VERSION = -1  # the store's version for tokens that no policy sampled
-GREEDY_BELOW = 1e-6  # a sampling temperature below this is greedy decoding (as in SGLang)
+# Facts of the wire protocol the trainer reads (it reaches the server only over HTTP):
+GREEDY_BELOW = 1e-6  # a temperature below this is greedy decoding (SGLang's rule, its engine's)
 SAME_TEMPERATURE = 1e-6  # temperatures this close are the same distribution
 
 # Why loss tokens were masked out: the keys of Batch.masked.
@@ -114,13 +117,30 @@ class _Turn:
     reward: float | None
     temperature: float | None
     alternative: bool
+    position: int = 0  # where along the session's path it falls
+    value: float | None = None  # its return (None: an alternative without a reward of its own)
     trains: bool = False  # any loss token left after masking
-    advantage: float = 0.0
 
 
-def _turns(session: dict[str, Any]) -> list[_Turn]:
+@dataclass
+class _Session:
+    """One claimed session's turns with their returns, and its path."""
+
+    data: dict[str, Any]
+    turns: list[_Turn]
+    length: int  # turns on the path
+    outcome: float | None  # the last path turn's return
+
+    @property
+    def first_return(self) -> float:
+        path = sorted((t for t in self.turns if not t.alternative), key=lambda t: t.order)
+        return path[0].value if path and path[0].value is not None else 0.0
+
+
+def _session(data: dict[str, Any], discount: float) -> _Session:
+    """The session's turns, each with its return and its position along the path."""
     turns: list[_Turn] = []
-    for r, row in enumerate(session["rows"]):
+    for r, row in enumerate(data["rows"]):
         for turn in row["turns"]:
             turns.append(
                 _Turn(
@@ -133,27 +153,37 @@ def _turns(session: dict[str, Any]) -> list[_Turn]:
                     alternative=bool(turn.get("alternative", False)),
                 )
             )
-    return turns
-
-
-def _path(turns: list[_Turn]) -> list[_Turn]:
-    return sorted((t for t in turns if not t.alternative), key=lambda t: t.order)
+    path = sorted((t for t in turns if not t.alternative), key=lambda t: t.order)
+    returns = turn_returns([t.reward for t in path], data.get("reward"), discount)
+    for position, (turn, value) in enumerate(zip(path, returns, strict=True)):
+        turn.position, turn.value = position, value
+    for turn in turns:
+        if turn.alternative:  # where its request stood on the path
+            turn.position = sum(1 for t in path if t.order < turn.order)
+            turn.value = None if turn.reward is None else float(turn.reward)
+    return _Session(data, turns, len(path), returns[-1] if returns else None)
 
 
 # --- why a session cannot train -------------------------------------------------------------
 
 
-def _drop_before_masking(session: dict[str, Any], turns: list[_Turn], rules: Rules) -> str | None:
-    if not turns:
+def _drop_before_masking(session: _Session, rules: Rules) -> str | None:
+    """Only tokens that could train count: an alternative without a reward trains nothing."""
+    if not session.turns:
         return "no_turns: the session has no model call to train on"
+    values = [t.value for t in session.turns if t.value is not None]
+    if not all(math.isfinite(v) for v in values):
+        return "bad_reward: its rewards add up to a return that is not a finite number"
+    rows = session.data["rows"]
+    counted = [t for t in session.turns if t.value is not None]
     limit = rules.row_limit
-    longest = max(len(row["input_ids"]) for row in session["rows"])
+    longest = max((len(rows[t.row]["input_ids"]) for t in counted), default=0)
     if limit is not None and longest > limit:
         return (
             f"row_too_long: a row of {longest} tokens, more than {rules.row_limit_name} ({limit})"
         )
     if rules.algorithm.stale == "drop":
-        sampled = [v for row in session["rows"] for v in row["versions"] if v != PROMPT_VERSION]
+        sampled = [v for t in counted for v in rows[t.row]["versions"][t.start : t.end]]
         lag = max((rules.behind(v) for v in sampled), default=0)
         if lag > rules.max_staleness:
             return (
@@ -211,18 +241,17 @@ class _Masked:
     off_policy: int = 0
 
 
-def _mask(session: dict[str, Any], turns: list[_Turn], rules: Rules) -> _Masked:
+def _mask(session: _Session, rules: Rules) -> _Masked:
     """The session's rows with every mask applied; marks which turns still train."""
-    out = _Masked([_sample(session["session_id"], row) for row in session["rows"]])
-    for turn in turns:
+    out = _Masked([_sample(session.data["session_id"], row) for row in session.data["rows"]])
+    for turn in session.turns:
         row = out.rows[turn.row]
         rule = _temperature_rule(turn.temperature, rules)
-        no_return = turn.alternative and turn.reward is None
         for i in range(turn.start, turn.end):
             if not row.loss_mask[i]:
                 continue
             cause = None
-            if no_return:
+            if turn.value is None:
                 cause = ALTERNATIVE
             elif rule == "mask":
                 cause = OFF_TEMPERATURE
@@ -246,23 +275,17 @@ def _mask(session: dict[str, Any], turns: list[_Turn], rules: Rules) -> _Masked:
 # --- the batch ------------------------------------------------------------------------------
 
 
-def _returns(session: dict[str, Any], turns: list[_Turn], discount: float) -> dict[int, float]:
-    """The return of every turn that has one, by its position in ``turns``."""
-    path = sorted(
-        (i for i, t in enumerate(turns) if not t.alternative), key=lambda i: turns[i].order
+def _returns(session: _Session) -> SessionReturns:
+    """What the estimator sees of a session: the returns of the turns that train."""
+    trained = [t for t in session.turns if t.trains]
+    return SessionReturns(
+        group_key=session.data.get("group_id"),
+        task_key=session.data.get("task_id"),
+        returns=[t.value for t in trained],  # type: ignore[misc]
+        positions=[t.position for t in trained],
+        length=session.length,
+        outcome=session.outcome,
     )
-    rewards = [turns[i].reward for i in path]
-    out = dict(zip(path, turn_returns(rewards, session.get("reward"), discount), strict=True))
-    for i, turn in enumerate(turns):
-        if turn.alternative and turn.reward is not None:
-            out[i] = float(turn.reward)
-    return out
-
-
-def _first_return(session: dict[str, Any], turns: list[_Turn], discount: float) -> float:
-    path = _path(turns)
-    returns = turn_returns([t.reward for t in path], session.get("reward"), discount)
-    return returns[0] if returns else 0.0
 
 
 def build_batch(
@@ -271,44 +294,29 @@ def build_batch(
     """Samples for one training step of the policy at ``rules.policy_version``."""
     algorithm = rules.algorithm
     batch = Batch(samples=[], session_ids=[s["session_id"] for s in sessions])
-    kept: list[tuple[dict[str, Any], list[_Turn], _Masked, dict[int, float]]] = []
-    for session in sessions:
-        turns = _turns(session)
-        if turns:
-            batch.rewards.append(_first_return(session, turns, algorithm.discount))
-        reason = _drop_before_masking(session, turns, rules)
+    kept: list[tuple[_Session, _Masked]] = []
+    for data in sessions:
+        session = _session(data, algorithm.discount)
+        if session.turns:
+            batch.rewards.append(session.first_return)
+        reason = _drop_before_masking(session, rules)
+        if reason is None:
+            masked = _mask(session, rules)
+            batch.masked.update(masked.masked)
+            if not any(turn.trains for turn in session.turns):
+                reason = _nothing_to_train(masked.masked, len(session.turns), rules)
         if reason is not None:
-            batch.dropped[session["session_id"]] = reason
-            continue
-        masked = _mask(session, turns, rules)
-        batch.masked.update(masked.masked)
-        if not any(turn.trains for turn in turns):
-            reason = _nothing_to_train(masked.masked, len(turns), rules)
-            batch.dropped[session["session_id"]] = reason
+            batch.dropped[data["session_id"]] = reason
             continue
         batch.staleness += masked.staleness
         batch.off_policy_tokens += masked.off_policy
-        returns = _returns(session, turns, algorithm.discount)
-        kept.append((session, turns, masked, returns))
-    trained = [
-        [i for i, turn in enumerate(turns) if turn.trains and i in returns]
-        for _, turns, _, returns in kept
-    ]
+        kept.append((session, masked))
     advantages = session_advantages(
-        [
-            SessionReturns(
-                group_key=session.get("group_id"),
-                task_key=session.get("task_id"),
-                returns=[returns[i] for i in indices],
-            )
-            for (session, _, _, returns), indices in zip(kept, trained, strict=True)
-        ],
-        algorithm.advantage,
-        baseline,
+        [_returns(session) for session, _ in kept], algorithm.advantage, baseline
     )
-    for (_, turns, masked, _), indices, values in zip(kept, trained, advantages, strict=True):
-        for i, advantage in zip(indices, values, strict=True):
-            turn = turns[i]
+    for (session, masked), values in zip(kept, advantages, strict=True):
+        trained = [t for t in session.turns if t.trains]
+        for turn, advantage in zip(trained, values, strict=True):
             row = masked.rows[turn.row]
             row.advantages[turn.start : turn.end] = [advantage] * (turn.end - turn.start)
         batch.samples += [row for row in masked.rows if row.loss_tokens]

@@ -109,17 +109,17 @@ def test_grpo_advantage_lands_on_the_turn_tokens_only():
     assert out.dropped == {}
 
 
-def test_per_turn_rewards_are_discounted_and_pooled():
+def test_per_turn_rewards_are_discounted_and_compared_position_by_position():
     multi = row(2, [turn([5], 0.5), turn([5, 5], None, glue=2)])  # turn reward 0.5, session 1
     sessions = [session("m", 1.0, [multi]), session("s", 0.0, [row(2, [turn([5])])])]
     out = batch(sessions, advantage="dr_grpo", discount=0.5)
     m = out.samples[0]
-    # returns: m: G0 = 0.5 + 0.5 * 1.0 = 1.0, G1 = 1.0; s: 0.0. Pooled mean 2/3.
+    # returns: m: G0 = 0.5 + 0.5 * 1.0 = 1.0, G1 = 1.0; s: 0.0, its outcome 0.0 at position 1
     spans = multi["turns"]
-    assert m.advantages[spans[0]["start"]] == pytest.approx(1 / 3)
-    assert m.advantages[spans[1]["start"] : spans[1]["end"]] == pytest.approx([1 / 3, 1 / 3])
+    assert m.advantages[spans[0]["start"]] == pytest.approx(0.5)
+    assert m.advantages[spans[1]["start"] : spans[1]["end"]] == pytest.approx([0.5, 0.5])
     assert m.advantages[spans[0]["end"] : spans[1]["start"]] == [0.0, 0.0]  # glue: no loss
-    assert out.samples[1].advantages[2] == pytest.approx(-2 / 3)
+    assert out.samples[1].advantages[2] == pytest.approx(-0.5)
 
 
 def test_turns_of_a_session_split_over_rows_keep_their_order():
@@ -128,9 +128,9 @@ def test_turns_of_a_session_split_over_rows_keep_their_order():
         [session("x", 0.0, rows, group=None)], advantage="running", baseline=RunningBaseline(0.5)
     )
     first, second = out.samples
-    # G0 = 1, G1 = 0; a running baseline with no history: the mean of the key's returns, 0.5
-    assert first.advantages[2] == pytest.approx(0.5)
-    assert second.advantages[4:] == pytest.approx([-0.5, -0.5])
+    # G0 = 1, G1 = 0; a running baseline with no history: the key's mean outcome, 0
+    assert first.advantages[2] == pytest.approx(1.0)
+    assert second.advantages[4:] == pytest.approx([0.0, 0.0])
 
 
 # --- sampling temperature -------------------------------------------------------------------
@@ -208,8 +208,8 @@ def test_an_alternative_without_its_own_reward_is_masked_and_gets_no_session_rew
     assert out.masked[ALTERNATIVE] == 2
     samples = [s for s in out.samples if s.session_id == "n2"]
     assert len(samples) == 1  # the alternative's row has nothing left to train
-    # path returns 1, 1 and b's 0: mean 2/3, so each path turn gets 1/3
-    assert samples[0].advantages[2] == pytest.approx(1 / 3)
+    # path returns 1, 1 against b's 0 at position 0 and its outcome 0 at 1: +0.5 each
+    assert samples[0].advantages[2] == pytest.approx(0.5)
 
 
 def test_an_alternative_with_its_own_reward_trains_on_that_reward_alone():
@@ -219,7 +219,7 @@ def test_an_alternative_with_its_own_reward_trains_on_that_reward_alone():
     ]
     sessions = [session("n2", 1.0, rows), session("b", 0.0, [row(2, [turn([5])])])]
     out = batch(sessions, advantage="dr_grpo")
-    # returns: the alternative 0.25 (not the session's 1), the path turn 1.0, b 0.0
+    # returns at position 0: the alternative 0.25 (not the session's 1), the path turn 1.0, b 0.0
     mean = (0.25 + 1.0 + 0.0) / 3
     alternative, path = (s for s in out.samples if s.session_id == "n2")
     assert alternative.advantages[2] == pytest.approx(0.25 - mean)
@@ -328,6 +328,27 @@ def test_a_row_longer_than_the_limit_is_dropped_naming_the_limit():
         "row_too_long: a row of 20 tokens, more than the model's context "
         "(max_position_embeddings in its config.json) (16)"
     )
+
+
+def test_a_return_that_is_not_a_number_is_dropped_not_raised():
+    sessions = [
+        session("huge", 1e308, [row(1, [turn([5], reward=1e308)])]),  # adds up to inf
+        session("b", 0.0, [row(1, [turn([5])])]),
+        session("c", 1.0, [row(1, [turn([5])])]),
+    ]
+    out = batch(sessions)
+    assert out.dropped["huge"].startswith("bad_reward:")
+    assert [s.session_id for s in out.samples] == ["b", "c"]
+
+
+def test_only_tokens_that_could_train_decide_a_drop():
+    # a stale, over-long alternative without a reward of its own is masked, not a reason
+    alternative = row(30, [turn([0, 0], order=0, alternative=True)], 0)
+    path = row(2, [turn([5, 5], order=1)], 1)
+    sessions = [session("a", 1.0, [alternative, path]), session("b", 0.0, [row(2, [turn([5])])])]
+    out = batch(sessions, stale="drop", max_staleness=1, row_limit=16)
+    assert out.dropped == {}
+    assert out.masked[ALTERNATIVE] == 2
 
 
 def test_a_turn_that_sampled_nothing_is_dropped_saying_so():
@@ -445,3 +466,18 @@ def test_a_checkpoint_of_another_run_is_refused_naming_both(tmp_path):
     assert anonymous.covered_claims == [{"claim_id": "c1", "sessions": None}]
     with pytest.raises(WrongCheckpoint, match="does not name"):
         anonymous.check_owner("run_new", "http://x", tmp_path)
+
+
+def test_a_republish_stays_journalled_until_a_checkpoint_holds_it(tmp_path):
+    store = Checkpoints(tmp_path, keep=2)
+    store.journal_claim("c1", 2, 4)
+    store.journal_republish(2, 4)  # written before the engines get the restored weights
+    assert store.journalled() == ["c1"] and store.journalled_republishes() == [[2, 4]]
+    # settling the claims at start keeps the republishes no checkpoint holds yet
+    store.clear_journal(republished=[[2, 4]])
+    assert store.journalled() == [] and store.journalled_republishes() == [[2, 4]]
+    store.journal_claim("c2", 3, 4)
+    assert store.journalled() == ["c2"] and store.journalled_republishes() == [[2, 4]]
+    # a checkpoint holds them all: the journal empties
+    store.clear_journal()
+    assert store.journalled() == [] and store.journalled_republishes() == []
