@@ -84,6 +84,8 @@ class Leases:
         self.server.close()
 
     def hold(self, claim_id: str, size: int) -> None:
+        """Keep ``claim_id`` alive; ``size`` sessions of it must stay claimed (lower it before
+        dropping some, so that a renewal racing the drop never counts them lost)."""
         with self._lock:
             self._held[claim_id] = size
 
@@ -102,11 +104,11 @@ class Leases:
             counts = self.server.renew(list(held), self.lease_s)
         with self._lock:
             self._renewed_at = max(self._renewed_at, started)
-            for claim_id, size in held.items():
-                if claim_id in self._held and counts.get(claim_id, 0) < size:
-                    self._lost.append(
-                        lost_message(claim_id, counts.get(claim_id, 0), size, "renew")
-                    )
+            for claim_id in held:
+                expected = self._held.get(claim_id)  # now: a drop may have lowered it meanwhile
+                count = counts.get(claim_id, 0)
+                if expected is not None and count < expected:
+                    self._lost.append(lost_message(claim_id, count, expected, "renew"))
 
     def renew_if_due(self) -> None:
         """Renew now unless a renewal began less than half a lease ago: before a new claim, so

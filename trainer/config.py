@@ -52,11 +52,12 @@ class AlgorithmConfig:
     it is made (`check_algorithm`), so nothing downstream checks them again."""
 
     advantage: EstimatorName = option("grpo", ESTIMATOR_HELP)  # noqa: RUF009 (a Literal alias)
-    group_size: int = option(
-        1,
-        "Sessions per GRPO group: a group is trained once this many of its sessions are "
-        "trainable, or as it is after the run's group_timeout_s (1: no waiting). Sent to the "
-        "server's run config.",
+    group_size: int | None = option(
+        None,
+        "Sessions per GRPO group: a group is claimed once this many of its sessions are "
+        "trainable, or as it is after the run's group_timeout_s (1: no waiting; a group_id "
+        "group is never split either way). null: the run's `group_size` (default 1); a number "
+        "is written into the run's config at start.",
     )
     discount: float = option(
         1.0, "Discount between turns of a multi-turn session (per-turn rewards), in [0, 1]."
@@ -107,7 +108,8 @@ class AlgorithmConfig:
         "Training temperature: the proximal (and current) logprobs are those of "
         "softmax(logits / temperature). null: the run's `temperature` on the server (default "
         "1.0); a number is written into the run's config at start, so the server samples "
-        "requests that give no temperature at it. One value for both.",
+        "requests that give no temperature at it. One value for both: the trainer follows the "
+        "run's from step to step (a PATCH of the run takes effect at the next step).",
     )
     off_temperature: Literal["mask", "off_policy"] | None = option(
         None,
@@ -235,7 +237,7 @@ def check(config: TrainConfig) -> None:
     if not config.server and not config.model:
         raise ConfigError("server", "give the URL of a running server, or `model` to start one")
     algo = config.algorithm
-    if config.batch_size % algo.group_size:
+    if algo.group_size is not None and config.batch_size % algo.group_size:
         raise ConfigError(
             "algorithm.group_size",
             f"batch_size {config.batch_size} must be a multiple of group_size {algo.group_size}",
@@ -261,7 +263,8 @@ def check_algorithm(algo: AlgorithmConfig) -> None:
     does not check them again."""
     name = "algorithm."
     _check_choices(algo, name)
-    _positive(algo.group_size, name + "group_size")
+    if algo.group_size is not None:
+        _positive(algo.group_size, name + "group_size")
     if not 0 <= algo.discount <= 1:
         raise ConfigError(name + "discount", f"must be in [0, 1], got {algo.discount}")
     if not 0 <= algo.baseline_momentum < 1:

@@ -159,21 +159,25 @@ class Progress:
         path: Path,
         log_every: int = 1,
         reference_kl: bool = False,
-        temperature: float | None = None,
     ) -> None:
         self.max_steps = max_steps
         self.first_step = first_step
         self.log_every = log_every
         self.reference_kl = reference_kl
-        self.temperature = temperature
         self.started = time.monotonic()
         self.path = path
         self.report: Callable[[dict[str, Any]], None] | None = None
 
     def step(
-        self, state: TrainerState, batch: Batch, stats: dict[str, Any], phases: Phases
+        self,
+        state: TrainerState,
+        batch: Batch,
+        stats: dict[str, Any],
+        phases: Phases,
+        temperature: float | None = None,
     ) -> dict[str, Any]:
-        record = step_record(state, batch, stats, phases, self.reference_kl, self.temperature)
+        """Record the step (``temperature``: the one it trained at) and print its line."""
+        record = step_record(state, batch, stats, phases, self.reference_kl, temperature)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.report is not None:

@@ -27,7 +27,7 @@ from trainer.figures import Phases, Progress, combine
 from trainer.plan import plan_step
 from trainer.publish import Publisher
 from trainer.rollouts import Batch, Rules, build_batch
-from trainer.server_api import ServerAPI
+from trainer.server_api import ServerAPI, ServerError
 from trainer.worker import WorkerSettings
 
 log = logging.getLogger("proxrl.trainer")
@@ -35,14 +35,25 @@ log = logging.getLogger("proxrl.trainer")
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
-def resolve_algorithm(algorithm: AlgorithmConfig, run_config: dict[str, Any]) -> AlgorithmConfig:
-    """The algorithm with the run's temperature and off-temperature rule where it leaves them
-    to the run: one value each, whichever side sets it."""
-    temperature = algorithm.temperature
-    if temperature is None:
-        temperature = float(run_config.get("temperature") or 1.0)
-    off_temperature = algorithm.off_temperature or run_config.get("off_temperature") or "mask"
-    return dataclasses.replace(algorithm, temperature=temperature, off_temperature=off_temperature)
+# Settings of the algorithm that the run's config holds, as the one value both sides use: the
+# trainer writes those its config sets at start, then follows the run's from claim to claim.
+RUN_HELD = ("temperature", "off_temperature", "group_size")
+
+
+def run_held(algorithm: AlgorithmConfig) -> dict[str, Any]:
+    """The values of `RUN_HELD` that the trainer's own config sets (null: the run's)."""
+    return {key: getattr(algorithm, key) for key in RUN_HELD if getattr(algorithm, key) is not None}
+
+
+def follow_run(algorithm: AlgorithmConfig, run_config: dict[str, Any]) -> AlgorithmConfig:
+    """The algorithm with the run's temperature, off-temperature rule and group size (the run's
+    effective config, as the server answers it, holds every one)."""
+    return dataclasses.replace(
+        algorithm,
+        temperature=float(run_config["temperature"]),
+        off_temperature=run_config["off_temperature"],
+        group_size=run_config.get("group_size") or 1,
+    )
 
 
 def row_limit(algorithm: AlgorithmConfig, model_dir: str) -> tuple[int | None, str]:
@@ -93,7 +104,9 @@ class Trainer:
         run = server.run(config.run_id) if config.run_id else server.default_run()
         self.run_id: str = run["id"]
         self.model_dir: str = config.model or run["model_path"]
-        self.algorithm = resolve_algorithm(config.algorithm, run.get("config") or {})
+        self.algorithm = follow_run(
+            config.algorithm, {**run["config"], **run_held(config.algorithm)}
+        )
         self.row_limit = row_limit(self.algorithm, self.model_dir)
         self.server_version = int(run["policy_version"])
         self.state = TrainerState(
@@ -113,17 +126,12 @@ class Trainer:
         """Configure the run, restore this run's last checkpoint, settle the claims it left."""
         self.workers = workers
         self.publisher = Publisher(self.config, self.server, self.run_id, workers, self.output)
-        algo = self.algorithm
-        self.server.configure_run(
-            self.run_id,
-            {
-                "batch_size": self.config.batch_size,
-                "max_staleness": self.config.max_staleness,
-                "group_size": algo.group_size if algo.group_size > 1 else None,
-                "temperature": algo.temperature,
-                "off_temperature": algo.off_temperature,
-            },
-        )
+        settings = {
+            "batch_size": self.config.batch_size,
+            "max_staleness": self.config.max_staleness,
+            **run_held(self.config.algorithm),
+        }
+        self.follow(self.server.configure_run(self.run_id, settings)["config"])
         found = self.checkpoints.latest()
         if found is not None:
             path, state = found
@@ -131,19 +139,25 @@ class Trainer:
             workers.call("load_checkpoint", str(path))
             self.baseline.load_state_dict(state.baseline)
             log.info("resumed from %s: step %d, version %d", path, state.step, state.version)
+        for pair in self.checkpoints.journalled_republishes():  # a crash lost its checkpoint
+            if pair not in self.state.republished:
+                self.state.republished.append(pair)
         self._settle_journal()
         if self.server_version != self.state.version:
-            # The engines serve weights this trainer no longer has (trained after the last
-            # checkpoint): serve the restored ones under a new version, and remember that it
-            # holds the checkpoint's weights (the staleness rule counts from there).
-            restored = self.state.version
-            self.state.version = max(self.server_version, restored) + 1
-            self.state.republished.append([restored, self.state.version])
-            self.publisher.publish(self.state.version)
-            log.info(
-                "republished the weights of version %d as version %d", restored, self.state.version
-            )
+            self.republish()
         self.leases.start()
+
+    def republish(self) -> None:
+        """The engines serve weights this trainer no longer has (trained after the last
+        checkpoint): serve the restored ones under a new version. The staleness rule needs to
+        know that version holds the checkpoint's weights, so it is journalled first."""
+        restored = self.state.version
+        version = max(self.server_version, restored) + 1
+        self.checkpoints.journal_republish(restored, version)
+        self.state.republished.append([restored, version])
+        self.state.version = version
+        self.publisher.publish(version)
+        log.info("republished the weights of version %d as version %d", restored, version)
 
     def _settle_journal(self) -> None:
         covered = {c["claim_id"]: c for c in self.state.covered_claims}
@@ -155,7 +169,20 @@ class Trainer:
                 log.info(
                     "released claim %s (%d sessions) left by a stopped run", claim_id, released
                 )
-        self.checkpoints.clear_journal()
+        self.checkpoints.clear_journal(republished=self.state.republished)
+
+    def follow(self, run_config: dict[str, Any]) -> None:
+        """Take the run's temperature, off-temperature rule and group size, saying so when
+        they change."""
+        algorithm = follow_run(self.config.algorithm, run_config)
+        changed = {
+            key: getattr(algorithm, key)
+            for key in RUN_HELD
+            if getattr(algorithm, key) != getattr(self.algorithm, key)
+        }
+        if changed:
+            log.info("the run's config changed: %s; training with it from this step", changed)
+        self.algorithm = algorithm
 
     # ----- the loop ---------------------------------------------------------------------------
 
@@ -167,7 +194,6 @@ class Trainer:
             self.output / "metrics.jsonl",
             log_every=config.log_every,
             reference_kl=self.algorithm.kl_coef > 0,
-            temperature=self.algorithm.temperature,
         )
         progress.report = lambda record: self.server.post_step(
             self.run_id, record["step"], record["version"], record
@@ -182,7 +208,7 @@ class Trainer:
                 self.reach("claimed", step)
                 claim_s = time.monotonic() - started
                 batch = build_batch(claimed.sessions, self.rules(), self.baseline)  # 2. samples
-                claimed.record_drops(batch.dropped)  # bad data: dropped with a reason, not fatal
+                self.drop(claimed, batch.dropped)  # bad data: dropped with a reason, not fatal
                 self.leases.check()  # never train sessions another claim holds
                 stats = self.train(batch)  # 3. proximal logprobs, PPO minibatches
                 self.reach("trained", step)
@@ -192,7 +218,7 @@ class Trainer:
                 self.pending += claimed.claims
                 saved = self.save_checkpoint_if_due()  # 5. weights, optimizer, what was consumed
                 phases = Phases(claim_s, publish=publish_s, checkpoint=saved[1] if saved else 0.0)
-                progress.step(self.state, batch, stats, phases)  # 6. every figure
+                progress.step(self.state, batch, stats, phases, self.algorithm.temperature)  # 6.
                 if saved:
                     self.commit_checkpoint(saved[0])  # 7. the checkpoint counts: confirm claims
             if self.pending:
@@ -232,8 +258,9 @@ class Trainer:
                 self.run_id,
                 config.batch_size - len(claimed.sessions),
                 config.claim_lease_s,
-                self.algorithm.group_size,
+                self.algorithm.group_size or 1,
             )
+            self.follow(result["run_config"])
             if result["sessions"]:
                 claim = Claim(result["claim_id"], [s["session_id"] for s in result["sessions"]])
                 self.checkpoints.journal_claim(claim.claim_id, self.state.step, claim.size)
@@ -263,8 +290,21 @@ class Trainer:
             algo.ppo_minibatches,
             algo.max_tokens_per_microbatch,
         )
-        per_rank = [(minibatches, plan.tokens) for minibatches in plan.per_rank]
+        per_rank = [(minibatches, plan.tokens, algo) for minibatches in plan.per_rank]
         return combine(self.workers.call_each("train_step", per_rank))
+
+    def drop(self, claimed: Claimed, dropped: dict[str, str]) -> None:
+        """Tell the server now, so that dropped sessions stop counting against admission (the
+        confirm after the next checkpoint repeats it)."""
+        claimed.record_drops(dropped)
+        for claim in claimed.claims:
+            if not claim.dropped:
+                continue
+            self.leases.hold(claim.claim_id, claim.size - len(claim.dropped))  # before the drop
+            try:
+                self.server.drop(claim.claim_id, claim.dropped)
+            except ServerError as exc:
+                log.warning("could not drop sessions of claim %s yet: %s", claim.claim_id, exc)
 
     def publish(self, batch: Batch) -> float:
         """Serve the updated weights as the next version (nothing trained: nothing to serve)."""
@@ -301,7 +341,7 @@ class Trainer:
         for covered in self.state.covered_claims:
             self._confirm(covered, "at a checkpoint")
         self.pending = []
-        self.checkpoints.clear_journal()
+        self.checkpoints.clear_journal()  # the checkpoint holds every republish
 
     def _confirm(self, covered: dict[str, Any], when: str) -> None:
         claim_id = covered["claim_id"]

@@ -89,6 +89,11 @@ class ServerAPI:
         held = self._call("POST", "/rl/claims/renew", json=body)["held"]
         return {claim_id: int(held.get(claim_id, 0)) for claim_id in claim_ids}
 
+    def drop(self, claim_id: str, dropped: dict[str, str]) -> dict[str, Any]:
+        """Drop sessions of a claim now, with their reasons (they stop counting against
+        admission at once; a later confirm counts them as settled)."""
+        return self._call("POST", f"/rl/claims/{claim_id}/drop", json={"dropped": dropped})
+
     def confirm(self, claim_id: str, dropped: dict[str, str] | None = None) -> dict[str, Any]:
         """Mark the claim's sessions consumed, or dropped with the given reasons (idempotent);
         ``settled`` counts the claim's sessions now consumed or dropped."""

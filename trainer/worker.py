@@ -62,7 +62,8 @@ class MicroBatch:
 @dataclass(frozen=True)
 class WorkerSettings:
     """What a worker needs: the model, the optimizer, and the whole frozen algorithm (whose
-    ``temperature`` is resolved: the run's)."""
+    ``temperature`` is resolved: the run's). Each training step may bring the algorithm anew
+    (the run's temperature can change between steps)."""
 
     model_dir: str
     lr: float
@@ -71,11 +72,6 @@ class WorkerSettings:
     seed: int
     device: str  # "auto" | "cpu" | "cuda"
     threads: int
-
-    @property
-    def temperature(self) -> float:
-        assert self.algorithm.temperature is not None, "resolve the run's temperature first"
-        return self.algorithm.temperature
 
 
 def pick_device(preference: str) -> torch.device:
@@ -108,6 +104,7 @@ class Worker:
         self.rank = rank
         self.world_size = world_size
         self.settings = settings
+        self.algorithm = settings.algorithm  # this step's (train_step may bring another)
         self.step_count = 0
 
     # ----- setup ------------------------------------------------------------------------------
@@ -172,7 +169,8 @@ class Worker:
             cu_seq_lens_q=cu_seqlens,  # rows attend within themselves (trainer/attention.py)
             use_cache=False,
         ).logits
-        logits = logits[0].float() / self.settings.temperature
+        assert self.algorithm.temperature is not None, "resolve the run's temperature first"
+        logits = logits[0].float() / self.algorithm.temperature
         entropies = shift_entropy(logits.detach(), cu_seqlens) if entropy else None
         return shift_logprobs(logits, input_ids[0], cu_seqlens), batch, entropies
 
@@ -188,7 +186,10 @@ class Worker:
     # ----- the update -------------------------------------------------------------------------
 
     def train_step(
-        self, minibatches: list[list[MicroBatch]], tokens: list[int]
+        self,
+        minibatches: list[list[MicroBatch]],
+        tokens: list[int],
+        algorithm: AlgorithmConfig | None = None,
     ) -> dict[str, float]:
         """One training step: proximal logprobs, then one optimizer step per PPO minibatch.
 
@@ -196,7 +197,9 @@ class Worker:
         micro-batch's loss is already a share of the global token mean. Returns this worker's
         sums (summed over its micro-batches; the driver adds the workers'), ``grad_norms`` (one
         per minibatch, before clipping: the same on every worker) and its phase seconds.
+        ``algorithm`` (default: the settings') is the whole algorithm of this step.
         """
+        self.algorithm = algorithm or self.settings.algorithm
         started = time.perf_counter()
         flat = [micro for minibatch in minibatches for micro in minibatch]
         proximal = self._proximal(flat)
@@ -229,7 +232,7 @@ class Worker:
 
     def _proximal(self, micros: list[MicroBatch]) -> list[torch.Tensor | None]:
         """Logprobs under the weights at the start of the step (decoupled PPO's pi_prox)."""
-        if not self.settings.algorithm.decoupled:
+        if not self.algorithm.decoupled:
             return [None] * len(micros)  # plain PPO: the behaviour policy is the proximal one
         with torch.no_grad():
             return [self._forward(self.model, micro)[0] for micro in micros]
@@ -253,7 +256,6 @@ class Worker:
     def _backward(
         self, micro: MicroBatch, proximal: torch.Tensor | None, total_tokens: int
     ) -> dict[str, float]:
-        settings = self.settings
         logprobs, batch, entropy = self._forward(self.model, micro, entropy=True)
         assert entropy is not None
         device = self.device
@@ -274,7 +276,7 @@ class Worker:
             advantages,
             mask,
             total_tokens=total_tokens,
-            algorithm=settings.algorithm,
+            algorithm=self.algorithm,
             sequence_ids=batch.sequence_ids.to(device),
             reference_logprobs=reference,
         )

@@ -201,6 +201,54 @@ def test_the_training_temperature_is_one_value_with_the_run(server, tmp_path):
     assert all(server.get(s)["status"] == "consumed" for s in sessions)
 
 
+def test_sessions_the_trainer_drops_free_admission_at_once(server, tmp_path):
+    """Every session sampled at 0.7 while the run trains at 1.0 (masked: the default), under an
+    admission bound of 4 sessions set before the agent starts: the trainer drops each batch and
+    publishes nothing, so the bound never grows. Were the drops only settled at a checkpoint,
+    the agent would wait for admission and the trainer for sessions, for ever."""
+    out = tmp_path / "train"
+    server.configure(batch_size=2, max_staleness=1, admission_wait_s=20)  # bound: 4 sessions
+    stop = threading.Event()
+    created: list[str] = []
+
+    def agent() -> None:
+        while not stop.is_set():
+            reply = server.http.post("/rl/sessions", json={"task_id": "t"}, timeout=60)
+            if reply.status_code == 429:  # at the bound: wait (the server waited 20 s already)
+                continue
+            assert reply.status_code == 201, reply.text
+            session = reply.json()
+            client = OpenAI(base_url=session["base_url"], api_key=session["api_key"])
+            client.chat.completions.create(
+                model=server.proxy_model,
+                messages=[{"role": "user", "content": "Count."}],
+                max_tokens=6,
+                temperature=0.7,
+            )
+            server.reward(session["session_id"], 1.0)
+            server.end(session["session_id"])
+            created.append(session["session_id"])
+
+    thread = threading.Thread(target=agent, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while len(created) < 4:  # the agent is at the bound before the trainer starts
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.1)
+    options = ["batch_size=2", "max_staleness=1", "max_steps=4", "checkpoint_every=100"]
+    try:
+        finish(start_trainer(server, out, *options), 240)
+    finally:
+        stop.set()
+        thread.join(60)
+    steps = metrics(out)
+    assert [s["dropped_sessions"] for s in steps] == [2, 2, 2, 2]
+    assert [s["version"] for s in steps] == [0, 0, 0, 0]  # nothing trained, nothing published
+    assert len(created) >= 8  # admission let the agent go on past its bound of 4
+    reasons = {server.get(s)["drop_reason"] for step in steps for s in step["session_ids"]}
+    assert all(r.startswith("no_trainable_tokens:") for r in reasons)
+
+
 # ----- 3. bad data never stops the trainer --------------------------------------------------
 
 
@@ -457,3 +505,39 @@ def test_a_trainer_killed_at_any_point_trains_every_session_exactly_once(
         point in ("published", "checkpoint_saved")
     )
     assert server.run["policy_version"] == lineage[-1]["version"]
+
+
+def test_a_second_kill_before_the_republish_is_checkpointed_loses_nothing(server, tmp_path):
+    """Killed after publishing step 3 (checkpoint at 2), restarted: the restored weights are
+    republished; killed again after publishing step 4, before its checkpoint. The third
+    trainer must still know the first republish (from the journal), republish again, and
+    train every session exactly once."""
+    out = tmp_path / "train"
+    batch, steps = 4, 6
+    sessions = [server.episode(reward=float(i % 2)) for i in range(batch * steps)]
+    common = [
+        f"batch_size={batch}", f"max_steps={steps}", "checkpoint_every=2",
+        f"max_staleness={steps}",
+    ]  # fmt: skip
+    records = []
+    for pause in ("published@3", "published@4"):
+        process = start_trainer(server, out, *common, env={"PROXRL_TRAINER_PAUSE_AT": pause})
+        deadline = time.monotonic() + 400
+        while not (out / "paused-at").exists():
+            assert process.poll() is None, process.log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        kill(process)
+        (out / "paused-at").unlink()
+        records.append(len(metrics(out)))
+    log = finish(start_trainer(server, out, *common), 500)
+    assert "republished the weights of version 2 as version 7" in log
+    state = json.loads((out / "checkpoints" / f"step-{steps:06d}" / "trainer.json").read_text())
+    assert state["republished"] == [[2, 4], [2, 7]]
+    final = metrics(out)[records[1] :]
+    lineage = [r for r in metrics(out)[: records[0]] if r["step"] <= 2] + final
+    assert [r["step"] for r in lineage] == list(range(1, steps + 1))
+    trained = [s for record in lineage for s in record["session_ids"]]
+    assert sorted(trained) == sorted(sessions)
+    assert {server.statuses()[s] for s in sessions} == {"consumed"}
+    assert all(r["stale_tokens"] == 0 and r["dropped_sessions"] == 0 for r in lineage)
