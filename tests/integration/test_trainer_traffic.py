@@ -309,6 +309,7 @@ def test_incomplete_groups_train_after_their_deadline_and_never_block(server, tm
     keyless = [member(None, None, 1.0) for _ in range(2)]  # neither key
     broken = [*whole, survivor, *by_task, *keyless]
     later = [member(f"g{i}", None, float(j)) for i in (5, 6) for j in (0, 1)]  # whole, newer
+    groups = [whole, later[:2], later[2:]]
 
     finish(start_trainer(server, out, "batch_size=4", "max_steps=2", "algorithm.group_size=2"))
     steps = metrics(out)
@@ -316,7 +317,10 @@ def test_incomplete_groups_train_after_their_deadline_and_never_block(server, tm
     assert len(trained) == len(set(trained)) >= 8
     assert set(broken) <= set(trained)  # oldest first: the broken groups did not wait forever
     assert set(trained) <= set(broken + later)
-    assert any(set(whole) <= set(step["session_ids"]) for step in steps)  # a group stays whole
+    for group in groups:  # a whole group trains in one step, never split across two
+        steps_of = {i for i, step in enumerate(steps) for s in group if s in step["session_ids"]}
+        assert len(steps_of) <= 1, (group, steps_of)
+    assert any(set(whole) <= set(step["session_ids"]) for step in steps)
     assert server.get(lost)["status"] == "dropped"
     assert server.get(lost)["drop_reason"].startswith("no_reward:")
     assert all(server.get(s)["status"] == "consumed" for s in trained)
