@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from server.engine import fast_decode
+from server.engine import architecture, fast_decode
 from server.engine.kv_cache import SlotKVCache
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,10 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint declares an attention feature the engine does not compute."""
 
 
 class ModelRunner:
@@ -60,6 +64,8 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        self.windows = architecture.layer_windows(model_config)
+        self.mask_mapping = architecture.uses_mask_mapping(model_config)
         self.fast = (
             fast_decode.FastDecoder(self.model)
             if config.fast_decode and fast_decode.supports(self.model)
@@ -67,7 +73,28 @@ class ModelRunner:
         )
 
     def _load_model(self, path: str) -> PreTrainedModel:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        config = AutoConfig.from_pretrained(path)
+        unsupported = architecture.unsupported_features(config)
+        mixed = len(set(architecture.layer_windows(config))) > 1
+        if not unsupported and mixed and not architecture.uses_mask_mapping(config):
+            unsupported = ["per-layer windows without layer_types"]
+        if unsupported:
+            raise UnsupportedModel(
+                f"{path}: the engine cannot serve this model exactly; its config declares "
+                + ", ".join(unsupported)
+            )
+        # The engine hands every layer a float mask it built itself (0 where a key is visible,
+        # the dtype's minimum where not), which SDPA and eager attention both apply by adding
+        # it to the scores; flash/flex implementations would not take it. Models without SDPA
+        # (Gemma2: its soft-cap) run eager, which honours their soft-cap.
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=self.dtype, attn_implementation="sdpa"
+            )
+        except ValueError:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=self.dtype, attn_implementation="eager"
+            )
         model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers stub
         model.requires_grad_(False)
         log.info("loaded %s (%s parameters)", path, sum(p.numel() for p in model.parameters()))
@@ -92,6 +119,29 @@ class ModelRunner:
 
     # ----- forward passes ------------------------------------------------------------------
 
+    def _masks(
+        self, positions: torch.Tensor, kv_len: int
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Additive attention masks ``[B, 1, Q, kv_len]`` for queries at ``positions`` ``[B, Q]``
+        over cache positions ``0..kv_len-1``: a key is visible when it is not after the query
+        and, on a sliding layer, less than the window behind it. One mask per layer type for
+        models that take a mapping, else the one mask every layer shares."""
+        keys = torch.arange(kv_len, device=self.device)
+        query = positions[:, None, :, None]
+        open_ = torch.zeros((), dtype=self.dtype, device=self.device)
+        blocked = torch.full((), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
+
+        def mask(window: int | None) -> torch.Tensor:
+            visible = keys <= query
+            if window is not None:
+                visible &= keys > query - window
+            return torch.where(visible, open_, blocked)
+
+        if self.mask_mapping:
+            window = next(w for w in self.windows if w is not None)
+            return {architecture.FULL: mask(None), architecture.SLIDING: mask(window)}
+        return mask(self.windows[0])
+
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """Fill ``slot`` with ``token_ids`` from position 0; logits of the last (or each) token."""
@@ -99,11 +149,10 @@ class ModelRunner:
         self.cache.plan_prefill(slot, 0, length)
         ids = torch.tensor([token_ids], device=self.device)
         positions = torch.arange(length, device=self.device).unsqueeze(0)
-        causal = torch.ones(length, length, dtype=torch.bool, device=self.device).tril()
         out = self.model(
             input_ids=ids,
             position_ids=positions,
-            attention_mask=causal[None, None],
+            attention_mask=self._masks(positions, length),
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=0 if all_logits else 1,
@@ -118,12 +167,10 @@ class ModelRunner:
         if self.fast is not None:
             return self.fast.decode(tokens, pos, self.cache)
         self.cache.plan_decode(len(last_tokens), pos)
-        kv_len = self.cache.get_seq_length()
-        visible = torch.arange(kv_len, device=self.device).unsqueeze(0) <= pos.unsqueeze(1)
         out = self.model(
             input_ids=tokens.unsqueeze(1),
             position_ids=pos.unsqueeze(1),
-            attention_mask=visible[:, None, None, :],
+            attention_mask=self._masks(pos.unsqueeze(1), self.cache.get_seq_length()),
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1,
