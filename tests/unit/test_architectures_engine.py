@@ -56,9 +56,11 @@ async def _generate_together(service: EngineService, prompts: list[list[int]]) -
     return await asyncio.gather(*(one(ids, n) for ids, n in zip(prompts, NEW_TOKENS, strict=True)))
 
 
-def served_logprob_error(model_dir: str, seed: int = 0) -> float:
-    """Largest |engine logprob - float64 reference| over four concurrent requests."""
-    service = EngineService(EngineSettings(model=model_dir, device="cpu", seed=seed))
+def serve_together(
+    model_dir: str, seed: int = 0, device: str = "cpu", dtype: str = "float32"
+) -> list[tuple[list[int], list[int], torch.Tensor]]:
+    """Four concurrent requests through a real EngineService: (prompt, output ids, logprobs)."""
+    service = EngineService(EngineSettings(model=model_dir, device=device, dtype=dtype, seed=seed))
     service.scheduler.start()
     try:
         generator = torch.Generator().manual_seed(seed)
@@ -66,14 +68,21 @@ def served_logprob_error(model_dir: str, seed: int = 0) -> float:
         outputs = asyncio.run(_generate_together(service, prompts))
     finally:
         service.close()
-    worst = 0.0
+    served = []
     for prompt, output, new_tokens in zip(prompts, outputs, NEW_TOKENS, strict=True):
         entries = output["meta_info"]["output_token_logprobs"]
         assert len(entries) == new_tokens
-        served = torch.tensor([entry[0] for entry in entries], dtype=torch.float64)
-        tokens = [entry[1] for entry in entries]
+        logprobs = torch.tensor([entry[0] for entry in entries], dtype=torch.float64)
+        served.append((prompt, [entry[1] for entry in entries], logprobs))
+    return served
+
+
+def served_logprob_error(model_dir: str, seed: int = 0) -> float:
+    """Largest |engine logprob - float64 reference| over four concurrent requests."""
+    worst = 0.0
+    for prompt, tokens, logprobs in serve_together(model_dir, seed):
         expected = architectures.reference_logprobs(model_dir, prompt + tokens)[len(prompt) - 1 :]
-        worst = max(worst, (served - expected).abs().max().item())
+        worst = max(worst, (logprobs - expected).abs().max().item())
     return worst
 
 
