@@ -81,6 +81,7 @@ from tests.support import ProxyProcess  # noqa: E402
 from trainer import attention  # noqa: E402
 from trainer.batching import pack, packed, padded, shift_logprobs  # noqa: E402
 from trainer.config import AlgorithmConfig  # noqa: E402
+from trainer.model import output_embedding_name  # noqa: E402
 from trainer.worker import write_model_dir  # noqa: E402
 
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -279,7 +280,7 @@ class SwapRound:
 
 def write_versions(model, base: Path, out: Path, count: int) -> list[Path]:
     """``count`` new versions of ``model``'s weights, each a Hugging Face directory."""
-    tied = bool(model.config.tie_word_embeddings)
+    tied_name = output_embedding_name(model)
     state = {name: t.detach().clone() for name, t in model.state_dict().items()}
     generator = torch.Generator().manual_seed(SEED)
     dirs = []
@@ -289,7 +290,7 @@ def write_versions(model, base: Path, out: Path, count: int) -> list[Path]:
             for n, t in state.items()
         }
         dirs.append(out / f"version-{version}")
-        write_model_dir(noisy, base, dirs[-1], tied)
+        write_model_dir(noisy, base, dirs[-1], tied_name)
     return dirs
 
 

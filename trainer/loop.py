@@ -24,6 +24,7 @@ from trainer.claims import Claim, ClaimLost, Leases, lost_message
 from trainer.cluster import WorkerGroup
 from trainer.config import AlgorithmConfig, TrainConfig, to_dict
 from trainer.figures import Phases, Progress, combine
+from trainer.model import check_supported
 from trainer.plan import plan_step
 from trainer.publish import Publisher
 from trainer.rollouts import Batch, Rules, build_batch
@@ -107,6 +108,8 @@ class Trainer:
         self.algorithm = follow_run(
             config.algorithm, {**run["config"], **run_held(config.algorithm)}
         )
+        if (Path(self.model_dir) / "config.json").exists():  # else only the workers see it
+            check_supported(self.model_dir)  # refused before Ray or a worker starts
         self.row_limit = row_limit(self.algorithm, self.model_dir)
         self.server_version = int(run["policy_version"])
         self.state = TrainerState(

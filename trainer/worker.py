@@ -1,9 +1,10 @@
 """One FSDP2 training worker: a member of a torch.distributed group, run as a Ray actor.
 
-A worker holds one shard of the model (``fully_shard`` per decoder layer, then the root) and of
-the AdamW state. Every call that touches the model is collective: the driver calls it on all
-workers at once, and gives every worker the same number of micro-batches (``MicroBatch`` may
-be empty; an empty one still runs a forward and backward so the collectives line up).
+A worker holds one shard of the model (``fully_shard`` per decoder layer, then the root: see
+``trainer/model.py``) and of the AdamW state. Every call that touches the model is collective:
+the driver calls it on all workers at once, and gives every worker the same number of
+micro-batches (``MicroBatch`` may be empty; an empty one still runs a forward and backward so
+the collectives line up).
 
 The worker knows how to turn packed token rows into logprobs and a decoupled-PPO update; it
 knows nothing about sessions, rewards, the server or Ray (``cluster`` wraps it in an actor).
@@ -28,12 +29,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer import attention
 from trainer.batching import PackedBatch, packed, shift_entropy, shift_logprobs
 from trainer.config import AlgorithmConfig, OptimConfig
 from trainer.loss import decoupled_ppo_loss
+from trainer.model import load_sharded_model, output_embedding_name
 
 # Files of a model directory that are not weights: copied next to every published version.
 MODEL_FILES = (
@@ -80,25 +80,6 @@ def pick_device(preference: str) -> torch.device:
     return torch.device("cpu")
 
 
-def load_sharded_model(model_dir: str, device: torch.device) -> torch.nn.Module:
-    """The Hugging Face model, each decoder layer and then the root wrapped by FSDP2."""
-    from transformers import AutoModelForCausalLM
-
-    attention.register()
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation=attention.NAME
-    )
-    model = model.to(device)
-    mixed = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-        reduce_dtype=torch.float32,
-    )
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mixed)
-    fully_shard(model, mp_policy=mixed)
-    return model
-
-
 class Worker:
     def __init__(self, rank: int, world_size: int, settings: WorkerSettings) -> None:
         self.rank = rank
@@ -134,6 +115,8 @@ class Worker:
         )
         torch.manual_seed(settings.seed)
         self.model = load_sharded_model(settings.model_dir, self.device)
+        # tied embeddings: one tensor the state dict names twice; published and sent once
+        self.output_embedding = output_embedding_name(self.model)
         self.reference = None
         if settings.algorithm.kl_coef > 0:
             self.reference = load_sharded_model(settings.model_dir, self.device)
@@ -312,7 +295,9 @@ class Worker:
         started = time.perf_counter()
         state = self.full_state()
         if self.rank == 0:
-            write_model_dir(state, Path(self.settings.model_dir), Path(out_dir), self._tied())
+            write_model_dir(
+                state, Path(self.settings.model_dir), Path(out_dir), self.output_embedding
+            )
         dist.barrier()
         return time.perf_counter() - started
 
@@ -320,15 +305,12 @@ class Worker:
         """Names, dtypes and shapes of what ``broadcast_weights`` sends, in order."""
         names, dtypes, shapes = [], [], []
         for name, tensor in self.full_state().items():
-            if self._tied() and name == "lm_head.weight":
+            if name == self.output_embedding:
                 continue
             names.append(name)
             dtypes.append(str(tensor.dtype).removeprefix("torch."))
             shapes.append(list(tensor.shape))
         return {"names": names, "dtypes": dtypes, "shapes": shapes}
-
-    def _tied(self) -> bool:
-        return bool(getattr(self.model.config, "tie_word_embeddings", False))
 
     # ----- the distributed weight path ----------------------------------------------------------
 
@@ -352,7 +334,7 @@ class Worker:
         state = self.full_state()
         if self.rank == 0:
             for name, tensor in state.items():
-                if self._tied() and name == "lm_head.weight":
+                if name == self.output_embedding:
                     continue
                 dist.broadcast(tensor.to(self.device), group=self.weight_group, group_src=0)
         dist.barrier()
@@ -386,6 +368,8 @@ class Worker:
             optim_state_dict=state["optimizer"],
             options=options,
         )
+        if output_embedding_name(self.model) != self.output_embedding:
+            raise RuntimeError("loading the checkpoint untied the input and output embeddings")
         counts = [state["step_count"]]
         dist.broadcast_object_list(counts, src=0)
         self.step_count = int(counts[0])
@@ -406,16 +390,16 @@ def split_rows(values: torch.Tensor, cu_seqlens: torch.Tensor, count: int) -> li
     return [flat[bounds[i] : bounds[i + 1]] for i in range(count)]
 
 
-def write_model_dir(state: dict[str, torch.Tensor], base: Path, out: Path, tied: bool) -> None:
-    """A Hugging Face model directory: the base model's config and tokenizer, new safetensors."""
+def write_model_dir(
+    state: dict[str, torch.Tensor], base: Path, out: Path, tied_name: str | None = None
+) -> None:
+    """A Hugging Face model directory: the base model's config and tokenizer, new safetensors.
+    ``tied_name`` (the output embedding of a tied model, the input embedding under a second
+    name) is left out, as ``save_pretrained`` leaves it out: the loader ties it again."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {
-        name: tensor.contiguous()
-        for name, tensor in state.items()
-        if not (tied and name == "lm_head.weight")
-    }
+    tensors = {name: tensor.contiguous() for name, tensor in state.items() if name != tied_name}
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
     for name in MODEL_FILES:
         if (base / name).exists():
