@@ -25,7 +25,7 @@ from server.generation import Completion, SamplingRequest, complete
 from server.openai_schemas import ChatCompletionRequest
 from server.recording import RequestLog, Served, record
 from server.session_state import SessionState
-from server.streaming import drain, guarded, sse
+from server.streaming import drain, first_output, guarded, sse
 from server.tokenization import TemplateError
 from server.tool_calls import ContentDelta, ToolCallStream, parse_tool_calls
 
@@ -61,18 +61,24 @@ def sampling_request(
     top_logprobs: int,
     default_temperature: float,
 ) -> SamplingRequest:
-    """Sampling settings, with max tokens checked against the context length; a request that
-    gives no temperature is sampled at the run's."""
-    context = ctx.context_length or 0
+    """Sampling settings, with max tokens checked against the context length (the engines'
+    smallest; the pool routes only to engines that reported theirs); a request that gives no
+    temperature is sampled at the run's."""
+    context = ctx.context_length
+    if context is None:
+        raise Unavailable(
+            "No engine has reported its context length, so no engine can serve; "
+            "see GET /admin/engines."
+        )
     room = context - len(prompt_ids)
-    if context and room <= 0:
+    if room <= 0:
         raise BadRequest(
             f"The prompt has {len(prompt_ids)} tokens; the model's context is {context}.",
             param="messages",
             code="context_length_exceeded",
         )
     max_tokens = limit if limit is not None else room
-    if context and max_tokens > room:
+    if max_tokens > room:
         raise BadRequest(
             f"This model's maximum context length is {context} tokens; the prompt has "
             f"{len(prompt_ids)} and {max_tokens} were asked for the completion.",
@@ -147,12 +153,16 @@ async def sample_all(
             ctx.pool, sampling, rid, prefer=state.engine, stream=stream, on_piece=handler
         )
 
+    tasks = [asyncio.create_task(one(i, rid)) for i, rid in enumerate(completion_ids)]
     try:
-        return list(await asyncio.gather(*(one(i, rid) for i, rid in enumerate(completion_ids))))
+        return list(await asyncio.gather(*tasks))
     except NoEngineAvailable as exc:
         raise Unavailable(f"No engine could serve this request: {exc}") from exc
-    except EngineRejected as exc:
-        raise BadRequest(f"The engine refused the request: {exc}") from exc
+    except EngineRejected as exc:  # the request's fault: no other engine would take it
+        raise BadRequest(f"The engine refused the request: {exc}", code="engine_rejected") from exc
+    finally:
+        for task in tasks:  # one choice failed: the others are not wanted either
+            task.cancel()
 
 
 def _message(ctx: ServerContext, plan: Plan, completion: Completion) -> tuple[dict, str]:
@@ -273,12 +283,14 @@ async def chat_completion_stream(
 ) -> AsyncIterator[str]:
     """Plan now (errors surface before the stream starts); chunks come from the generator."""
     plan = plan_chat(ctx, state, body, await run_temperature(ctx, state))
-    return _stream(ctx, state, plan, body.include_usage)
+    return await _stream(ctx, state, plan, body.include_usage)
 
 
 async def _stream(
     ctx: ServerContext, state: SessionState, plan: Plan, include_usage: bool
 ) -> AsyncIterator[str]:
+    """Start sampling; once the first tokens came (or sampling failed: raised here, so the
+    client gets a status code), the events."""
     head = {
         "id": plan.request_id,
         "object": "chat.completion.chunk",
@@ -287,8 +299,10 @@ async def _stream(
     }
     streams = [_ChoiceStream(ctx, plan, i) for i in range(len(plan.completion_ids))]
     queue: asyncio.Queue[list[dict]] = asyncio.Queue()
+    produced = asyncio.Event()
 
     async def on_piece(index: int, piece: Any) -> None:
+        produced.set()
         chunk = streams[index].on_piece(piece.ids, piece.logprobs, piece.top)
         if chunk:
             await queue.put(chunk)
@@ -296,6 +310,7 @@ async def _stream(
     sampling = asyncio.create_task(
         sample_all(ctx, state, plan.sampling, plan.completion_ids, True, on_piece)
     )
+    await first_output(sampling, produced)
 
     async def events() -> AsyncIterator[str]:
         for i in range(len(streams)):
@@ -317,5 +332,4 @@ async def _stream(
             usage = choices.usage(len(plan.prompt.ids), completions)
             yield sse({**head, "choices": [], "usage": usage})
 
-    async for event in guarded(events(), sampling):
-        yield event
+    return guarded(events(), sampling)

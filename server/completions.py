@@ -21,7 +21,7 @@ from server.generation import Completion
 from server.openai_schemas import CompletionRequest
 from server.recording import RequestLog, Served, record
 from server.session_state import SessionState
-from server.streaming import drain, guarded, sse
+from server.streaming import drain, first_output, guarded, sse
 
 
 class _Plan:
@@ -127,12 +127,14 @@ async def text_completion_stream(
     ctx: ServerContext, state: SessionState, body: CompletionRequest
 ) -> AsyncIterator[str]:
     plan = _Plan(ctx, state, body, await run_temperature(ctx, state))
-    return _stream(ctx, state, plan, body.include_usage)
+    return await _stream(ctx, state, plan, body.include_usage)
 
 
 async def _stream(
     ctx: ServerContext, state: SessionState, plan: _Plan, include_usage: bool
 ) -> AsyncIterator[str]:
+    """Start sampling; once the first tokens came (or sampling failed: raised here, so the
+    client gets a status code), the events."""
     head = {
         "id": plan.request_id,
         "object": "text_completion",
@@ -143,11 +145,13 @@ async def _stream(
         choices.TextStreamer(ctx.tokenizer, plan.sampling.stop) for _ in plan.completion_ids
     ]
     queue: asyncio.Queue[dict] = asyncio.Queue()
+    produced = asyncio.Event()
 
     def choice(index: int, text: str, finish: str | None = None) -> dict:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
 
     async def on_piece(index: int, piece: Any) -> None:
+        produced.set()
         text = streamers[index].push(piece.ids)
         if text:
             await queue.put(choice(index, text))
@@ -155,6 +159,7 @@ async def _stream(
     sampling = asyncio.create_task(
         sample_all(ctx, state, plan.sampling, plan.completion_ids, True, on_piece)
     )
+    await first_output(sampling, produced)
 
     async def events() -> AsyncIterator[str]:
         if plan.echo:
@@ -178,5 +183,4 @@ async def _stream(
             usage = choices.usage(len(plan.prompt.ids), completions)
             yield sse({**head, "choices": [], "usage": usage})
 
-    async for event in guarded(events(), sampling):
-        yield event
+    return guarded(events(), sampling)

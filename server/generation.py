@@ -3,8 +3,10 @@
 An engine answers a request with ``finish_reason.type == "abort"`` when a weight swap pauses it
 (or it is aborted); this module then resubmits prompt + tokens so far with the remaining budget,
 on the same engine, which holds the request until the swap is done. An engine that fails is
-left for another one, again resuming from the tokens already received. Each token keeps the
-policy version that sampled it. This module knows nothing about chat, sessions or the store.
+left for another one, again resuming from the tokens already received; an engine that refuses
+the request (``EngineRejected``: the request's fault) ends it and stays in rotation. Each token
+keeps the policy version that sampled it. This module knows nothing about chat, sessions or
+the store.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ class SamplingRequest:
     seed: int | None = None
     top_logprobs: int = 0
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:  # an engine asked for no tokens answers with nothing to store
+            raise ValueError(f"max_tokens must be at least 1, not {self.max_tokens}")
 
 
 @dataclass

@@ -7,6 +7,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from server.errors import ProxyError, error_body
+
 
 def sse(payload: dict | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
@@ -32,12 +34,30 @@ async def drain(work: asyncio.Task, queue: asyncio.Queue) -> AsyncIterator[list[
             return
 
 
+async def first_output(work: asyncio.Task, produced: asyncio.Event) -> None:
+    """Wait until ``work`` has produced something (``produced`` is set) or ended. If it failed
+    before producing anything, raise its error now, while the response can still carry a status
+    code (an engine's refusal becomes a 4xx rather than HTTP 200 and an error event)."""
+    waiting = asyncio.create_task(produced.wait())
+    try:
+        await asyncio.wait({work, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        raise
+    finally:
+        waiting.cancel()
+    if work.done() and not produced.is_set():
+        work.result()
+
+
 async def guarded(events: AsyncIterator[str], work: asyncio.Task) -> AsyncIterator[str]:
     """``events`` then ``[DONE]``; an error mid-stream (the status is already 200) is reported
     in-band as OpenAI does. Leaving early (the client went away) cancels ``work``."""
     try:
         async for event in events:
             yield event
+    except ProxyError as exc:  # in the shape the same error has before a stream starts
+        yield sse(error_body(exc.message, exc.type, exc.param, exc.code))
     except Exception as exc:
         message = getattr(exc, "message", None) or "The server hit an error mid-stream."
         yield sse({"error": {"message": message, "type": type(exc).__name__, "code": None}})

@@ -98,21 +98,33 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
     )
 
 
+def group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
+    """Each engine's first rank in the trainer's weight group, and the group's size. The trainer
+    is rank 0; an engine of tensor-parallel size t holds the t ranks from its offset on
+    (sglang-protocol.md, sections 2 and 8.1)."""
+    offsets, next_rank = [], 1
+    for tp_size in tp_sizes:
+        offsets.append(next_rank)
+        next_rank += tp_size
+    return offsets, next_rank
+
+
 async def form_group(ctx: ServerContext, body: WeightGroupIn) -> dict[str, Any]:
     """Every engine in rotation joins the trainer's weight group (the trainer is rank 0)."""
     engines = ctx.pool.healthy
     if not engines:
         raise Unavailable("No engine is in rotation to join a weight group.")
-    world_size = len(engines) + 1
+    offsets, world_size = group_ranks([engine.tp_size for engine in engines])
 
     async def join(rank: int, engine: EngineState) -> dict[str, Any]:
         request = {**body.model_dump(), "rank_offset": rank, "world_size": world_size}
+        where = {"url": engine.url, "rank_offset": rank, "tp_size": engine.tp_size}
         try:
-            return {"url": engine.url, **await engine.client.init_weights_update_group(request)}
+            return {**where, **await engine.client.init_weights_update_group(request)}
         except EngineError as exc:
-            return {"url": engine.url, "success": False, "message": str(exc)}
+            return {**where, "success": False, "message": str(exc)}
 
-    results = await asyncio.gather(*(join(i + 1, e) for i, e in enumerate(engines)))
+    results = await asyncio.gather(*(join(r, e) for r, e in zip(offsets, engines, strict=True)))
     if not all(r.get("success") for r in results):
         failed = [r for r in results if not r.get("success")]
         raise BadGateway(f"Not every engine joined {body.group_name!r}: {failed}")

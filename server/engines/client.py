@@ -4,7 +4,10 @@ It turns ``/generate`` answers (whole or streamed, cumulative or incremental) in
 :class:`Piece` objects: the new token ids with their logprobs and the weight version of each
 token, plus the finish reason when the request ended. Failures come out as two exceptions:
 :class:`EngineUnavailable` (the engine is gone, timed out or broke: try another) and
-:class:`EngineRejected` (it refused the request: do not retry). Every call has a timeout.
+:class:`EngineRejected` (it refused the request: do not retry). A streamed request SGLang
+refuses is answered with HTTP 200 and the error in-band (sglang-protocol.md, sections 1.5 and
+8.1); an in-band error with a 4xx code that is not marked retryable is a refusal too. Every
+call has a timeout.
 
 It runs on aiohttp: on this hot path (every request, every streamed token) it took a third of
 httpx's CPU time per request in our measurement.
@@ -64,6 +67,22 @@ def _error_message(text: str) -> str:
     if isinstance(error, dict):
         return str(error.get("message", error))
     return str(error)
+
+
+def in_band_error(url: str, error: Any) -> EngineError:
+    """What an ``{"error": ...}`` event inside a stream means: the client's fault (a 4xx code,
+    not retryable: :class:`EngineRejected`), or the engine's (anything else, including 0.5.10's
+    bare ``{"message"}``: :class:`EngineUnavailable`)."""
+    message = str(error.get("message", error)) if isinstance(error, dict) else str(error)
+    code = error.get("code") if isinstance(error, dict) else None
+    retryable = isinstance(error, dict) and bool(error.get("retryable"))
+    try:
+        status = int(code) if code is not None and not isinstance(code, bool) else 0
+    except (TypeError, ValueError):
+        status = 0
+    if 400 <= status < 500 and not retryable:
+        return EngineRejected(status, message)
+    return EngineUnavailable(f"{url}: {message}")
 
 
 def _versions_from_spans(meta: dict, count: int) -> list[str] | None:
@@ -164,7 +183,7 @@ class EngineClient:
                         return
                     chunk = json.loads(data)
                     if "error" in chunk:
-                        raise EngineUnavailable(f"{self.url}: {chunk['error']}")
+                        raise in_band_error(self.url, chunk["error"])
                     piece = piece_from_output(chunk, seen, cumulative=not incremental)
                     seen += len(piece.ids)
                     yield piece
@@ -218,6 +237,10 @@ class EngineClient:
 
     async def server_info(self) -> dict:
         return await self._get("/server_info")
+
+    async def models(self) -> dict:
+        """``/v1/models``: SGLang reports its effective context here (``max_model_len``)."""
+        return await self._get("/v1/models")
 
     async def loads(self) -> dict:
         """Running and waiting requests, token usage, throughput (``/v1/loads``)."""

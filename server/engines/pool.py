@@ -3,8 +3,10 @@
 Routing: the least-loaded healthy engine (requests in flight through this proxy), except that a
 session stays on the engine that served its last turn (prefix caches) while that engine is
 healthy and not clearly busier than the rest. An engine that fails a request or a health check
-leaves the rotation until a health check succeeds again. This module knows nothing about
-sessions, chat or the store.
+leaves the rotation until a health check succeeds again. An engine enters the rotation only once
+its context length is known (SGLang 0.5.23 reports it in ``/v1/models``, not ``/server_info``:
+sglang-protocol.md, section 8.1): requests are sized against it. This module knows nothing
+about sessions, chat or the store.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from server.engines.client import EngineClient, EngineError
+from server.engines.client import EngineClient, EngineError, EngineRejected
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +38,39 @@ class NoEngineAvailable(Exception):
     pass
 
 
+UNKNOWN_CONTEXT = (
+    "its context length is unknown (no context_length in /server_info, no max_model_len in "
+    "/v1/models, none in /model_info); start it with --context-length N"
+)
+
+
+def _positive_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def reported_context(server_info: dict, models: dict | None, model_info: dict) -> int | None:
+    """The context length an engine reports, or None: ``/server_info`` ``context_length``
+    (SGLang: only when set at launch; its Rust frontend says ``max_context_length``), then
+    ``/v1/models`` ``data[0].max_model_len`` (SGLang's effective length), then ``/model_info``."""
+    cards = (models or {}).get("data") or [{}]
+    candidates = [
+        server_info.get("context_length"),
+        server_info.get("max_context_length"),
+        cards[0].get("max_model_len") if isinstance(cards[0], dict) else None,
+        model_info.get("context_length"),
+        model_info.get("max_model_len"),
+    ]
+    return next((n for n in map(_positive_int, candidates) if n is not None), None)
+
+
 @dataclass(eq=False)
 class EngineState:
     client: EngineClient
     healthy: bool = False
     in_flight: int = 0
     incremental_streaming: bool = False
-    context_length: int | None = None
+    context_length: int | None = None  # None until the engine reports it: out of rotation
+    tp_size: int = 1  # its tensor-parallel ranks (a weight group gives it this many)
     weight_version: str | None = None
     served_tokens: int = 0
     failures: int = 0
@@ -131,7 +159,7 @@ class EnginePool:
         return True
 
     def mark_down(self, engine: EngineState, reason: str) -> None:
-        if engine.healthy:
+        if engine.healthy or reason != engine.last_error:
             log.warning("engine %s out of rotation: %s", engine.url, reason)
         engine.healthy = False
         engine.failures += 1
@@ -143,11 +171,12 @@ class EnginePool:
         try:
             info = await engine.client.model_info()
             if engine.context_length is None:
-                server = await engine.client.server_info()
-                engine.context_length = server.get("context_length")
-                engine.incremental_streaming = bool(server.get("incremental_streaming_output"))
+                await self._learn(engine, info)
         except (EngineError, ValueError) as exc:
             self.mark_down(engine, str(exc))
+            return False
+        if engine.context_length is None:
+            self.mark_down(engine, UNKNOWN_CONTEXT)
             return False
         engine.weight_version = str(info.get("weight_version"))
         expected = self.expected_version
@@ -158,6 +187,22 @@ class EnginePool:
             log.info("engine %s in rotation (version %s)", engine.url, engine.weight_version)
         engine.healthy = True
         return True
+
+    async def _learn(self, engine: EngineState, model_info: dict) -> None:
+        """What the proxy needs to know of an engine once: its context length, tensor-parallel
+        size and streaming mode (``/server_info``, and ``/v1/models`` when that has no
+        context)."""
+        server = await engine.client.server_info()
+        engine.tp_size = _positive_int(server.get("tp_size")) or 1
+        incremental = server.get("incremental_streaming_output", server.get("stream_output"))
+        engine.incremental_streaming = bool(incremental)
+        models = None
+        if reported_context(server, None, {}) is None:
+            try:
+                models = await engine.client.models()
+            except EngineRejected:  # no /v1/models: an older or other engine
+                models = None
+        engine.context_length = reported_context(server, models, model_info)
 
     async def _health_loop(self) -> None:
         while True:

@@ -29,6 +29,8 @@ async def engines(ctx: Ctx, _: AdminDep) -> list[dict]:
             "healthy": e.healthy,
             "in_flight": e.in_flight,
             "weight_version": e.weight_version,
+            "context_length": e.context_length,
+            "tp_size": e.tp_size,
             "served_tokens": e.served_tokens,
             "failures": e.failures,
             "last_error": e.last_error,

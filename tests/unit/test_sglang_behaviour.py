@@ -1,0 +1,168 @@
+"""What the proxy makes of SGLang 0.5.23's behaviour (sglang-protocol.md, section 8.1): where the
+context length comes from, in-band errors of a stream, weight-group ranks under tensor
+parallelism; and requests are never sized against an unknown context."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from server.chat import sampling_request
+from server.engines.client import EngineClient, EngineRejected, EngineUnavailable, in_band_error
+from server.engines.pool import reported_context
+from server.errors import BadRequest, Unavailable
+from server.generation import SamplingRequest
+from server.streaming import first_output, guarded
+from server.weights import group_ranks
+from tests.sglang_double import in_band_error as sglang_in_band_error
+from tests.support import free_port, parse_sse
+
+
+@pytest.mark.parametrize(
+    ("error", "expected", "status"),
+    [
+        ({"message": "too long", "type": "invalid_request_error", "code": 400,
+          "retryable": False}, EngineRejected, 400),
+        ({"message": "too long", "code": 422}, EngineRejected, 422),
+        ({"message": "busy", "code": 429, "retryable": True}, EngineUnavailable, None),
+        ({"message": "crashed", "type": "internal_error", "code": 500}, EngineUnavailable, None),
+        ({"message": "0.5.10 sends no code"}, EngineUnavailable, None),
+        ("a bare string", EngineUnavailable, None),
+        ({"message": "odd code", "code": "x"}, EngineUnavailable, None),
+    ],
+)  # fmt: skip
+def test_an_in_band_error_is_a_refusal_only_with_a_4xx_code(error, expected, status):
+    raised = in_band_error("http://engine", error)
+    assert type(raised) is expected
+    if status is not None:
+        assert raised.status == status and str(raised) == error["message"]
+
+
+def test_a_streamed_refusal_after_http_200_raises_engine_rejected():
+    """The client reads SGLang's in-band answer (HTTP 200, the error, [DONE]) as a refusal."""
+    message = "The input (300 tokens) is longer than the model's context length (128 tokens)."
+
+    async def generate(request: web.Request) -> web.Response:
+        return sglang_in_band_error(message)
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                client = EngineClient(f"http://127.0.0.1:{port}", http, generate_timeout=10)
+                async for _ in client.generate_stream({"input_ids": [1]}, incremental=False):
+                    pass
+        finally:
+            await runner.cleanup()
+
+    with pytest.raises(EngineRejected) as raised:
+        asyncio.run(scenario())
+    assert raised.value.status == 400 and str(raised.value) == message
+
+
+@pytest.mark.parametrize(
+    ("server_info", "models", "model_info", "expected"),
+    [
+        ({"context_length": None}, {"data": [{"max_model_len": 4096}]}, {}, 4096),  # 0.5.23
+        ({"context_length": 2048}, {"data": [{"max_model_len": 4096}]}, {}, 2048),  # launch arg
+        ({"max_context_length": 1024}, None, {}, 1024),  # the Rust frontend
+        ({"context_length": 0}, {"data": []}, {"context_length": 512}, 512),
+        ({}, {"data": [{"id": "m"}]}, {"max_model_len": 256}, 256),
+        ({"context_length": None}, {"data": [{"id": "m"}]}, {}, None),
+        ({"context_length": True}, None, {"context_length": "8192"}, None),  # not ints
+        ({"context_length": -1}, {"data": ["odd"]}, {}, None),
+    ],
+)
+def test_the_context_length_comes_from_what_the_engine_reports(
+    server_info, models, model_info, expected
+):
+    assert reported_context(server_info, models, model_info) == expected
+
+
+@pytest.mark.parametrize(
+    ("tp_sizes", "offsets", "world_size"),
+    [([1], [1], 2), ([1, 1, 1], [1, 2, 3], 4), ([2, 2], [1, 3], 5), ([4, 1, 2], [1, 5, 6], 8)],
+)
+def test_weight_group_ranks_follow_tensor_parallel_sizes(tp_sizes, offsets, world_size):
+    assert group_ranks(tp_sizes) == (offsets, world_size)
+
+
+def _body(**fields) -> SimpleNamespace:
+    return SimpleNamespace(**{"temperature": None, "stops": (), "seed": None, **fields})
+
+
+def test_no_request_is_sized_against_an_unknown_context():
+    with pytest.raises(Unavailable) as raised:
+        sampling_request(SimpleNamespace(context_length=None), [1, 2, 3], None, _body(), 0, 1.0)
+    assert "context length" in raised.value.message
+
+
+@pytest.mark.parametrize(("prompt", "limit"), [(128, None), (200, None), (100, 29)])
+def test_a_request_over_the_context_is_refused(prompt, limit):
+    ctx = SimpleNamespace(context_length=128)
+    with pytest.raises(BadRequest) as raised:
+        sampling_request(ctx, list(range(prompt)), limit, _body(), 0, 1.0)
+    assert raised.value.code == "context_length_exceeded"
+
+
+def test_the_room_left_is_the_default_budget():
+    ctx = SimpleNamespace(context_length=128)
+    assert sampling_request(ctx, list(range(100)), None, _body(), 0, 1.0).max_tokens == 28
+    assert sampling_request(ctx, list(range(100)), 28, _body(), 0, 1.0).max_tokens == 28
+
+
+@pytest.mark.parametrize("max_tokens", [0, -5])
+def test_a_sampling_request_asks_for_at_least_one_token(max_tokens):
+    with pytest.raises(ValueError, match="at least 1"):
+        SamplingRequest(prompt_ids=[1], max_tokens=max_tokens)
+
+
+def test_a_failure_before_any_output_is_raised_before_the_stream_starts():
+    async def refused() -> None:
+        raise BadRequest("The engine refused the request: too long", code="engine_rejected")
+
+    async def scenario() -> None:
+        work = asyncio.create_task(refused())
+        await first_output(work, asyncio.Event())
+
+    with pytest.raises(BadRequest):
+        asyncio.run(scenario())
+
+
+def test_a_failure_after_output_comes_in_band_in_the_api_shape():
+    async def scenario() -> list:
+        produced = asyncio.Event()
+
+        async def work() -> None:
+            produced.set()
+            await asyncio.sleep(0)
+            raise BadRequest("The engine refused the request: too long", code="engine_rejected")
+
+        task = asyncio.create_task(work())
+        await first_output(task, produced)  # output came: nothing raised here
+
+        async def events():
+            yield "data: {}\n\n"
+            await asyncio.gather(task)
+
+        return [event async for event in guarded(events(), task)]
+
+    events = parse_sse("".join(asyncio.run(scenario())))
+    assert events[-1] == "[DONE]"
+    assert events[-2] == {
+        "error": {
+            "message": "The engine refused the request: too long",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "engine_rejected",
+        }
+    }
