@@ -14,6 +14,7 @@ from prometheus_client import disable_created_metrics
 
 from server import dashboard, errors
 from server.deps import Ctx
+from server.engines import sglang
 from server.metrics import Metrics, RequestMetrics
 from server.routers import admin, metrics, openai, runs, sessions
 from server.settings import ServerSettings
@@ -46,6 +47,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
 
 def serve(settings: ServerSettings) -> None:
+    if settings.engine == "sglang" and not settings.engine_urls:
+        problem = sglang.missing(settings.sglang_module)
+        if problem is not None:
+            print(f"proxrl serve: {problem}", file=sys.stderr)
+            raise SystemExit(2)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

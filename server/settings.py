@@ -6,7 +6,7 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from server.store.database import default_url
@@ -24,11 +24,34 @@ class ServerSettings(BaseSettings):
     engines: str | None = Field(
         None,
         description="Comma-separated engine URLs to attach to (SGLang or `proxrl engine`); "
-        "without it, proxrl starts --num-engines embedded engines.",
+        "without it, proxrl starts --num-engines engines of the --engine kind.",
     )
-    num_engines: int = Field(1, ge=1, description="Embedded engines to start without --engines.")
+    engine: Literal["embedded", "sglang"] = Field(
+        "embedded",
+        description="The engines proxrl starts without --engines: its embedded engine, or SGLang "
+        'servers (python -m sglang.launch_server; needs CUDA and `pip install "sglang[all]"`).',
+    )
+    num_engines: int = Field(1, ge=1, description="Engines to start without --engines.")
     engine_max_running_requests: int = Field(
         64, ge=1, description="Requests an embedded engine decodes together."
+    )
+    sglang_args: str = Field(
+        "",
+        description="Extra flags for every SGLang server proxrl starts, one string split as a "
+        'shell would, e.g. "--mem-fraction-static 0.8 --incremental-streaming-output".',
+    )
+    sglang_tp_size: int = Field(
+        1, ge=1, description="GPUs per SGLang server (its --tp-size); server i gets the next ones."
+    )
+    sglang_start_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="Longest an SGLang server may take to answer /health (weights, CUDA graphs).",
+    )
+    sglang_module: str = Field(
+        "sglang.launch_server",
+        description="The module proxrl runs (python -m MODULE) to start an SGLang server: "
+        "a patched launcher, or a stand-in in tests.",
     )
     db: str | None = Field(
         None, description="SQLAlchemy URL of the store (default: SQLite under --data-dir)."
@@ -60,6 +83,33 @@ class ServerSettings(BaseSettings):
                 f"refusing to serve on {self.host} without an admin key: set --admin-key "
                 "(or PROXRL_ADMIN_KEY), or bind 127.0.0.1"
             )
+        return self
+
+    @field_validator("sglang_args")
+    @classmethod
+    def _sglang_args_split(cls, value: str) -> str:
+        from server.engines.sglang import split_args
+
+        split_args(value)
+        return value
+
+    @model_validator(mode="after")
+    def _engine_flags_apply(self) -> ServerSettings:
+        # A flag left at its default counts as not given (the CLI passes every field).
+        fields = type(self).model_fields
+        sglang_flags = ("sglang_args", "sglang_tp_size", "sglang_start_timeout_s", "sglang_module")
+        given = [
+            f"--{name.replace('_', '-')}"
+            for name in sglang_flags
+            if getattr(self, name) != fields[name].default
+        ]
+        if self.engines and self.engine != "embedded":
+            raise ValueError(
+                "--engine chooses the engines proxrl starts, and with --engines it starts none: "
+                "give one of the two"
+            )
+        if given and (self.engines or self.engine != "sglang"):
+            raise ValueError(f"{', '.join(given)} only apply with --engine sglang")
         return self
 
     @property

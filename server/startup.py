@@ -1,8 +1,8 @@
 """Build the server's resources at start and release them at stop (the app's lifespan).
 
-In order: migrate the store, load the tokenizer, start embedded engines (unless --engines
-names running ones), check the engines, make sure the default run exists and the engines serve
-its current version, then keep applying session deadlines in the background.
+In order: migrate the store, load the tokenizer, start engines (embedded or SGLang, unless
+--engines names running ones), check the engines, make sure the default run exists and the
+engines serve its current version, then keep applying session deadlines in the background.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from server.context import ServerContext
-from server.engine.launcher import EngineProcess
+from server.engine.launcher import EngineProcess, ServerProcess, wait_all
+from server.engines import sglang
 from server.engines.pool import EnginePool
 from server.metrics import Metrics
 from server.run_config import RunConfig
@@ -30,7 +31,7 @@ from server.tokenization import Tokenizer
 log = logging.getLogger(__name__)
 
 
-def launch_engines(settings: ServerSettings) -> list[EngineProcess]:
+def launch_embedded(settings: ServerSettings) -> list[EngineProcess]:
     """Start --num-engines embedded engines on loopback and wait until they serve."""
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -45,15 +46,16 @@ def launch_engines(settings: ServerSettings) -> list[EngineProcess]:
         EngineProcess(settings.model, logs / f"engine-{index}.log", *flags)
         for index in range(settings.num_engines)
     ]
-    try:
-        for engine in engines:
-            engine.wait_ready()
-    except Exception:
-        for engine in engines:
-            engine.stop()
-        raise
+    wait_all(engines)
     log.info("started %d embedded engine(s): %s", len(engines), [e.url for e in engines])
     return engines
+
+
+# What --engine names: how proxrl starts such engines when no --engines are given.
+LAUNCHERS: dict[str, Callable[[ServerSettings], Sequence[ServerProcess]]] = {
+    "embedded": launch_embedded,
+    "sglang": sglang.launch,
+}
 
 
 async def ensure_default_run(ctx: ServerContext) -> Run:
@@ -114,7 +116,8 @@ async def server_context(
     writer_engine = database.connect_sync(url)
     maker = database.sessionmaker(db_engine)
     tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, settings.model)
-    launched = [] if settings.engine_urls else await asyncio.to_thread(launch_engines, settings)
+    launcher = LAUNCHERS[settings.engine]
+    launched = [] if settings.engine_urls else await asyncio.to_thread(launcher, settings)
     urls = settings.engine_urls or [engine.url for engine in launched]
     pool = EnginePool(urls, settings.request_timeout_s, settings.health_interval_s)
     metrics = metrics or Metrics()

@@ -7,6 +7,7 @@ are given, tests). Imports neither torch nor transformers: the engine runs in th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -14,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Self
 
@@ -56,6 +57,9 @@ class ServerProcess:
     ready_path = "/health"
     ready_timeout = 120.0
     stop_timeout = 20.0  # after SIGTERM, before SIGKILL
+    # Run it in a process group of its own and stop the whole group: for servers that start
+    # processes of their own (SGLang's scheduler and detokenizer).
+    own_process_group = False
 
     def __init__(
         self,
@@ -75,6 +79,7 @@ class ServerProcess:
             stdout=self._log if self._log else subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent(),
+            start_new_session=self.own_process_group,
         )
 
     def wait_ready(self, timeout: float | None = None) -> Self:
@@ -101,20 +106,40 @@ class ServerProcess:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            self.process.terminate()
+            self._signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=self.stop_timeout)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self._signal(signal.SIGKILL)
                 self.process.wait(timeout=10)
+        if self.own_process_group:  # whatever it started and left behind
+            self._signal(signal.SIGKILL)
         if self._log is not None:
             self._log.close()
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if not self.own_process_group:
+            self.process.send_signal(sig)
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, sig)
 
     def __enter__(self) -> Self:
         return self.wait_ready()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_all(processes: Sequence[ServerProcess], timeout: float | None = None) -> None:
+    """Wait until every one of ``processes`` serves; if one does not, stop them all and raise."""
+    try:
+        for process in processes:
+            process.wait_ready(timeout)
+    except Exception:
+        for process in processes:
+            process.stop()
+        raise
 
 
 class EngineProcess(ServerProcess):

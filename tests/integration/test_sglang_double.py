@@ -1,5 +1,6 @@
 """The proxy against SGLang 0.5.23's quirks (``tests/sglang_double.py`` in front of a real
-embedded engine; the openai SDK as the client), attached with ``--engines``.
+embedded engine; the openai SDK as the client): attached with ``--engines``, and launched by
+``proxrl serve --engine sglang`` with the double standing in for ``sglang.launch_server``.
 
 The engine behind the doubles enforces a 128-token context; the doubles report it only where
 SGLang does (``/v1/models``), or report none, or too much."""
@@ -7,6 +8,8 @@ SGLang does (``/v1/models``), or report none, or too much."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -15,7 +18,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from tests.sglang_double import DoubleProcess
-from tests.support import EngineProcess, ProxyProcess, free_port
+from tests.support import EngineProcess, ProxyProcess, command_of, descendants, free_port, kill_all
 
 CONTEXT = 128
 
@@ -177,3 +180,109 @@ def test_an_engines_refusal_is_a_400_and_the_engine_stays(trusting_proxy, overst
     answer = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
     assert answer.choices[0].finish_reason in ("stop", "length")
     assert overstated.stats()["generate"] == before + 2
+
+
+# ----- proxrl serve --engine sglang, with the double standing in for sglang.launch_server ---
+
+
+def launched_doubles(proxy: ProxyProcess) -> list[int]:
+    return [
+        pid for pid in descendants(proxy.process.pid) if "-m tests.sglang_double" in command_of(pid)
+    ]
+
+
+def test_serve_launches_and_supervises_sglang_servers(tiny_model_dir, tmp_path, engine):
+    flags = (
+        "--engine", "sglang", "--sglang-module", "tests.sglang_double", "--num-engines", "2",
+        "--sglang-tp-size", "2", "--sglang-args", f"--upstream {engine.url}",
+        "--health-interval-s", "0.5",
+    )  # fmt: skip
+    proxy = ProxyProcess(tiny_model_dir, tmp_path / "serve", *flags)
+    pids: list[int] = []
+    try:
+        proxy.wait_ready()
+        pids = launched_doubles(proxy)
+        assert len(pids) == 2
+        commands = sorted(command_of(pid) for pid in pids)
+        for index, command in enumerate(commands):
+            assert "--host 127.0.0.1" in command and "--tp-size 2" in command
+            assert f"--base-gpu-id {2 * index}" in command and "--weight-version 0" in command
+            assert f"--model-path {tiny_model_dir}" in command
+        table = engine_table(proxy)
+        assert [row["tp_size"] for row in table.values()] == [2, 2]
+        assert all(row["healthy"] and row["context_length"] == CONTEXT for row in table.values())
+        session = proxy.session()
+        reply = client(session).chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=4
+        )
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        body = {"master_address": "127.0.0.1", "master_port": free_port(), "backend": "gloo"}
+        group = httpx.post(
+            f"{proxy.url}/admin/weights/group", json=body, headers=proxy.admin, timeout=60
+        ).json()
+        assert group["world_size"] == 5
+        assert [e["rank_offset"] for e in group["engines"]] == [1, 3]
+
+        # One server dies: it leaves the rotation; the other serves.
+        victim = pids[0]
+        kill_all([victim])
+        deadline = time.monotonic() + 15
+        while sum(row["healthy"] for row in engine_table(proxy).values()) != 1:
+            assert time.monotonic() < deadline, engine_table(proxy)
+            time.sleep(0.2)
+        reply = client(session).chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=4
+        )
+        assert reply.choices[0].finish_reason in ("stop", "length")
+    finally:
+        proxy.stop()
+    time.sleep(0.5)
+    leftovers = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    kill_all(leftovers)
+    assert not [pid for pid in leftovers if "tests.sglang_double" in command_of(pid)]
+
+
+def test_serve_stops_when_an_sglang_server_is_not_ready_in_time(tiny_model_dir, tmp_path):
+    nothing_there = f"http://127.0.0.1:{free_port()}"  # /health never answers 200
+    flags = (
+        "--engine", "sglang", "--sglang-module", "tests.sglang_double",
+        "--sglang-args", f"--upstream {nothing_there}", "--sglang-start-timeout-s", "2",
+    )  # fmt: skip
+    proxy = ProxyProcess(tiny_model_dir, tmp_path / "serve", *flags)
+    try:
+        with pytest.raises(RuntimeError) as failed:
+            proxy.wait_ready(timeout=90)
+    finally:
+        proxy.stop()
+    assert "sglang not ready within 2s" in str(failed.value)
+    assert proxy.process.returncode not in (0, None)
+    stray = [
+        pid
+        for pid in map(int, (p.name for p in Path("/proc").iterdir() if p.name.isdigit()))
+        if nothing_there.rsplit(":", 1)[1] in command_of(pid) and "sglang_double" in command_of(pid)
+    ]
+    kill_all(stray)
+    assert stray == []
+
+
+def test_a_stopped_proxy_stops_its_sglang_servers_with_sigkill(tiny_model_dir, tmp_path, engine):
+    """Killed outright, the proxy takes its SGLang servers with it (they die with their parent)."""
+    flags = (
+        "--engine", "sglang", "--sglang-module", "tests.sglang_double",
+        "--sglang-args", f"--upstream {engine.url}",
+    )  # fmt: skip
+    proxy = ProxyProcess(tiny_model_dir, tmp_path / "serve", *flags)
+    try:
+        proxy.wait_ready()
+        pids = launched_doubles(proxy)
+        assert len(pids) == 1
+        proxy.process.send_signal(signal.SIGKILL)
+        proxy.process.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while any("tests.sglang_double" in command_of(pid) for pid in pids):
+            if time.monotonic() > deadline:
+                kill_all(pids)
+                pytest.fail("the SGLang stand-in outlived the proxy")
+            time.sleep(0.1)
+    finally:
+        proxy.stop()

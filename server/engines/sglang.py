@@ -1,0 +1,106 @@
+"""SGLang servers started by ``proxrl serve --engine sglang``: the command each one runs, and the
+processes.
+
+Each server is ``python -m sglang.launch_server`` on loopback with the flags proxrl relies on
+(sglang-protocol.md): the model, a free port, its tensor-parallel size and first GPU, and the
+weight version proxrl counts from (``--weight-version 0``; the proxy reads versions back from
+``/model_info`` and ``meta_info.weight_version``); then the user's ``--sglang-args``. They are
+supervised as the embedded engines are: each must answer ``/health`` within
+``--sglang-start-timeout-s``, dies with the proxy (and takes its own scheduler processes with
+it), and leaves the rotation while the pool's health checks fail. Nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import shlex
+import sys
+from typing import TYPE_CHECKING
+
+from server.engine.launcher import ServerProcess, free_port, wait_all
+
+if TYPE_CHECKING:
+    from server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+FIRST_WEIGHT_VERSION = "0"
+INSTALL = 'pip install "sglang[all]"'
+
+# Flags proxrl sets itself, and where to set what they control instead.
+MANAGED_FLAGS = {
+    "--model-path": "--model",
+    "--model": "--model",
+    "--host": "proxrl (engines listen on loopback)",
+    "--port": "proxrl (a free port each)",
+    "--tp-size": "--sglang-tp-size",
+    "--tp": "--sglang-tp-size",
+    "--base-gpu-id": "--sglang-tp-size (server i starts at GPU i * tp size)",
+    "--weight-version": "proxrl (versions count from 0)",
+}
+
+
+def split_args(text: str) -> list[str]:
+    """``--sglang-args`` as SGLang's argv; refuses what proxrl sets itself."""
+    try:
+        args = shlex.split(text)
+    except ValueError as exc:
+        raise ValueError(f"--sglang-args cannot be split as a shell would: {exc}") from None
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in MANAGED_FLAGS:
+            raise ValueError(f"--sglang-args sets {flag}; that is set by {MANAGED_FLAGS[flag]}")
+    return args
+
+
+def missing(module: str) -> str | None:
+    """Why ``module`` cannot be run (its package is not installed here), or None."""
+    package = module.partition(".")[0]
+    if importlib.util.find_spec(package) is not None:
+        return None
+    return (
+        f"--engine sglang: the package {package!r} (for python -m {module}) is not installed in "
+        f"this Python ({sys.executable}). Install SGLang on a machine with CUDA: {INSTALL} "
+        "(or, in a clone of proxrl, pip install -e '.[sglang]'); or start SGLang yourself and "
+        "attach to it with --engines URL."
+    )
+
+
+def command(settings: ServerSettings, index: int, port: int) -> list[str]:
+    """The command line of SGLang server ``index`` (0-based) of ``settings``."""
+    tp_size = settings.sglang_tp_size
+    return [
+        sys.executable, "-m", settings.sglang_module,
+        "--model-path", settings.model,
+        "--host", HOST,
+        "--port", str(port),
+        "--tp-size", str(tp_size),
+        "--base-gpu-id", str(index * tp_size),
+        "--weight-version", FIRST_WEIGHT_VERSION,
+        *split_args(settings.sglang_args),
+    ]  # fmt: skip
+
+
+class SGLangProcess(ServerProcess):
+    """One SGLang server (``command``), in a process group of its own."""
+
+    name = "sglang"
+    ready_path = "/health"  # 503 until the model is loaded (sglang-protocol.md, section 4)
+    own_process_group = True
+
+
+def launch(settings: ServerSettings) -> list[SGLangProcess]:
+    """Start ``--num-engines`` SGLang servers and wait until each serves."""
+    logs = settings.data_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    servers = []
+    for index in range(settings.num_engines):
+        port = free_port(HOST)
+        argv = command(settings, index, port)
+        log.info("starting SGLang: %s", shlex.join(argv))
+        servers.append(SGLangProcess(argv, f"http://{HOST}:{port}", logs / f"sglang-{index}.log"))
+    wait_all(servers, settings.sglang_start_timeout_s)
+    log.info("started %d SGLang server(s): %s", len(servers), [s.url for s in servers])
+    return servers
