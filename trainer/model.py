@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from server.engine.architecture import unsupported_features
+from server.engine import architecture
+from server.engine.architecture import UnsupportedModel
 from trainer import attention
 
 __all__ = [
@@ -36,20 +37,11 @@ __all__ = [
 ]
 
 
-class UnsupportedModel(ValueError):
-    """The checkpoint declares something the trainer cannot compute, or is not what it says."""
-
-
 def check_supported(model_dir: str | Path) -> None:
     """Refuse a checkpoint whose attention the trainer does not compute, naming every feature."""
     from transformers import AutoConfig
 
-    found = unsupported_features(AutoConfig.from_pretrained(model_dir))
-    if found:
-        raise UnsupportedModel(
-            f"proxrl cannot train {model_dir}: its config declares {', '.join(found)}, which "
-            "proxrl's trainer and engine do not compute"
-        )
+    architecture.check_supported(AutoConfig.from_pretrained(model_dir), model_dir)
 
 
 def load_model(model_dir: str | Path) -> Any:
@@ -115,7 +107,7 @@ def check_attention(model: Any, device: torch.device, where: str | Path) -> None
         model.reshard()
 
 
-def output_embedding_name(model: torch.nn.Module) -> str | None:
+def output_embedding_name(model: Any) -> str | None:
     """The state-dict name of the output embedding's weight when it is the input embedding's
     (tied: one tensor under two names), else None. Raises if the loaded model and its config
     disagree about the tie."""

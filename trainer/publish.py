@@ -81,7 +81,7 @@ class Publisher:
         address = self.config.master_address
         port = _free_port(address)
         joining = self.workers.start(
-            "join_weight_group", address, port, len(engines) + 1, GROUP_NAME
+            "join_weight_group", address, port, group_world_size(engines), GROUP_NAME
         )
         backend = "nccl" if self.workers.info.get("device", "cpu").startswith("cuda") else "gloo"
         with ThreadPoolExecutor(1) as pool:  # the rendezvous needs both sides at once
@@ -90,6 +90,12 @@ class Publisher:
             result = asking.result(timeout=self.config.timeout_s)
         self.metadata = self.workers.call("weight_metadata")[0]
         log.info("weight group %s formed with %d engine(s): %s", GROUP_NAME, len(engines), result)
+
+
+def group_world_size(engines: list[dict]) -> int:
+    """Rank 0 and every tensor-parallel rank of every engine (``GET /admin/engines`` rows; the
+    server numbers the engines' ranks the same way in server/weights.py)."""
+    return 1 + sum(engine.get("tp_size") or 1 for engine in engines)
 
 
 def _free_port(address: str) -> int:

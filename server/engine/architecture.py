@@ -15,10 +15,31 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["layer_windows", "text_config", "unsupported_features", "uses_mask_mapping"]
+__all__ = [
+    "UnsupportedModel",
+    "check_supported",
+    "layer_windows",
+    "text_config",
+    "unsupported_features",
+    "uses_mask_mapping",
+]
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint declares something the engine or the trainer does not compute."""
+
+
+def check_supported(config: Any, where: object) -> None:
+    """Refuse a model whose attention proxrl does not compute, naming every feature."""
+    found = unsupported_features(config)
+    if found:
+        raise UnsupportedModel(
+            f"proxrl cannot serve or train {where} exactly: its config declares "
+            f"{', '.join(found)}, which proxrl's engine and trainer do not compute"
+        )
 
 
 def text_config(config: Any) -> Any:
@@ -42,6 +63,8 @@ def unsupported_features(config: Any) -> list[str]:
         found.append("is_encoder_decoder")
     if SLIDING in (getattr(config, "layer_types", None) or []) and not _window(config):
         found.append("layer_types='sliding_attention' without a sliding_window")
+    elif not found and len(set(layer_windows(config))) > 1 and not uses_mask_mapping(config):
+        found.append("different windows per layer without layer_types")
     return found
 
 

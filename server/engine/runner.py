@@ -37,10 +37,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class UnsupportedModel(ValueError):
-    """The checkpoint declares an attention feature the engine does not compute."""
-
-
 class ModelRunner:
     def __init__(self, config: RunnerConfig) -> None:
         self.config = config
@@ -73,16 +69,7 @@ class ModelRunner:
         )
 
     def _load_model(self, path: str) -> PreTrainedModel:
-        config = AutoConfig.from_pretrained(path)
-        unsupported = architecture.unsupported_features(config)
-        mixed = len(set(architecture.layer_windows(config))) > 1
-        if not unsupported and mixed and not architecture.uses_mask_mapping(config):
-            unsupported = ["per-layer windows without layer_types"]
-        if unsupported:
-            raise UnsupportedModel(
-                f"{path}: the engine cannot serve this model exactly; its config declares "
-                + ", ".join(unsupported)
-            )
+        architecture.check_supported(AutoConfig.from_pretrained(path), path)
         # The engine hands every layer a float mask it built itself (0 where a key is visible,
         # the dtype's minimum where not), which SDPA and eager attention both apply by adding
         # it to the scores; flash/flex implementations would not take it. Models without SDPA

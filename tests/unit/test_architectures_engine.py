@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from server.engine import protocol
-from server.engine.architecture import layer_windows
-from server.engine.runner import ModelRunner, RunnerConfig, UnsupportedModel
+from server.engine.architecture import UnsupportedModel, layer_windows
+from server.engine.runner import ModelRunner, RunnerConfig
 from server.engine.service import EngineService
 from server.engine.settings import EngineSettings
 from tests import architectures

@@ -20,6 +20,7 @@ from server.streaming import first_output, guarded
 from server.weights import group_ranks
 from tests.sglang_double import in_band_error as sglang_in_band_error
 from tests.support import free_port, parse_sse
+from trainer.publish import group_world_size
 
 
 @pytest.mark.parametrize(
@@ -94,6 +95,10 @@ def test_the_context_length_comes_from_what_the_engine_reports(
 )
 def test_weight_group_ranks_follow_tensor_parallel_sizes(tp_sizes, offsets, world_size):
     assert group_ranks(tp_sizes) == (offsets, world_size)
+    # The trainer's side of the rendezvous sizes the group the same way from /admin/engines.
+    rows = [{"url": f"e{i}", "tp_size": tp} for i, tp in enumerate(tp_sizes)]
+    assert group_world_size(rows) == world_size
+    assert group_world_size([{"url": "old"}]) == 2  # an engine that reports no tp_size has one
 
 
 def _body(**fields) -> SimpleNamespace:
