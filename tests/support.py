@@ -261,3 +261,23 @@ def command_of(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
     except OSError:
         return "?"
+
+
+def start_worker(model_dir, lr: float = 1e-3, temperature: float = 1.0):
+    """One FSDP2 training worker in this process (gloo, world size 1) on ``model_dir``, set up
+    and ready to step; the caller shuts it down."""
+    from trainer.config import AlgorithmConfig, OptimConfig
+    from trainer.worker import Worker, WorkerSettings
+
+    settings = WorkerSettings(
+        model_dir=str(model_dir),
+        lr=lr,
+        optim=OptimConfig(),
+        algorithm=AlgorithmConfig(temperature=temperature, off_temperature="mask"),
+        seed=0,
+        device="cpu",
+        threads=1,
+    )
+    worker = Worker(0, 1, settings)
+    worker.setup("127.0.0.1", free_port())
+    return worker

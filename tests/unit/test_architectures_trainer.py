@@ -24,7 +24,6 @@ checkpoint round trip (``test_a_tied_model_stays_tied_through_training``).
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -34,10 +33,9 @@ from safetensors.torch import load_file
 from transformers import AttentionInterface, AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig
 
 from server.engine.weights import read_checkpoint
-from tests import architectures
+from tests import architectures, support
 from trainer import attention
 from trainer.batching import packed, shift_logprobs
-from trainer.config import AlgorithmConfig, OptimConfig
 from trainer.model import (
     UnsupportedModel,
     check_supported,
@@ -47,7 +45,7 @@ from trainer.model import (
 )
 from trainer.plan import plan_step
 from trainer.rollouts import Sample
-from trainer.worker import Worker, WorkerSettings
+from trainer.worker import Worker
 
 TOLERANCE = 1e-4
 SENSITIVITY = 0.05
@@ -236,21 +234,7 @@ def test_a_model_with_unsupported_attention_is_refused_naming_it(tmp_path):
 
 
 def start_worker(model_dir: Path) -> Worker:
-    settings = WorkerSettings(
-        model_dir=str(model_dir),
-        lr=1e-2,
-        optim=OptimConfig(),
-        algorithm=AlgorithmConfig(temperature=1.0, off_temperature="mask"),
-        seed=0,
-        device="cpu",
-        threads=1,
-    )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    worker = Worker(0, 1, settings)
-    worker.setup("127.0.0.1", port)
-    return worker
+    return support.start_worker(model_dir, lr=1e-2)
 
 
 def samples(rows: list[list[int]]) -> list[Sample]:

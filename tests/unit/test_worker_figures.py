@@ -6,35 +6,20 @@ each row to 1e-5 relative (float32 packed against float64 per row); the phase ti
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 import torch
 
-from trainer.config import AlgorithmConfig, OptimConfig
+from tests.support import start_worker
 from trainer.plan import plan_step
 from trainer.rollouts import Sample
-from trainer.worker import Worker, WorkerSettings
 
 TEMPERATURE = 0.7
 
 
 @pytest.fixture
 def worker(tiny_model_dir):
-    settings = WorkerSettings(
-        model_dir=str(tiny_model_dir),
-        lr=1e-3,
-        optim=OptimConfig(),
-        algorithm=AlgorithmConfig(temperature=TEMPERATURE, off_temperature="mask"),
-        seed=0,
-        device="cpu",
-        threads=1,
-    )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    worker = Worker(0, 1, settings)
-    worker.setup("127.0.0.1", port)
+    worker = start_worker(tiny_model_dir, lr=1e-3, temperature=TEMPERATURE)
     try:
         yield worker
     finally:
