@@ -30,6 +30,7 @@ __all__ = [
     "UnsupportedModel",
     "check_attention",
     "check_supported",
+    "checkpoint_names",
     "decoder_layers",
     "load_model",
     "load_sharded_model",
@@ -105,6 +106,19 @@ def check_attention(model: Any, device: torch.device, where: str | Path) -> None
         # shard them again, or an optimizer made next would hold the gathered copies, whose
         # updates the next gather discards.
         model.reshard()
+
+
+def checkpoint_names(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (the model's own names) under the checkpoint format's names: what
+    ``save_pretrained`` writes and what SGLang and ``from_pretrained`` load. transformers 5
+    renames or fuses some tensors on load (GPT-NeoX's ``embed_out`` is ``lm_head``, a MoE
+    layer's experts are one stacked tensor); this undoes it with transformers' own mapping.
+    Identity for architectures without a conversion."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.no_grad():
+        reverted = revert_weight_conversion(model, dict(state))
+    return {name: tensor.contiguous() for name, tensor in reverted.items()}
 
 
 def output_embedding_name(model: Any) -> str | None:

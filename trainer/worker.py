@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from trainer.batching import PackedBatch, packed, shift_entropy, shift_logprobs
 from trainer.config import AlgorithmConfig, OptimConfig
 from trainer.loss import decoupled_ppo_loss
-from trainer.model import load_sharded_model, output_embedding_name
+from trainer.model import checkpoint_names, load_sharded_model, output_embedding_name
 
 # Files of a model directory that are not weights: copied next to every published version.
 MODEL_FILES = (
@@ -290,23 +290,28 @@ class Worker:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
 
+    def published_state(self) -> dict[str, torch.Tensor]:
+        """What a publish sends: the weights under the checkpoint format's names, without the
+        tied output embedding, which loaders tie again (collective; complete on rank 0 only)."""
+        state = self.full_state()
+        if self.rank != 0:
+            return {}
+        state = {name: t for name, t in state.items() if name != self.output_embedding}
+        return checkpoint_names(self.model, state)
+
     def save_weights(self, out_dir: str) -> float:
         """Write the weights as a Hugging Face directory (collective; rank 0 writes)."""
         started = time.perf_counter()
-        state = self.full_state()
+        state = self.published_state()
         if self.rank == 0:
-            write_model_dir(
-                state, Path(self.settings.model_dir), Path(out_dir), self.output_embedding
-            )
+            write_model_dir(state, Path(self.settings.model_dir), Path(out_dir))
         dist.barrier()
         return time.perf_counter() - started
 
     def weight_metadata(self) -> dict[str, list]:
         """Names, dtypes and shapes of what ``broadcast_weights`` sends, in order."""
         names, dtypes, shapes = [], [], []
-        for name, tensor in self.full_state().items():
-            if name == self.output_embedding:
-                continue
+        for name, tensor in self.published_state().items():
             names.append(name)
             dtypes.append(str(tensor.dtype).removeprefix("torch."))
             shapes.append(list(tensor.shape))
@@ -331,11 +336,9 @@ class Worker:
     def broadcast_weights(self) -> float:
         """Gather the full weights and broadcast them to the engines (collective)."""
         started = time.perf_counter()
-        state = self.full_state()
+        state = self.published_state()
         if self.rank == 0:
-            for name, tensor in state.items():
-                if name == self.output_embedding:
-                    continue
+            for tensor in state.values():
                 dist.broadcast(tensor.to(self.device), group=self.weight_group, group_src=0)
         dist.barrier()
         return time.perf_counter() - started

@@ -8,11 +8,15 @@ knows nothing about requests, sampling or HTTP; it maps token ids to logits and 
 
 from __future__ import annotations
 
+import functools
 import logging
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from server.engine import architecture, fast_decode
@@ -178,6 +182,42 @@ class ModelRunner:
                     f"shape mismatch for {name}: model {tuple(state[name].shape)}, "
                     f"got {tuple(tensor.shape)}"
                 )
+
+    def model_named(self, named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors under the model's own parameter names.
+
+        Trainers publish under the checkpoint format's names (what ``save_pretrained`` writes
+        and SGLang loads). transformers 5 renames or fuses some of them when it loads a model
+        (GPT-NeoX's ``embed_out`` is ``lm_head``; a MoE layer's experts, one tensor each in the
+        checkpoint, are one stacked tensor in memory), so names the model does not have go
+        through transformers' own loading conversion. Names it has are taken as they are."""
+        names = set(named_tensors)
+        if names <= set(self.model.state_dict()):
+            return named_tensors
+        unknown = sorted(names - self._checkpoint_names())
+        if unknown:  # refused before any work: a bad request costs no model load
+            raise ValueError(f"unknown parameter names: {unknown[:5]}")
+        with tempfile.TemporaryDirectory(prefix="proxrl-weights-") as tmp:
+            tensors = {name: t.detach().contiguous().cpu() for name, t in named_tensors.items()}
+            save_file(tensors, Path(tmp) / "model.safetensors", metadata={"format": "pt"})
+            self.model.config.save_pretrained(tmp)
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                tmp, dtype=self.dtype, output_loading_info=True
+            )
+        converted, info = loaded
+        if info["unexpected_keys"]:
+            raise ValueError(f"unknown parameter names: {sorted(info['unexpected_keys'])[:5]}")
+        missing = set(info["missing_keys"])
+        return {n: t for n, t in converted.state_dict().items() if n not in missing}
+
+    @functools.cache  # noqa: B019  # one per runner, which lives as long as the engine
+    def _checkpoint_names(self) -> frozenset[str]:
+        """Every name the checkpoint format gives this model's tensors (and the model's own)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        with torch.no_grad():
+            state = self.model.state_dict()
+            return frozenset(revert_weight_conversion(self.model, dict(state))) | set(state)
 
     @torch.inference_mode()
     def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:

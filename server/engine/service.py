@@ -14,7 +14,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -227,9 +227,11 @@ class EngineService:
 
     async def apply_update(self, update: WeightUpdate) -> UpdateResult:
         try:
-            self.runner.check_weights(update.tensors)
-        except ValueError as exc:
+            tensors = await asyncio.to_thread(self.runner.model_named, update.tensors)
+            self.runner.check_weights(tensors)
+        except (ValueError, OSError) as exc:
             return UpdateResult(False, f"Failed to update weights: {exc}")
+        update = replace(update, tensors=tensors)
         return await asyncio.wrap_future(self.scheduler.request_update(update))
 
     async def update_from_disk(self, body: protocol.UpdateWeightsFromDiskIn) -> UpdateResult:

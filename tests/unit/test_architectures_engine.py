@@ -127,3 +127,38 @@ def test_an_attention_feature_the_engine_cannot_compute_is_refused(model_dirs, t
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModel, match="attention_chunk_size"):
         ModelRunner(RunnerConfig(str(directory), max_slots=1))
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "qwen3_moe", "qwen2"])
+def test_weights_under_checkpoint_names_load_into_the_engine(name, model_dirs, tmp_path):
+    """What a trainer publishes (the checkpoint format's names: GPT-NeoX's ``embed_out``, a MoE
+    layer's experts one by one) loads into the engine as ``from_pretrained`` would load it;
+    the trainer's ``checkpoint_names`` gives exactly the names ``save_pretrained`` writes."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from server.engine.weights import read_checkpoint
+    from trainer.model import checkpoint_names
+
+    changed = AutoModelForCausalLM.from_pretrained(model_dirs[name])
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in changed.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    changed.save_pretrained(tmp_path / "changed")
+    with safe_open(str(tmp_path / "changed" / "model.safetensors"), "pt") as saved:
+        saved_names = set(saved.keys())
+    state = {
+        k: v
+        for k, v in changed.state_dict().items()
+        if not (name in architectures.TIED and k == "lm_head.weight")
+    }
+    assert set(checkpoint_names(changed, state)) == saved_names
+
+    runner = ModelRunner(RunnerConfig(model_dirs[name], max_slots=1, fast_decode=False))
+    runner.load_weights(runner.model_named(read_checkpoint(tmp_path / "changed")))
+    ids = list(range(10, 40))
+    with torch.inference_mode():
+        expected = changed(torch.tensor([ids])).logits[0]
+        served = runner.prefill(0, ids, all_logits=True)
+    assert (served - expected).abs().max().item() < TOLERANCE
