@@ -25,7 +25,7 @@ from server.generation import Completion, SamplingRequest, complete
 from server.openai_schemas import ChatCompletionRequest
 from server.recording import RequestLog, Served, record
 from server.session_state import SessionState
-from server.streaming import drain, first_output, guarded, sse
+from server.streaming import GuardedStream, drain, first_output, sse
 from server.tokenization import TemplateError
 from server.tool_calls import ContentDelta, ToolCallStream, parse_tool_calls
 
@@ -280,7 +280,7 @@ class _ChoiceStream:
 
 async def chat_completion_stream(
     ctx: ServerContext, state: SessionState, body: ChatCompletionRequest
-) -> AsyncIterator[str]:
+) -> GuardedStream:
     """Plan now (errors surface before the stream starts); chunks come from the generator."""
     plan = plan_chat(ctx, state, body, await run_temperature(ctx, state))
     return await _stream(ctx, state, plan, body.include_usage)
@@ -288,7 +288,7 @@ async def chat_completion_stream(
 
 async def _stream(
     ctx: ServerContext, state: SessionState, plan: Plan, include_usage: bool
-) -> AsyncIterator[str]:
+) -> GuardedStream:
     """Start sampling; once the first tokens came (or sampling failed: raised here, so the
     client gets a status code), the events."""
     head = {
@@ -332,4 +332,4 @@ async def _stream(
             usage = choices.usage(len(plan.prompt.ids), completions)
             yield sse({**head, "choices": [], "usage": usage})
 
-    return guarded(events(), sampling)
+    return GuardedStream(events(), sampling)

@@ -21,7 +21,7 @@ from server.generation import Completion
 from server.openai_schemas import CompletionRequest
 from server.recording import RequestLog, Served, record
 from server.session_state import SessionState
-from server.streaming import drain, first_output, guarded, sse
+from server.streaming import GuardedStream, drain, first_output, sse
 
 
 class _Plan:
@@ -125,14 +125,14 @@ async def text_completion(ctx: ServerContext, state: SessionState, body: Complet
 
 async def text_completion_stream(
     ctx: ServerContext, state: SessionState, body: CompletionRequest
-) -> AsyncIterator[str]:
+) -> GuardedStream:
     plan = _Plan(ctx, state, body, await run_temperature(ctx, state))
     return await _stream(ctx, state, plan, body.include_usage)
 
 
 async def _stream(
     ctx: ServerContext, state: SessionState, plan: _Plan, include_usage: bool
-) -> AsyncIterator[str]:
+) -> GuardedStream:
     """Start sampling; once the first tokens came (or sampling failed: raised here, so the
     client gets a status code), the events."""
     head = {
@@ -183,4 +183,4 @@ async def _stream(
             usage = choices.usage(len(plan.prompt.ids), completions)
             yield sse({**head, "choices": [], "usage": usage})
 
-    return guarded(events(), sampling)
+    return GuardedStream(events(), sampling)

@@ -50,6 +50,25 @@ async def first_output(work: asyncio.Task, produced: asyncio.Event) -> None:
         work.result()
 
 
+class GuardedStream:
+    """An answer's events (``guarded``) and the work that produces them, which ``stop`` cancels.
+
+    The response calls ``stop`` however it ends: a client that leaves before the first chunk
+    is written leaves the events' generator unstarted, and an unstarted generator never runs
+    its ``finally``."""
+
+    def __init__(self, events: AsyncIterator[str], work: asyncio.Task) -> None:
+        self.work = work
+        self.events = guarded(events, work)
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self.events
+
+    def stop(self) -> None:
+        if not self.work.done():
+            self.work.cancel()
+
+
 async def guarded(events: AsyncIterator[str], work: asyncio.Task) -> AsyncIterator[str]:
     """``events`` then ``[DONE]``; an error mid-stream (the status is already 200) is reported
     in-band as OpenAI does. Leaving early (the client went away) cancels ``work``."""

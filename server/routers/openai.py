@@ -6,12 +6,14 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from server import auth, chat, completions
 from server.deps import CallerDep, Ctx, PathCallerDep
 from server.errors import Conflict, Unauthorized
 from server.openai_schemas import ChatCompletionRequest, CompletionRequest
 from server.session_state import SessionState
+from server.streaming import GuardedStream
 
 router = APIRouter(tags=["OpenAI-compatible"])
 SessionHeader = Annotated[str | None, Header(alias="X-Session-Id")]
@@ -29,18 +31,29 @@ async def _open_session(
     return state
 
 
+class _Stream(StreamingResponse):
+    """An SSE answer whose sampling stops however the response ends (see GuardedStream)."""
+
+    def __init__(self, events: GuardedStream) -> None:
+        super().__init__(events, media_type=SSE)
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.events.stop()
+
+
 async def _chat(ctx: Ctx, state: SessionState, body: ChatCompletionRequest) -> Any:
     if body.stream:
-        return StreamingResponse(
-            await chat.chat_completion_stream(ctx, state, body), media_type=SSE
-        )
+        return _Stream(await chat.chat_completion_stream(ctx, state, body))
     return JSONResponse(await chat.chat_completion(ctx, state, body))
 
 
 async def _completion(ctx: Ctx, state: SessionState, body: CompletionRequest) -> Any:
     if body.stream:
-        stream = await completions.text_completion_stream(ctx, state, body)
-        return StreamingResponse(stream, media_type=SSE)
+        return _Stream(await completions.text_completion_stream(ctx, state, body))
     return JSONResponse(await completions.text_completion(ctx, state, body))
 
 
