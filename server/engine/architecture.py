@@ -63,8 +63,6 @@ def unsupported_features(config: Any) -> list[str]:
         found.append("is_encoder_decoder")
     if SLIDING in (getattr(config, "layer_types", None) or []) and not _window(config):
         found.append("layer_types='sliding_attention' without a sliding_window")
-    elif not found and len(set(layer_windows(config))) > 1 and not uses_mask_mapping(config):
-        found.append("different windows per layer without layer_types")
     return found
 
 

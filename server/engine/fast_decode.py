@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from server.engine.architecture import layer_windows
 from server.engine.kv_cache import SlotKVCache
 
 FAMILY = {"llama", "qwen2", "qwen3", "mistral"}
@@ -45,14 +46,10 @@ class _Layer:
 
 def supports(model: PreTrainedModel) -> bool:
     config = model.config
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    uses_window = getattr(config, "use_sliding_window", True)
-    window = getattr(config, "sliding_window", None) if uses_window else None
     return (
         config.model_type in FAMILY
         and getattr(config, "hidden_act", "silu") == "silu"
-        and all(kind == "full_attention" for kind in layer_types)
-        and window is None
+        and all(window is None for window in layer_windows(config))
     )
 
 

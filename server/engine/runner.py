@@ -190,20 +190,26 @@ class ModelRunner:
         and SGLang loads). transformers 5 renames or fuses some of them when it loads a model
         (GPT-NeoX's ``embed_out`` is ``lm_head``; a MoE layer's experts, one tensor each in the
         checkpoint, are one stacked tensor in memory), so names the model does not have go
-        through transformers' own loading conversion. Names it has are taken as they are."""
+        through transformers' own loading conversion: the tensors are written to a temporary
+        directory and loaded into a second model on the CPU (a copy of the model in memory and on
+        disk per update; the embedded engine's models are small, and SGLang takes these names
+        itself). Names it has are taken as they are, with no copy."""
         names = set(named_tensors)
         if names <= set(self.model.state_dict()):
             return named_tensors
         unknown = sorted(names - self._checkpoint_names())
         if unknown:  # refused before any work: a bad request costs no model load
             raise ValueError(f"unknown parameter names: {unknown[:5]}")
-        with tempfile.TemporaryDirectory(prefix="proxrl-weights-") as tmp:
-            tensors = {name: t.detach().contiguous().cpu() for name, t in named_tensors.items()}
-            save_file(tensors, Path(tmp) / "model.safetensors", metadata={"format": "pt"})
-            self.model.config.save_pretrained(tmp)
-            loaded: Any = AutoModelForCausalLM.from_pretrained(
-                tmp, dtype=self.dtype, output_loading_info=True
-            )
+        try:
+            with tempfile.TemporaryDirectory(prefix="proxrl-weights-") as tmp:
+                tensors = {n: t.detach().contiguous().cpu() for n, t in named_tensors.items()}
+                save_file(tensors, Path(tmp) / "model.safetensors", metadata={"format": "pt"})
+                self.model.config.save_pretrained(tmp)
+                loaded: Any = AutoModelForCausalLM.from_pretrained(
+                    tmp, dtype=self.dtype, output_loading_info=True
+                )
+        except Exception as exc:  # e.g. a stacked tensor given only some of its experts
+            raise ValueError(f"cannot map the checkpoint names to the model's: {exc}") from exc
         converted, info = loaded
         if info["unexpected_keys"]:
             raise ValueError(f"unknown parameter names: {sorted(info['unexpected_keys'])[:5]}")

@@ -71,6 +71,7 @@ class EngineState:
     incremental_streaming: bool = False
     context_length: int | None = None  # None until the engine reports it: out of rotation
     tp_size: int = 1  # its tensor-parallel ranks (a weight group gives it this many)
+    refused: str | None = None  # why proxrl cannot use it whatever it answers, once learned
     weight_version: str | None = None
     served_tokens: int = 0
     failures: int = 0
@@ -158,11 +159,13 @@ class EnginePool:
                 await asyncio.sleep(0.5)
         return True
 
-    def mark_down(self, engine: EngineState, reason: str) -> None:
+    def mark_down(self, engine: EngineState, reason: str, failure: bool = True) -> None:
+        """Out of rotation with ``reason``; ``failure``: it failed (counted), rather than being
+        an engine proxrl cannot use as it is (unknown context, unsupported parallelism)."""
         if engine.healthy or reason != engine.last_error:
             log.warning("engine %s out of rotation: %s", engine.url, reason)
         engine.healthy = False
-        engine.failures += 1
+        engine.failures += failure
         engine.last_error = reason
 
     async def check(self, engine: EngineState) -> bool:
@@ -175,8 +178,14 @@ class EnginePool:
         except (EngineError, ValueError) as exc:
             self.mark_down(engine, str(exc))
             return False
+        except Exception as exc:  # an answer of an unexpected shape must not end the health loop
+            self.mark_down(engine, f"unexpected answer: {type(exc).__name__}: {exc}")
+            return False
+        if engine.refused is not None:
+            self.mark_down(engine, engine.refused, failure=False)
+            return False
         if engine.context_length is None:
-            self.mark_down(engine, UNKNOWN_CONTEXT)
+            self.mark_down(engine, UNKNOWN_CONTEXT, failure=False)
             return False
         engine.weight_version = str(info.get("weight_version"))
         expected = self.expected_version
@@ -194,6 +203,12 @@ class EnginePool:
         context)."""
         server = await engine.client.server_info()
         engine.tp_size = _positive_int(server.get("tp_size")) or 1
+        dp, pp = (_positive_int(server.get(key)) or 1 for key in ("dp_size", "pp_size"))
+        if dp > 1 or pp > 1:
+            engine.refused = (
+                f"it runs dp_size={dp}, pp_size={pp}; proxrl's weight group takes one data- and "
+                "pipeline-parallel rank per engine (start one engine per replica instead)"
+            )
         incremental = server.get("incremental_streaming_output", server.get("stream_output"))
         engine.incremental_streaming = bool(incremental)
         models = None

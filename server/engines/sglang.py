@@ -37,6 +37,13 @@ MANAGED_FLAGS = {
     "--port": "proxrl (a free port each)",
     "--tp-size": "--sglang-tp-size",
     "--tp": "--sglang-tp-size",
+    "--tensor-parallel-size": "--sglang-tp-size",
+    "--dp-size": "--num-engines (one data-parallel rank per server)",
+    "--dp": "--num-engines (one data-parallel rank per server)",
+    "--data-parallel-size": "--num-engines (one data-parallel rank per server)",
+    "--pp-size": "nothing: proxrl's weight group takes one pipeline rank per server",
+    "--pp": "nothing: proxrl's weight group takes one pipeline rank per server",
+    "--pipeline-parallel-size": "nothing: proxrl's weight group takes one pipeline rank per server",
     "--base-gpu-id": "--sglang-tp-size (server i starts at GPU i * tp size)",
     "--weight-version": "proxrl (versions count from 0)",
 }

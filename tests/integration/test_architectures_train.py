@@ -65,8 +65,8 @@ def test_one_step_trains_publishes_and_serves_the_published_weights(name, tiny_m
         )
         assert step["logprob_mismatch_mean"] < TOLERANCE, step
 
-        # Compared as loaded models: transformers 5 saves MoE experts one by one and holds them
-        # fused in memory, and the trainer publishes the in-memory names.
+        # Compared as loaded models: transformers 5 holds MoE experts fused in memory and saves
+        # them one by one, as the trainer publishes them.
         published = out / "weights" / "v000001"
         base = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
         model = AutoModelForCausalLM.from_pretrained(published)

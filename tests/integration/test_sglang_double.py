@@ -236,10 +236,17 @@ def test_serve_launches_and_supervises_sglang_servers(tiny_model_dir, tmp_path, 
         assert reply.choices[0].finish_reason in ("stop", "length")
     finally:
         proxy.stop()
-    time.sleep(0.5)
-    leftovers = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
-    kill_all(leftovers)
-    assert not [pid for pid in leftovers if "tests.sglang_double" in command_of(pid)]
+
+    def survivors() -> list[int]:  # zombies (reaped later, no command line) do not count
+        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+        return [pid for pid in alive if "tests.sglang_double" in command_of(pid)]
+
+    deadline = time.monotonic() + 5
+    while survivors() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = survivors()  # judged before anything is killed here
+    kill_all([pid for pid in pids if Path(f"/proc/{pid}").exists()])
+    assert not left
 
 
 def test_serve_stops_when_an_sglang_server_is_not_ready_in_time(tiny_model_dir, tmp_path):

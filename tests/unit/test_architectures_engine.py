@@ -162,3 +162,14 @@ def test_weights_under_checkpoint_names_load_into_the_engine(name, model_dirs, t
         expected = changed(torch.tensor([ids])).logits[0]
         served = runner.prefill(0, ids, all_logits=True)
     assert (served - expected).abs().max().item() < TOLERANCE
+
+
+def test_names_the_engine_cannot_map_are_refused_as_bad_input(model_dirs):
+    """A stacked expert tensor given only one of its experts, or a name no checkpoint of the
+    model has: a ValueError (the engine's {"success": false}), not an error of another kind."""
+    runner = ModelRunner(RunnerConfig(model_dirs["qwen3_moe"], max_slots=1))
+    one_expert = {"model.layers.0.mlp.experts.0.down_proj.weight": torch.zeros(64, 32)}
+    with pytest.raises(ValueError, match="cannot map"):
+        runner.model_named(one_expert)
+    with pytest.raises(ValueError, match="unknown parameter names"):
+        runner.model_named({"model.layers.0.mlp.nonsense.weight": torch.zeros(2)})

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from server.chat import sampling_request
 from server.engines.client import EngineClient, EngineRejected, EngineUnavailable, in_band_error
-from server.engines.pool import reported_context
+from server.engines.pool import EnginePool, EngineState, reported_context
 from server.errors import BadRequest, Unavailable
 from server.generation import SamplingRequest
 from server.streaming import first_output, guarded
@@ -171,3 +171,59 @@ def test_a_failure_after_output_comes_in_band_in_the_api_shape():
             "code": "engine_rejected",
         }
     }
+
+
+def _check_against(server_info: object, models: object) -> EngineState:
+    """One health check of a pool on a fake engine answering these bodies; the engine's state."""
+
+    def answering(body: object):
+        async def handler(request: web.Request) -> web.Response:
+            return web.json_response(body)
+
+        return handler
+
+    async def scenario() -> EngineState:
+        app = web.Application()
+        app.router.add_get("/model_info", answering({"weight_version": "0"}))
+        app.router.add_get("/server_info", answering(server_info))
+        app.router.add_get("/v1/models", answering(models))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        pool = EnginePool([f"http://127.0.0.1:{port}"])
+        try:
+            for _ in range(3):  # repeated checks: what a health loop does
+                await pool.check(pool.engines[0])
+            return pool.engines[0]
+        finally:
+            await pool.stop()
+            await runner.cleanup()
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("dp", "pp"), [(2, 1), (1, 2)])
+def test_an_engine_with_data_or_pipeline_parallelism_stays_out_of_rotation(dp, pp):
+    """Its ranks would not be where the weight group puts them; kept out, not counted failed."""
+    info = {"context_length": 128, "tp_size": 1, "dp_size": dp, "pp_size": pp}
+    engine = _check_against(info, {"data": []})
+    assert not engine.healthy and engine.failures == 0
+    assert f"dp_size={dp}, pp_size={pp}" in (engine.last_error or "")
+
+
+@pytest.mark.parametrize(
+    ("server_info", "models"),
+    [([1, 2], {"data": []}), ({"context_length": None}, {"data": {"max_model_len": 1}})],
+)
+def test_an_answer_of_an_unexpected_shape_marks_the_engine_down(server_info, models):
+    """A list for /server_info, a dict for /v1/models' data: the check survives (the health
+    loop would otherwise end and no engine come back) and says what it got."""
+    engine = _check_against(server_info, models)
+    assert not engine.healthy and "unexpected answer" in (engine.last_error or "")
+
+
+def test_an_unknown_context_is_not_counted_as_a_failure():
+    engine = _check_against({"context_length": None}, {"data": [{"id": "m"}]})
+    assert not engine.healthy and engine.failures == 0
+    assert "context length is unknown" in (engine.last_error or "")

@@ -57,6 +57,9 @@ def test_the_module_can_be_replaced():
         ("--host 0.0.0.0", "--host"),
         ("--base-gpu-id 1", "--base-gpu-id"),
         ("--weight-version 7", "--weight-version"),
+        ("--tensor-parallel-size 2", "--sglang-tp-size"),
+        ("--dp-size 2", "--num-engines"),
+        ("--pp-size=2", "one pipeline rank per server"),
         ("--chat-template 'unclosed", "cannot be split"),
     ],
 )
