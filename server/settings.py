@@ -110,6 +110,14 @@ class ServerSettings(BaseSettings):
             )
         if given and (self.engines or self.engine != "sglang"):
             raise ValueError(f"{', '.join(given)} only apply with --engine sglang")
+        default_slots = fields["engine_max_running_requests"].default
+        if self.engine_max_running_requests != default_slots and (
+            self.engines or self.engine != "embedded"
+        ):
+            raise ValueError(
+                "--engine-max-running-requests only applies to the embedded engines proxrl "
+                'starts (for SGLang: --sglang-args "--max-running-requests N")'
+            )
         return self
 
     @property

@@ -77,6 +77,9 @@ def test_sglang_flags_apply_only_when_proxrl_starts_sglang():
     with pytest.raises(ValidationError, match="--sglang-tp-size only apply"):
         ServerSettings(model="m", engines="http://127.0.0.1:30000", sglang_tp_size=2)
     assert ServerSettings(model="m", engines="http://127.0.0.1:30000").engine == "embedded"
+    with pytest.raises(ValidationError, match="--engine-max-running-requests only applies"):
+        ServerSettings(model="m", engine="sglang", engine_max_running_requests=8)
+    assert ServerSettings(model="m", engine_max_running_requests=8).engine == "embedded"
 
 
 def test_a_missing_module_says_how_to_install_sglang():
