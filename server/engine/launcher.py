@@ -82,22 +82,21 @@ class ServerProcess:
             start_new_session=self.own_process_group,
         )
 
+    def ready(self) -> bool:
+        """One probe: whether it serves now. Raises if the process has exited."""
+        if self.process.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.process.returncode}{self._tail()}")
+        try:
+            return httpx.get(f"{self.url}{self.ready_path}", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
     def wait_ready(self, timeout: float | None = None) -> Self:
-        timeout = self.ready_timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self.process.returncode}{self._tail()}"
-                )
-            try:
-                if httpx.get(f"{self.url}{self.ready_path}", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"{self.name} not ready within {timeout:.0f}s{self._tail()}")
+        wait_all([self], timeout)
+        return self
+
+    def not_ready(self, timeout: float) -> TimeoutError:
+        return TimeoutError(f"{self.name} not ready within {timeout:.0f}s{self._tail()}")
 
     def _tail(self) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -132,10 +131,20 @@ class ServerProcess:
 
 
 def wait_all(processes: Sequence[ServerProcess], timeout: float | None = None) -> None:
-    """Wait until every one of ``processes`` serves; if one does not, stop them all and raise."""
+    """Wait until every one of ``processes`` serves, probing them all each round (one that
+    exits is noticed at once, whichever it is); if one does not, stop them all and raise.
+    ``timeout`` defaults to the longest of their own ready timeouts."""
+    if timeout is None:
+        timeout = max((process.ready_timeout for process in processes), default=0.0)
+    deadline = time.monotonic() + timeout
+    pending = list(processes)
     try:
-        for process in processes:
-            process.wait_ready(timeout)
+        while pending:
+            pending = [process for process in pending if not process.ready()]
+            if pending and time.monotonic() >= deadline:
+                raise pending[0].not_ready(timeout)
+            if pending:
+                time.sleep(0.2)
     except Exception:
         for process in processes:
             process.stop()

@@ -112,3 +112,26 @@ def test_serve_without_sglang_installed_exits_with_the_install_hint():
     out = serve("--engine", "sglang")
     assert out.returncode == 2, out.stderr
     assert "'sglang'" in out.stderr and 'pip install "sglang[all]"' in out.stderr
+
+
+def test_a_server_that_dies_is_noticed_while_another_is_still_starting(tmp_path):
+    """Servers are probed together: the second one exiting stops the wait at once, though the
+    first would take its whole timeout, and every one of them is stopped."""
+    import sys
+    import time
+
+    from server.engine.launcher import ServerProcess, free_port, wait_all
+
+    slow = ServerProcess(
+        [sys.executable, "-c", "import time; time.sleep(60)"], f"http://127.0.0.1:{free_port()}"
+    )
+    dying = ServerProcess(
+        [sys.executable, "-c", "raise SystemExit(3)"],
+        f"http://127.0.0.1:{free_port()}",
+        tmp_path / "dying.log",
+    )
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        wait_all([slow, dying], timeout=30)
+    assert time.monotonic() - started < 10
+    assert slow.process.poll() is not None  # stopped with the rest
