@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 
-from server.engine.architecture import layer_windows
+from server.engine.architecture import layer_windows, visible
 
 __all__ = ["NAME", "packed_attention", "register"]
 
@@ -201,13 +201,11 @@ def _blocked(
 def _band(queries: range, keys: range, window: int | None, device: torch.device) -> torch.Tensor:
     """``[len(queries), len(keys)]``, True where the query at position ``q`` sees the key at
     ``k``: ``q - window < k <= q`` (``k <= q`` without a window)."""
-    behind = (
-        torch.arange(queries.start, queries.stop, device=device)[:, None]
-        - torch.arange(keys.start, keys.stop, device=device)[None, :]
+    return visible(
+        torch.arange(queries.start, queries.stop, device=device)[:, None],
+        torch.arange(keys.start, keys.stop, device=device)[None, :],
+        window,
     )
-    if window is None:
-        return behind >= 0
-    return (behind >= 0) & (behind < window)
 
 
 def _capped(

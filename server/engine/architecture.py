@@ -8,7 +8,8 @@ window ``w`` (a query at position ``q`` sees keys ``k`` with ``q - w < k <= q``,
 convention). Features neither can honour are named by ``unsupported_features`` so that the
 engine and the trainer refuse such a model at start instead of computing another one.
 
-Pure functions of a ``transformers`` config; this module knows nothing of caches or requests.
+Pure functions of a ``transformers`` config, and the visibility rule itself (``visible``) on
+position tensors; this module knows nothing of caches or requests.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "text_config",
     "unsupported_features",
     "uses_mask_mapping",
+    "visible",
 ]
 
 FULL = "full_attention"
@@ -90,3 +92,12 @@ def layer_windows(config: Any) -> list[int | None]:
     if layer_types:
         return [window if kind == SLIDING else None for kind in layer_types]
     return [window] * config.num_hidden_layers
+
+
+def visible(query_positions: Any, key_positions: Any, window: int | None) -> Any:
+    """Where a query sees a key, for position tensors that broadcast against each other: the
+    key is not after the query and, with a ``window``, less than ``window`` behind it. The one
+    statement of the rule, for the engine's masks and the trainer's packed attention."""
+    behind = query_positions - key_positions
+    seen = behind >= 0
+    return seen if window is None else seen & (behind < window)

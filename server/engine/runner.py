@@ -123,10 +123,7 @@ class ModelRunner:
         blocked = torch.full((), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
 
         def mask(window: int | None) -> torch.Tensor:
-            visible = keys <= query
-            if window is not None:
-                visible &= keys > query - window
-            return torch.where(visible, open_, blocked)
+            return torch.where(architecture.visible(query, keys, window), open_, blocked)
 
         if self.mask_mapping:
             window = next(w for w in self.windows if w is not None)
