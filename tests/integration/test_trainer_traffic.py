@@ -136,6 +136,20 @@ def kill(process) -> None:
     process.wait(60)
 
 
+def kill_at(server: Server, out: Path, overrides: list[str], pause: str) -> None:
+    """A trainer run until it stops at the failpoint ``pause`` (``point@step``, see
+    trainer/failpoints.py), then SIGKILLed exactly there."""
+    process = start_trainer(server, out, *overrides, env={"PROXRL_TRAINER_PAUSE_AT": pause})
+    marker = out / "paused-at"
+    deadline = time.monotonic() + 400
+    while not marker.exists():
+        assert process.poll() is None, process.log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"the trainer never reached {pause}"
+        time.sleep(0.1)
+    kill(process)
+    marker.unlink()
+
+
 def metrics(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -486,14 +500,7 @@ def test_a_trainer_killed_at_any_point_trains_every_session_exactly_once(
         f"batch_size={batch}", f"max_steps={steps}", "checkpoint_every=2",
         f"max_staleness={steps - 1}",
     ]  # fmt: skip
-    first = start_trainer(server, out, *common, env={"PROXRL_TRAINER_PAUSE_AT": f"{point}@{step}"})
-    marker = out / "paused-at"
-    deadline = time.monotonic() + 400
-    while not marker.exists():
-        assert first.poll() is None, first.log_path.read_text()[-3000:]
-        assert time.monotonic() < deadline, "the trainer never reached the point"
-        time.sleep(0.1)
-    kill(first)  # SIGKILL exactly there
+    kill_at(server, out, common, f"{point}@{step}")
     before = metrics(out)
     log = finish(start_trainer(server, out, *common), 500)
     after = metrics(out)[len(before) :]
@@ -531,14 +538,7 @@ def test_a_second_kill_before_the_republish_is_checkpointed_loses_nothing(server
     ]  # fmt: skip
     records = []
     for pause in ("published@3", "published@4"):
-        process = start_trainer(server, out, *common, env={"PROXRL_TRAINER_PAUSE_AT": pause})
-        deadline = time.monotonic() + 400
-        while not (out / "paused-at").exists():
-            assert process.poll() is None, process.log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        kill(process)
-        (out / "paused-at").unlink()
+        kill_at(server, out, common, pause)
         records.append(len(metrics(out)))
     log = finish(start_trainer(server, out, *common), 500)
     assert "republished the weights of version 2 as version 7" in log
