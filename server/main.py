@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import signal
 import sys
 from contextlib import asynccontextmanager
 
@@ -67,4 +68,18 @@ def serve(settings: ServerSettings) -> None:
     print(f"proxrl serves {settings.model_name} at {settings.base_url}/v1")
     print(f"store: {settings.database_url}", flush=True)
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    # uvicorn drains requests in flight on SIGTERM, then raises the signal again once it has
+    # stopped (the lifespan's cleanup done): a stop that was asked for ends the process with 0.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_keep_alive=settings.keep_alive_timeout_s,
+        timeout_graceful_shutdown=settings.graceful_shutdown_timeout_s,
+    )
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)

@@ -75,6 +75,20 @@ class ServerSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
+    keep_alive_timeout_s: int = Field(
+        120,
+        ge=1,
+        description="Seconds an idle client connection stays open. Longer than clients keep "
+        "idle connections pooled (httpx and the openai SDK 5 s, aiohttp 15 s, Node 4 s, Go "
+        "90 s): a server that closes first races a client reusing the connection, and that "
+        "request is lost in transit.",
+    )
+    graceful_shutdown_timeout_s: int = Field(
+        120,
+        ge=1,
+        description="On SIGTERM or Ctrl-C, how long requests in flight (streams included) may "
+        "take to finish before they are cut off; no new connection is accepted meanwhile.",
+    )
 
     @model_validator(mode="after")
     def _no_open_server_without_a_key(self) -> ServerSettings:
