@@ -21,6 +21,7 @@ from server.tokenization import Tokenizer
 class ServerContext:
     settings: ServerSettings
     admin_key_hash: str
+    dashboard_secret: bytes  # signs login cookies; kept in the store (store/secrets.py)
     database: AsyncEngine
     sessionmaker: async_sessionmaker
     writer: TurnWriter

@@ -12,6 +12,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import disable_created_metrics
+from sqlalchemy.engine import make_url
 
 from server import dashboard, errors
 from server.deps import Ctx
@@ -58,15 +59,19 @@ def serve(settings: ServerSettings) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # At debug, aiosqlite logs every statement with its parameters: secrets among them.
+    logging.getLogger("aiosqlite").setLevel(logging.INFO)
     # Threads that hand results back (the turn writer) should not wait 5 ms for the GIL.
     sys.setswitchinterval(0.001)
     disable_created_metrics()  # no *_created series: half the lines, nothing Prometheus needs
     if settings.admin_key is None:
         key = f"proxrl-admin-{secrets.token_urlsafe(24)}"
         settings = settings.model_copy(update={"admin_key": key})
+        # Keys go to the person at the terminal (stdout), never to the log (stderr).
         print(f"admin key (generated; choose one with --admin-key or PROXRL_ADMIN_KEY): {key}")
     print(f"proxrl serves {settings.model_name} at {settings.base_url}/v1")
-    print(f"store: {settings.database_url}", flush=True)
+    store = make_url(settings.database_url).render_as_string(hide_password=True)
+    print(f"store: {store}", flush=True)
     app = create_app(settings)
     # uvicorn drains requests in flight on SIGTERM, then raises the signal again once it has
     # stopped (the lifespan's cleanup done): a stop that was asked for ends the process with 0.

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from server import admin_keys
 from server.store.database import default_url
 
 
 class ServerSettings(BaseSettings):
     """Serve a model through OpenAI's API, record every token, take rewards, publish weights."""
 
-    model_config = SettingsConfigDict(env_prefix="PROXRL_", extra="forbid")
+    # An error never repeats what was given: keys and database passwords are among it.
+    model_config = SettingsConfigDict(
+        env_prefix="PROXRL_", extra="forbid", hide_input_in_errors=True
+    )
 
     model: str = Field(description="Hugging Face model directory (tokenizer, chat template).")
     served_model_name: str | None = Field(
@@ -60,7 +64,12 @@ class ServerSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8000, ge=1, le=65535, description="Port to bind.")
     admin_key: str | None = Field(
-        None, description="Admin API key (env PROXRL_ADMIN_KEY); generated and printed if unset."
+        None,
+        description="Admin API key (env PROXRL_ADMIN_KEY); generated and printed if unset on "
+        "loopback. Off loopback it must be given: 32+ characters, 16+ of them different.",
+    )
+    dashboard_login_hours: float = Field(
+        12.0, gt=0, le=24 * 365, description="How long a dashboard login lasts."
     )
     public_url: str | None = Field(
         None, description="Base URL agents reach this server at (default: http://host:port)."
@@ -91,12 +100,17 @@ class ServerSettings(BaseSettings):
     )
 
     @model_validator(mode="after")
-    def _no_open_server_without_a_key(self) -> ServerSettings:
-        if self.admin_key is None and not _is_loopback(self.host):
-            raise ValueError(
+    def _no_open_server_without_a_strong_key(self) -> ServerSettings:
+        if self.admin_key is None and not admin_keys.is_loopback(self.host):
+            raise PydanticCustomError(
+                "admin_key",
                 f"refusing to serve on {self.host} without an admin key: set --admin-key "
-                "(or PROXRL_ADMIN_KEY), or bind 127.0.0.1"
+                "(or PROXRL_ADMIN_KEY), or bind 127.0.0.1; make a key with "
+                f"{admin_keys.HOW_TO_MAKE_ONE}",
             )
+        problem = admin_keys.problem(self.admin_key, "--admin-key (PROXRL_ADMIN_KEY)", self.host)
+        if problem is not None:
+            raise PydanticCustomError("admin_key", problem)  # the message alone, no prefix
         return self
 
     @field_validator("sglang_args")
@@ -148,17 +162,8 @@ class ServerSettings(BaseSettings):
 
     @property
     def binds_loopback(self) -> bool:
-        return _is_loopback(self.host)
+        return admin_keys.is_loopback(self.host)
 
     @property
     def base_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

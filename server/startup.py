@@ -1,8 +1,10 @@
 """Build the server's resources at start and release them at stop (the app's lifespan).
 
 In order: migrate the store, load the tokenizer, start engines (embedded or SGLang, unless
---engines names running ones), check the engines, make sure the default run exists and the
-engines serve its current version, then keep applying session deadlines in the background.
+--engines names running ones), check the engines, load the secret that signs dashboard logins
+(made once per store), make sure the default run exists (a new one's key is printed once to the
+terminal, never logged) and the engines serve its current version, then keep applying session
+deadlines in the background.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from server.run_config import RunConfig
 from server.session_state import SessionRegistry
 from server.settings import ServerSettings
 from server.store import database, runs
+from server.store import secrets as store_secrets
 from server.store import sessions as store_sessions
 from server.store.keys import hash_key
 from server.store.tables import Run
@@ -59,12 +62,16 @@ LAUNCHERS: dict[str, Callable[[ServerSettings], Sequence[ServerProcess]]] = {
 
 
 async def ensure_default_run(ctx: ServerContext) -> Run:
+    key: str | None = None
     async with ctx.sessionmaker() as db, db.begin():
         run = await runs.default_run(db)
         if run is None:
             config = RunConfig().model_dump()
             run, key = await runs.create_run(db, "default", ctx.model_name, config, True)
-            log.info("created the default run %s (run key %s)", run.id, key)
+    if key is not None:
+        log.info("created the default run %s", run.id)
+        # For the person at the terminal, once; never into a log.
+        print(f"default run {run.id}, run key (shown once): {key}", flush=True)
     return run
 
 
@@ -129,6 +136,9 @@ async def server_context(
         ctx = ServerContext(
             settings=settings,
             admin_key_hash=hash_key(settings.admin_key),
+            dashboard_secret=await store_secrets.get_or_create(
+                maker, store_secrets.DASHBOARD_COOKIE
+            ),
             database=db_engine,
             sessionmaker=maker,
             writer=writer,

@@ -52,8 +52,10 @@ class LocalServer:
         self.process = subprocess.Popen(
             command,
             env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
+            # Its stdout is for a person at a terminal (the default run's key); the log file
+            # takes its log (stderr) only, so no key lands in a file.
+            stdout=subprocess.DEVNULL,
+            stderr=self._log,
             preexec_fn=die_with_parent(),  # stops (and stops its engines) if we are killed
         )
         self._wait_ready(timeout_s)
@@ -138,7 +140,9 @@ def train(config: TrainConfig, stack: ExitStack) -> TrainerState:
         assert config.model is not None  # checked by the config
         server = LocalServer(config.model, Path(config.output_dir) / "server")
         stack.callback(server.stop)
-        log.info("started proxrl serve at %s (admin key %s)", server.url, server.admin_key)
+        log.info("started proxrl serve at %s", server.url)
+        # The dashboard's key, for the person at the terminal only: never into a log.
+        print(f"proxrl serve at {server.url}; its admin key: {server.admin_key}", flush=True)
         config = dataclasses.replace(config, server=server.url, admin_key=server.admin_key)
     if not config.admin_key:
         raise SystemExit("proxrl train: no admin key (admin_key=, --admin-key or PROXRL_ADMIN_KEY)")

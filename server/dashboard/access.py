@@ -1,17 +1,20 @@
 """Who may see the dashboard: the admin, by bearer key or by the login cookie.
 
-The login form takes the admin key and sets a cookie that holds a token derived from it
-(HMAC-SHA256 of a fixed label under the key), not the key itself: the cookie opens the
-dashboard's pages and read-only JSON and nothing else, and changing the admin key logs every
-browser out. The cookie is HttpOnly, SameSite=Strict (no other site can make the browser send
-it) and Secure when the request came over https. Pages without the key redirect to the login
-form; JSON answers 401.
+The login form takes the admin key and sets a cookie that says until when it is good and is
+signed (HMAC-SHA256) under a random secret the server keeps in its store, over that expiry and
+the admin key's hash. So the cookie holds nothing of the key, nobody computes one from the key
+alone, it stops opening anything when it expires (``--dashboard-login-hours``), a restart on
+the same store keeps browsers logged in, and changing the admin key logs every browser out. It
+opens the dashboard's pages and read-only JSON and nothing else. It is HttpOnly,
+SameSite=Strict (no other site can make the browser send it) and Secure when the request came
+over https. Pages without the key redirect to the login form; JSON answers 401.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import time
 from typing import Annotated
 from urllib.parse import quote
 
@@ -25,9 +28,9 @@ from server.errors import Unauthorized
 
 COOKIE = "proxrl_admin"
 COOKIE_PATH = "/admin"
-COOKIE_MAX_AGE_S = 7 * 24 * 3600
+COOKIE_VERSION = "v2"  # v1 (an HMAC of a fixed label under the key) is refused
 LOGIN_PATH = "/admin/login"
-TOKEN_LABEL = b"proxrl dashboard session v1"
+MAX_COOKIE_LENGTH = 200  # ours are ~80 characters; longer ones are not read at all
 
 
 class LoginRequired(Exception):
@@ -38,8 +41,32 @@ class LoginRequired(Exception):
         self.next_path = next_path
 
 
-def cookie_token(admin_key: str) -> str:
-    return hmac.new(admin_key.encode(), TOKEN_LABEL, hashlib.sha256).hexdigest()
+def _signature(secret: bytes, admin_key_hash: str, expires_at: int) -> bytes:
+    message = f"proxrl dashboard login|{admin_key_hash}|{expires_at}".encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest().encode()
+
+
+def issue_cookie(secret: bytes, admin_key_hash: str, expires_at: int) -> str:
+    """A login cookie good until ``expires_at`` (Unix seconds) for the admin key whose SHA-256
+    is ``admin_key_hash``, signed under the store's ``secret``."""
+    signature = _signature(secret, admin_key_hash, expires_at).decode()
+    return f"{COOKIE_VERSION}.{expires_at}.{signature}"
+
+
+def cookie_valid(cookie: str, secret: bytes, admin_key_hash: str, now: float) -> bool:
+    """Whether ``cookie`` was issued under ``secret`` for this admin key and has not expired at
+    ``now`` (the signature compared in constant time)."""
+    if len(cookie) > MAX_COOKIE_LENGTH:
+        return False
+    version, _, rest = cookie.partition(".")
+    expiry, _, signature = rest.partition(".")
+    if version != COOKIE_VERSION or not (expiry.isascii() and expiry.isdigit()):
+        return False
+    expires_at = int(expiry)
+    if expires_at <= now:
+        return False
+    expected = _signature(secret, admin_key_hash, expires_at)
+    return hmac.compare_digest(signature.encode("utf-8", "replace"), expected)
 
 
 def key_matches(ctx: ServerContext, key: str) -> bool:
@@ -53,8 +80,9 @@ async def is_admin(ctx: ServerContext, authorization: str | None, cookie: str | 
         caller = await auth.identify(ctx, authorization)
         auth.require_admin(caller)
         return True
-    expected = cookie_token(ctx.settings.admin_key or "")
-    return cookie is not None and hmac.compare_digest(cookie, expected)
+    return cookie is not None and cookie_valid(
+        cookie, ctx.dashboard_secret, ctx.admin_key_hash, time.time()
+    )
 
 
 async def require_api_admin(
@@ -91,11 +119,15 @@ def safe_next(path: str | None) -> str:
     return "/admin/runs"
 
 
-def set_login_cookie(response: Response, request: Request, admin_key: str) -> None:
+def set_login_cookie(response: Response, request: Request, ctx: ServerContext) -> None:
+    """Log the browser in for ``--dashboard-login-hours`` (the cookie's Max-Age and the expiry
+    it carries are the same)."""
+    lifetime_s = max(1, round(ctx.settings.dashboard_login_hours * 3600))
+    expires_at = int(time.time()) + lifetime_s
     response.set_cookie(
         COOKIE,
-        cookie_token(admin_key),
-        max_age=COOKIE_MAX_AGE_S,
+        issue_cookie(ctx.dashboard_secret, ctx.admin_key_hash, expires_at),
+        max_age=lifetime_s,
         path=COOKIE_PATH,
         httponly=True,
         samesite="strict",

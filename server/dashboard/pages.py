@@ -125,7 +125,7 @@ async def login(request: Request, ctx: Ctx) -> Response:
         error = "That is not the admin key." if key else "Enter the admin key."
         return render(request, "login.html", status=401, next=target, error=error)
     response = RedirectResponse(target, status_code=303)
-    access.set_login_cookie(response, request, key)
+    access.set_login_cookie(response, request, ctx)
     return response
 
 

@@ -5,13 +5,19 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from server import admin_keys
 
 
 class EngineSettings(BaseSettings):
     """Serve a Hugging Face causal LM over SGLang's native HTTP API (CPU, or CUDA when present)."""
 
-    model_config = SettingsConfigDict(env_prefix="PROXRL_ENGINE_", extra="forbid")
+    # An error never repeats what was given: keys are among it.
+    model_config = SettingsConfigDict(
+        env_prefix="PROXRL_ENGINE_", extra="forbid", hide_input_in_errors=True
+    )
 
     model: str = Field(description="Hugging Face model directory (config, safetensors, tokenizer).")
     host: str = Field("127.0.0.1", description="Address to bind.")
@@ -39,15 +45,29 @@ class EngineSettings(BaseSettings):
     incremental_streaming_output: bool = Field(
         False, description="Stream deltas instead of cumulative chunks."
     )
-    api_key: str | None = Field(None, description="If set, every call needs 'Bearer <key>'.")
+    api_key: str | None = Field(
+        None,
+        description="If set, every call needs 'Bearer <key>' (off loopback: 32+ characters, "
+        "16+ of them different).",
+    )
     admin_api_key: str | None = Field(
-        None, description="If set, control calls (weights, pause, abort) need 'Bearer <key>'."
+        None,
+        description="If set, control calls (weights, pause, abort) need 'Bearer <key>' (off "
+        "loopback: 32+ characters, 16+ of them different).",
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's).")
     seed: int = Field(0, description="Seed of the sampler for requests without sampling_seed.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
+
+    @model_validator(mode="after")
+    def _keys_are_strong(self) -> EngineSettings:
+        for flag, key in (("--api-key", self.api_key), ("--admin-api-key", self.admin_api_key)):
+            problem = admin_keys.problem(key, flag, self.host)
+            if problem is not None:
+                raise PydanticCustomError("api_key", problem)  # the message alone, no prefix
+        return self
 
     @model_validator(mode="after")
     def _check_device(self) -> EngineSettings:

@@ -155,3 +155,14 @@ class TrainerStep(Base):
     version: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class ServerSecret(Base):
+    """A random secret the server made once and keeps (hex), by name: what it signs with
+    (the dashboard's login cookies), so a restart keeps browsers logged in."""
+
+    __tablename__ = "server_secrets"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

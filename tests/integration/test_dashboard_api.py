@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -261,12 +262,15 @@ def test_metrics_count_admission_refusals_and_weight_swaps(proxy):
 
 
 def test_metrics_need_the_admin_key_off_loopback(proxy, tiny_model_dir, tmp_path):
-    """A server bound to a non-loopback address serves /metrics only with the admin key."""
+    """A server bound to a non-loopback address serves /metrics only with the admin key (a
+    strong one: off loopback the test key is refused; the last --admin-key counts)."""
     (engine,) = proxy.ok("GET", "/admin/engines")
-    extra = ("--host", "0.0.0.0", "--engines", engine["url"])
+    key = secrets.token_urlsafe(32)
+    extra = ("--host", "0.0.0.0", "--engines", engine["url"], "--admin-key", key)
     with ProxyProcess(tiny_model_dir, tmp_path / "open", *extra) as public:
         assert error_of(httpx.get(f"{public.url}/metrics"), 401)
-        reply = httpx.get(f"{public.url}/metrics", headers=public.admin)
+        assert error_of(httpx.get(f"{public.url}/metrics", headers=public.admin), 401)
+        reply = httpx.get(f"{public.url}/metrics", headers={"Authorization": f"Bearer {key}"})
         assert reply.status_code == 200 and "proxrl_sessions" in reply.text
 
 

@@ -28,11 +28,14 @@ def test_a_loopback_address_needs_no_key(host):
     assert settings.admin_key is None and settings.binds_loopback
 
 
-def test_an_open_address_with_a_key_is_accepted():
-    settings = ServerSettings(model="m", host="0.0.0.0", admin_key="secret")
-    assert settings.admin_key == "secret" and not settings.binds_loopback
+STRONG_KEY = "pV3x-q8Lr_T2mZ7cW1nYb6Kd0Hs9Jf4A"  # 32 characters, all different
+
+
+def test_an_open_address_with_a_strong_key_is_accepted():
+    settings = ServerSettings(model="m", host="0.0.0.0", admin_key=STRONG_KEY)
+    assert settings.admin_key == STRONG_KEY and not settings.binds_loopback
 
 
 def test_the_key_may_come_from_the_environment(monkeypatch):
-    monkeypatch.setenv("PROXRL_ADMIN_KEY", "from-env")
-    assert ServerSettings(model="m", host="0.0.0.0").admin_key == "from-env"
+    monkeypatch.setenv("PROXRL_ADMIN_KEY", STRONG_KEY)
+    assert ServerSettings(model="m", host="0.0.0.0").admin_key == STRONG_KEY
