@@ -18,14 +18,14 @@ from typing import Any
 
 from server import choices, prompts, runs
 from server.context import ServerContext
-from server.engines.client import EngineRejected
+from server.engines.client import EngineError
 from server.engines.pool import NoEngineAvailable
 from server.errors import BadRequest, NotFound, Unavailable
 from server.generation import Completion, SamplingRequest, complete
 from server.openai_schemas import ChatCompletionRequest
 from server.recording import RequestLog, Served, record
 from server.session_state import SessionState
-from server.streaming import GuardedStream, drain, first_output, sse
+from server.streaming import RETRY_AFTER, GuardedStream, api_error, drain, first_output, sse
 from server.tokenization import TemplateError
 from server.tool_calls import ContentDelta, ToolCallStream, parse_tool_calls
 
@@ -68,7 +68,9 @@ def sampling_request(
     if context is None:
         raise Unavailable(
             "No engine has reported its context length, so no engine can serve; "
-            "see GET /admin/engines."
+            "see GET /admin/engines.",
+            code="no_engine_available",
+            headers=RETRY_AFTER,
         )
     room = context - len(prompt_ids)
     if room <= 0:
@@ -156,10 +158,8 @@ async def sample_all(
     tasks = [asyncio.create_task(one(i, rid)) for i, rid in enumerate(completion_ids)]
     try:
         return list(await asyncio.gather(*tasks))
-    except NoEngineAvailable as exc:
-        raise Unavailable(f"No engine could serve this request: {exc}") from exc
-    except EngineRejected as exc:  # the request's fault: no other engine would take it
-        raise BadRequest(f"The engine refused the request: {exc}", code="engine_rejected") from exc
+    except (NoEngineAvailable, EngineError) as exc:
+        raise api_error(exc) from exc
     finally:
         for task in tasks:  # one choice failed: the others are not wanted either
             task.cancel()

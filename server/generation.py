@@ -18,7 +18,10 @@ from server.engines.client import EngineUnavailable, Piece
 from server.engines.pool import EnginePool, EngineState, NoEngineAvailable, parse_version
 
 MAX_RESUMES = 32  # swaps or engine failures one completion may live through
-ENGINE_WAIT_S = 10.0  # how long a request waits for an engine to come (back) into rotation
+# How long a request waits for an engine to come (back) into rotation before it is refused
+# (503): long enough to re-probe an engine that missed a health check, short enough that a
+# client whose engines are gone learns it at once, before any byte of a stream.
+ENGINE_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)

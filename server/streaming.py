@@ -1,13 +1,54 @@
-"""Server-sent events for the OpenAI-style streams: framing, and pumping sampled pieces out."""
+"""Server-sent events for the OpenAI-style streams: framing, pumping sampled pieces out, and
+what a failure means for the client (``api_error``: the same error before a stream starts, as
+a status code, and in it, as an error event)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from server.errors import ProxyError, error_body
+from server.engines.client import EngineError, EngineRejected
+from server.engines.pool import NoEngineAvailable
+from server.errors import BadRequest, ProxyError, Unavailable, error_body
+
+log = logging.getLogger(__name__)
+
+# An engine may be back at the next health check (or the next request's probe): retry soon.
+RETRY_AFTER = {"Retry-After": "1"}
+
+# What an engine-side failure means for the client: one entry per kind, the most specific
+# first in each exception's own class hierarchy (see ``api_error``).
+ENGINE_FAILURES: dict[type[Exception], Callable[[Exception], ProxyError]] = {
+    NoEngineAvailable: lambda exc: Unavailable(
+        f"No engine could serve this request: {exc}",
+        code="no_engine_available",
+        headers=RETRY_AFTER,
+    ),
+    EngineRejected: lambda exc: BadRequest(  # the request's fault: no other engine would take it
+        f"The engine refused the request: {exc}", code="engine_rejected"
+    ),
+    EngineError: lambda exc: Unavailable(
+        f"The engine serving this request failed: {exc}",
+        code="engine_unavailable",
+        headers=RETRY_AFTER,
+    ),
+}
+
+
+def api_error(exc: Exception) -> ProxyError:
+    """``exc`` in the API's terms: a ProxyError as it is, an engine failure as
+    ``ENGINE_FAILURES`` says, anything else a ``server_error`` (logged with its traceback; the
+    client learns nothing of the internals)."""
+    if isinstance(exc, ProxyError):
+        return exc
+    for kind in type(exc).__mro__:
+        if kind in ENGINE_FAILURES:
+            return ENGINE_FAILURES[kind](exc)
+    log.error("unexpected error while answering", exc_info=exc)
+    return ProxyError("The server hit an internal error; it has been logged.")
 
 
 def sse(payload: dict | str) -> str:
@@ -71,15 +112,14 @@ class GuardedStream:
 
 async def guarded(events: AsyncIterator[str], work: asyncio.Task) -> AsyncIterator[str]:
     """``events`` then ``[DONE]``; an error mid-stream (the status is already 200) is reported
-    in-band as OpenAI does. Leaving early (the client went away) cancels ``work``."""
+    in-band as OpenAI does, in the shape the same error has before a stream starts. Leaving
+    early (the client went away) cancels ``work``."""
     try:
         async for event in events:
             yield event
-    except ProxyError as exc:  # in the shape the same error has before a stream starts
-        yield sse(error_body(exc.message, exc.type, exc.param, exc.code))
     except Exception as exc:
-        message = getattr(exc, "message", None) or "The server hit an error mid-stream."
-        yield sse({"error": {"message": message, "type": type(exc).__name__, "code": None}})
+        error = api_error(exc)
+        yield sse(error_body(error.message, error.type, error.param, error.code))
     finally:
         if not work.done():
             work.cancel()

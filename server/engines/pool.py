@@ -149,14 +149,16 @@ class EnginePool:
         return idle[next(self._round_robin) % len(idle)]
 
     async def wait_for_engine(self, timeout: float) -> bool:
-        """Probe the engines until one is healthy (an engine restarting, say), up to ``timeout``."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while not self.healthy:
-            if asyncio.get_running_loop().time() >= deadline:
-                return False
-            await asyncio.gather(*(self.check(engine) for engine in self.engines))
-            if not self.healthy:
-                await asyncio.sleep(0.5)
+        """Probe the engines until one is healthy (one that failed a check by chance, say), for
+        at most ``timeout`` seconds: a probe still waiting for an answer then is cut off."""
+        try:
+            async with asyncio.timeout(timeout):
+                while not self.healthy:
+                    await asyncio.gather(*(self.check(engine) for engine in self.engines))
+                    if not self.healthy:
+                        await asyncio.sleep(0.5)
+        except TimeoutError:
+            return False
         return True
 
     def mark_down(self, engine: EngineState, reason: str, failure: bool = True) -> None:
