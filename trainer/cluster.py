@@ -1,51 +1,119 @@
 """Ray: start (or join) a cluster and run ``world_size`` workers as actors that act as one.
 
-``ray.init()`` on this machine by default, ``ray.init(address=...)`` to join a cluster. A local
-Ray gets a temporary directory of its own, binds loopback, and runs without token auth (Ray
-2.60 turns it on by default and writes the token under the home directory), so a local run
-leaves nothing behind. ``WorkerGroup`` calls a method on every worker at once and waits for all
-of them; it knows nothing about what the workers compute.
+``ray.init()`` on this machine by default, ``ray.init(address=...)`` to join a cluster.
+
+A local Ray is private to the run. Every Ray process (GCS, raylet, object manager, agents,
+autoscaler monitor, driver and actors) listens on 127.0.0.1 only, and every call between them
+carries a token that lives in the run's own temporary directory, so another user of the machine
+cannot reach it either. Its processes and that directory are gone within seconds of the trainer's
+end, however it ends (SIGKILL included): a watchdog (``trainer/watchdog.py``) cleans up when the
+trainer's pipe to it closes. Nothing is written under the home directory.
+
+Joining a cluster uses Ray's token authentication (``RAY_AUTH_MODE=token``, the token from
+``cluster.auth_token_file``, ``$RAY_AUTH_TOKEN`` or ``$RAY_AUTH_TOKEN_PATH``); a cluster without
+it is refused unless ``cluster.auth=none``.
+
+``WorkerGroup`` calls a method on every worker at once and waits for all of them; it knows
+nothing about what the workers compute.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 from typing import Any
 
+from trainer import watchdog
 from trainer.config import ClusterConfig
 from trainer.worker import Worker, WorkerSettings
 
 log = logging.getLogger(__name__)
 
+MARKER = "PROXRL_RAY_DIR"  # in every local Ray process's environment: the watchdog kills by it
+_TOKEN = secrets.token_hex(32)  # one per process: Ray's C++ side caches the token it first reads
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
 
 class LocalRay:
-    """A Ray runtime for the lifetime of a ``with`` block (local or joined)."""
+    """A Ray runtime for the lifetime of a ``with`` block (local or joined).
 
-    def __init__(self, config: ClusterConfig, num_cpus: float) -> None:
+    ``loopback_groups``: the workers' torch.distributed groups are on this machine only (no
+    engine elsewhere joins them), so gloo and NCCL may listen on loopback too.
+    """
+
+    def __init__(self, config: ClusterConfig, num_cpus: float, loopback_groups: bool = True):
         self.config = config
         self.num_cpus = num_cpus
+        self.loopback_groups = loopback_groups
         self.temp_dir: str | None = None
+        self.watchdog: subprocess.Popen | None = None
+        self._saved_env: dict[str, str | None] = {}
 
     def __enter__(self) -> LocalRay:
-        import ray
-
-        if ray.is_initialized():
+        ray = sys.modules.get("ray")  # not imported here: Ray reads some settings at import
+        if ray is not None and ray.is_initialized():
             return self
-        env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
         if self.config.address:
-            ray.init(
-                address=self.config.address,
-                runtime_env={"env_vars": env},
-                log_to_driver=True,
-                configure_logging=False,
-            )
-            return self
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback only, see module doc
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            self._join()
+        else:
+            try:
+                self._start()
+            except BaseException:
+                self.__exit__()
+                raise
+        return self
+
+    def _join(self) -> None:
+        env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+        if self.config.auth == "token":
+            self._set_env(RAY_AUTH_MODE="token")
+            if self.config.auth_token_file:
+                self._set_env(RAY_AUTH_TOKEN_PATH=self.config.auth_token_file, RAY_AUTH_TOKEN=None)
+        else:
+            self._set_env(RAY_AUTH_MODE="disabled")
+        import ray  # after the environment: Ray reads it at import
+
+        ray.init(
+            address=self.config.address,
+            runtime_env={"env_vars": env},
+            log_to_driver=True,
+            configure_logging=False,
+        )
+
+    def _start(self) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="proxrl-ray-")
+        self.watchdog = watchdog.start(f"{MARKER}={self.temp_dir}", self.temp_dir)
+        token_path = os.path.join(self.temp_dir, "auth_token")
+        with open(os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(_TOKEN)
+        self._set_env(
+            **{MARKER: self.temp_dir},
+            # Ray turns a node address of 127.0.0.1 into the machine's own address (and its
+            # servers then listen on every interface) unless this is off; despite its name it
+            # only decides that, on Linux too.
+            RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+            RAY_AUTH_MODE="token",
+            RAY_AUTH_TOKEN_PATH=token_path,
+            RAY_AUTH_TOKEN=None,
+            RAY_USAGE_STATS_ENABLED="0",
+        )
+        env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+        if self.loopback_groups:
+            env |= {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+        import ray  # after the environment: Ray reads it at import
+
         ray.init(
             num_cpus=max(1, int(self.num_cpus + 0.999)),
             include_dashboard=False,
@@ -55,14 +123,39 @@ class LocalRay:
             log_to_driver=True,
             configure_logging=False,
         )
-        return self
+        address = ray.util.get_node_ip_address()
+        if not is_loopback(address):  # ray was imported before RAY_ENABLE_... was set
+            raise RuntimeError(f"local Ray would listen on {address}; import ray after LocalRay")
+
+    def _set_env(self, **values: str | None) -> None:
+        for name, value in values.items():
+            self._saved_env.setdefault(name, os.environ.get(name))
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
     def __exit__(self, *exc: object) -> None:
         import ray
 
-        ray.shutdown()
-        if self.temp_dir:
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
+        try:
+            ray.shutdown()
+        finally:
+            if self.watchdog is not None:
+                assert self.watchdog.stdin is not None
+                self.watchdog.stdin.close()  # what the trainer's death would do
+                try:
+                    self.watchdog.wait(30)
+                except subprocess.TimeoutExpired:
+                    log.warning("the Ray watchdog did not finish in 30 s")
+            if self.temp_dir:
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
+            for name, value in self._saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            self._saved_env.clear()
 
 
 class WorkerGroup:

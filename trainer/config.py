@@ -144,6 +144,17 @@ class ClusterConfig:
     )
     cpus_per_worker: float = option(1.0, "CPUs Ray reserves for each worker.")
     threads_per_worker: int = option(0, "torch threads per worker (0: cpus_per_worker).")
+    auth: Literal["token", "none"] = option(
+        "token",
+        "With `address`: token joins with Ray's token authentication (RAY_AUTH_MODE=token; the "
+        "cluster must run with it too); none joins a cluster that runs without it. A local Ray "
+        "always uses a token of its own.",
+    )
+    auth_token_file: str | None = option(
+        None,
+        "With `address` and auth=token: file holding the cluster's token (default: "
+        "$RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, then ~/.ray/auth_token, as Ray reads them).",
+    )
 
 
 @dataclass(frozen=True)
@@ -253,9 +264,23 @@ def check(config: TrainConfig) -> None:
     _positive(config.cluster.cpus_per_worker, "cluster.cpus_per_worker")
     if config.cluster.threads_per_worker < 0:
         raise ConfigError("cluster.threads_per_worker", "must be >= 0")
+    check_cluster_auth(config.cluster)
     if config.publish.keep_versions < 1:
         raise ConfigError("publish.keep_versions", "must be >= 1")
     _positive(config.publish.timeout_s, "publish.timeout_s")
+
+
+def check_cluster_auth(cluster: ClusterConfig) -> None:
+    """Authentication settings only mean something when joining a cluster."""
+    if not cluster.address and cluster.auth != "token":
+        raise ConfigError(
+            "cluster.auth", "applies to a cluster `address` (a local Ray uses a token)"
+        )
+    if cluster.auth_token_file is not None:
+        if not cluster.address or cluster.auth != "token":
+            raise ConfigError("cluster.auth_token_file", "needs cluster.address and auth=token")
+        if not Path(cluster.auth_token_file).is_file():
+            raise ConfigError("cluster.auth_token_file", "is not a file")
 
 
 def check_algorithm(algo: AlgorithmConfig) -> None:

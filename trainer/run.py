@@ -24,7 +24,7 @@ import httpx
 
 from server.engine.launcher import die_with_parent
 from trainer.checkpoint import TrainerState
-from trainer.cluster import LocalRay, WorkerGroup
+from trainer.cluster import LocalRay, WorkerGroup, is_loopback
 from trainer.config import TrainConfig
 from trainer.loop import Trainer, describe_start, install_signal_handlers, worker_settings
 from trainer.server_api import ServerAPI
@@ -149,8 +149,10 @@ def train(config: TrainConfig, stack: ExitStack) -> TrainerState:
     api = ServerAPI(config.server, config.admin_key, config.request_timeout_s)
     stack.callback(api.close)
     trainer = Trainer(config, api)
+    # engines elsewhere join the workers' weights group only when it publishes off loopback
+    private_groups = config.publish.mode == "disk" or is_loopback(config.publish.master_address)
     stack.enter_context(
-        LocalRay(config.cluster, config.world_size * config.cluster.cpus_per_worker)
+        LocalRay(config.cluster, config.world_size * config.cluster.cpus_per_worker, private_groups)
     )
     workers = WorkerGroup(
         config.world_size,

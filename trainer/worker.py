@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.constants import default_pg_timeout
 
 from trainer.batching import PackedBatch, packed, shift_entropy, shift_logprobs
 from trainer.config import AlgorithmConfig, OptimConfig
@@ -74,6 +76,12 @@ class WorkerSettings:
     threads: int
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host`` only (IPv4 or IPv6)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
 def pick_device(preference: str) -> torch.device:
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
@@ -87,19 +95,29 @@ class Worker:
         self.settings = settings
         self.algorithm = settings.algorithm  # this step's (train_step may bring another)
         self.step_count = 0
+        self.rendezvous: socket.socket | None = None  # rank 0's listener, from address()
 
     # ----- setup ------------------------------------------------------------------------------
 
     def address(self) -> tuple[str, int]:
-        """Where rank 0 hosts the group's rendezvous (called on rank 0 only)."""
-        import socket
-
+        """Where rank 0 hosts the group's rendezvous (called on rank 0 only): this node's Ray
+        address (127.0.0.1 for a local Ray) and a port held open until ``setup``."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        host = ray.util.get_node_ip_address()
+        self.rendezvous = listen(host, 0)
+        return host, self.rendezvous.getsockname()[1]
+
+    def rendezvous_store(self, host: str, port: int) -> dist.TCPStore:
+        """The group's store. Rank 0 serves it on a socket bound to ``host`` alone: left to
+        itself, torch's store listens on every interface."""
+        if self.rank != 0:
+            return dist.TCPStore(host, port, self.world_size, False, timeout=default_pg_timeout)
+        listener, self.rendezvous = self.rendezvous or listen(host, port), None
+        return dist.TCPStore(
+            host, port, self.world_size, True, timeout=default_pg_timeout,
+            master_listen_fd=listener.detach(),  # the store owns (and closes) it now
+        )  # fmt: skip
 
     def setup(self, master_address: str, master_port: int) -> dict[str, Any]:
         settings = self.settings
@@ -109,7 +127,7 @@ class Worker:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,
-            init_method=f"tcp://{master_address}:{master_port}",
+            store=self.rendezvous_store(master_address, master_port),
             rank=self.rank,
             world_size=self.world_size,
         )
