@@ -4,155 +4,25 @@ Each test drives a real proxy (tiny model, embedded engine, SQLite) with the rea
 a real trainer process (Ray, FSDP2), and counts from the outside what the trainer did with:
 agents sampling at other temperatures and greedy; sessions that cannot be training rows; rows
 longer than a micro-batch; GRPO groups that will never be whole; a lease shorter than a step;
-alternatives (n > 1, retries) and per-turn rewards; a checkpoint of another run; and a trainer
-killed at each point of a step.
+alternatives (n > 1, retries) and per-turn rewards; a checkpoint of another run. A trainer
+killed at each point of a step is drilled in tests/reliability/test_trainer_kills.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from tests.support import ROOT, ProxyProcess
+from tests.support import ProxyProcess
+from tests.trainer_runs import Server, finish, metrics, start_trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MISMATCH_LIMIT = 1e-4  # nats: engine vs trainer on tokens both computed with the same weights
-
-
-# ----- helpers ----------------------------------------------------------------------------
-
-
-@dataclass
-class Server:
-    proxy: ProxyProcess
-    http: httpx.Client = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.http = httpx.Client(base_url=self.proxy.url, headers=self.proxy.admin, timeout=60)
-
-    @property
-    def run(self) -> dict:
-        return next(r for r in self.http.get("/rl/runs").json() if r["is_default"])
-
-    def configure(self, **config) -> None:
-        reply = self.http.patch(f"/rl/runs/{self.run['id']}", json={"config": config})
-        assert reply.status_code == 200, reply.text
-
-    def session(self, **body) -> tuple[str, OpenAI]:
-        created = self.proxy.session(**body)
-        client = OpenAI(base_url=created["base_url"], api_key=created["api_key"], max_retries=5)
-        return created["session_id"], client
-
-    def reward(self, session_id: str, value: float, completion_id: str | None = None) -> dict:
-        body = {"reward": value} | ({"completion_id": completion_id} if completion_id else {})
-        reply = self.http.post(f"/rl/sessions/{session_id}/reward", json=body)
-        assert reply.status_code in (200, 201), reply.text
-        return reply.json()
-
-    def end(self, session_id: str) -> None:
-        assert self.http.post(f"/rl/sessions/{session_id}/end").status_code == 200
-
-    def get(self, session_id: str) -> dict:
-        return self.proxy.get_session(session_id)
-
-    def statuses(self) -> dict[str, str]:
-        listed = self.http.get("/rl/sessions", params={"limit": 1000}).json()
-        return {s["session_id"]: s["status"] for s in listed}
-
-    def episode(
-        self,
-        *,
-        turns: int = 1,
-        reward: float | None = 1.0,
-        max_tokens: int = 6,
-        end: bool = True,
-        **sampling,
-    ) -> str:
-        """One session: ``turns`` chat turns continuing each other, a reward, the end."""
-        session_id, client = self.session(task_id=sampling.pop("task_id", "t"))
-        messages = [{"role": "user", "content": "Count."}]
-        for _ in range(turns):
-            reply = client.chat.completions.create(
-                model=self.proxy_model, messages=messages, max_tokens=max_tokens, **sampling
-            )
-            messages += [
-                {"role": "assistant", "content": reply.choices[0].message.content or ""},
-                {"role": "user", "content": "More."},
-            ]
-        if reward is not None:
-            self.reward(session_id, reward)
-        if end:
-            self.end(session_id)
-        return session_id
-
-    @property
-    def proxy_model(self) -> str:
-        return self.http.get("/v1/models").json()["data"][0]["id"]
-
-
-def start_trainer(server: Server, out: Path, *overrides: str, env: dict | None = None):
-    out.mkdir(parents=True, exist_ok=True)
-    log = (out / f"trainer-{time.monotonic_ns()}.log").open("w")
-    command = [
-        sys.executable, "-m", "server.cli", "train", "--server", server.proxy.url,
-        "--admin-key", server.proxy.ADMIN_KEY, f"output_dir={out}", "lr=1e-3",
-        "claim_wait_s=0.1", "cluster.cpus_per_worker=1", *overrides,
-    ]  # fmt: skip
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=environment,
-        start_new_session=True,
-    )  # fmt: skip
-    process.log_path = Path(log.name)  # type: ignore[attr-defined]
-    return process
-
-
-def finish(process, timeout: float = 400) -> str:
-    """Wait for the trainer to exit 0; its log."""
-    try:
-        code = process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
-    log = process.log_path.read_text()
-    assert code == 0, log[-4000:]
-    return log
-
-
-def kill(process) -> None:
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait(60)
-
-
-def kill_at(server: Server, out: Path, overrides: list[str], pause: str) -> None:
-    """A trainer run until it stops at the failpoint ``pause`` (``point@step``, see
-    trainer/failpoints.py), then SIGKILLed exactly there."""
-    process = start_trainer(server, out, *overrides, env={"PROXRL_TRAINER_PAUSE_AT": pause})
-    marker = out / "paused-at"
-    deadline = time.monotonic() + 400
-    while not marker.exists():
-        assert process.poll() is None, process.log_path.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"the trainer never reached {pause}"
-        time.sleep(0.1)
-    kill(process)
-    marker.unlink()
-
-
-def metrics(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @pytest.fixture
@@ -473,81 +343,3 @@ def test_another_run_s_checkpoint_is_refused_naming_both(server, tmp_path):
     log = process.log_path.read_text()
     assert f"holds checkpoints of run {first}" in log and f"trains run {other}" in log
     assert "worker(s) ready" not in log  # refused before anything started
-
-
-KILL_POINTS = [
-    ("claimed", 3),
-    ("trained", 3),
-    ("published", 3),
-    ("checkpoint_saved", 4),
-    ("checkpointed", 4),
-]
-
-
-@pytest.mark.parametrize(("point", "step"), KILL_POINTS, ids=[p for p, _ in KILL_POINTS])
-def test_a_trainer_killed_at_any_point_trains_every_session_exactly_once(
-    server, tmp_path, point, step
-):
-    """Checkpoints every 2 steps; SIGKILL at ``point`` of ``step``; a new trainer finishes.
-
-    Every session is sampled by version 0 before training starts, and max_staleness (4) lets
-    the last of 5 steps train them: so a token masked as stale can only come from the versions
-    a restart adds (the republish), which is what the rule must see through."""
-    out = tmp_path / "train"
-    batch, steps = 4, 5
-    sessions = [server.episode(reward=float(i % 2)) for i in range(batch * steps)]
-    common = [
-        f"batch_size={batch}", f"max_steps={steps}", "checkpoint_every=2",
-        f"max_staleness={steps - 1}",
-    ]  # fmt: skip
-    kill_at(server, out, common, f"{point}@{step}")
-    before = metrics(out)
-    log = finish(start_trainer(server, out, *common), 500)
-    after = metrics(out)[len(before) :]
-
-    # The surviving lineage: run 1's steps up to the checkpoint run 2 resumed from, then run 2.
-    resumed_from = after[0]["step"] - 1
-    assert resumed_from == (4 if point == "checkpointed" else 2)
-    lineage = [s for s in before if s["step"] <= resumed_from] + after
-    assert [s["step"] for s in lineage] == list(range(1, steps + 1))
-    trained = [s for record in lineage for s in record["session_ids"]]
-    assert sorted(trained) == sorted(sessions)  # each once, none lost
-    statuses = server.statuses()
-    assert {statuses[s] for s in sessions} == {"consumed"}
-    assert (out / "claims.jsonl").read_text() == ""
-    # none skipped because of the restart itself: not a token masked, not a session dropped
-    assert all(r["stale_tokens"] == 0 and r["dropped_sessions"] == 0 for r in lineage)
-    # the engines had a version the checkpoint does not hold only after a publish
-    assert ("republished the weights of version" in log) == (
-        point in ("published", "checkpoint_saved")
-    )
-    assert server.run["policy_version"] == lineage[-1]["version"]
-
-
-def test_a_second_kill_before_the_republish_is_checkpointed_loses_nothing(server, tmp_path):
-    """Killed after publishing step 3 (checkpoint at 2), restarted: the restored weights are
-    republished; killed again after publishing step 4, before its checkpoint. The third
-    trainer must still know the first republish (from the journal), republish again, and
-    train every session exactly once."""
-    out = tmp_path / "train"
-    batch, steps = 4, 6
-    sessions = [server.episode(reward=float(i % 2)) for i in range(batch * steps)]
-    common = [
-        f"batch_size={batch}", f"max_steps={steps}", "checkpoint_every=2",
-        f"max_staleness={steps}",
-    ]  # fmt: skip
-    records = []
-    for pause in ("published@3", "published@4"):
-        kill_at(server, out, common, pause)
-        records.append(len(metrics(out)))
-    log = finish(start_trainer(server, out, *common), 500)
-    assert "republished the weights of version 2 as version 7" in log
-    state = json.loads((out / "checkpoints" / f"step-{steps:06d}" / "trainer.json").read_text())
-    assert state["republished"] == [[2, 4], [2, 7]]
-    final = metrics(out)[records[1] :]
-    lineage = [r for r in metrics(out)[: records[0]] if r["step"] <= 2] + final
-    assert [r["step"] for r in lineage] == list(range(1, steps + 1))
-    trained = [s for record in lineage for s in record["session_ids"]]
-    assert sorted(trained) == sorted(sessions)
-    assert {server.statuses()[s] for s in sessions} == {"consumed"}
-    assert all(r["stale_tokens"] == 0 and r["dropped_sessions"] == 0 for r in lineage)
