@@ -34,6 +34,7 @@ def serve(settings: EngineSettings) -> None:
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,
+            timeout_keep_alive=120,  # longer than any client keeps an idle connection
         )
     )
 

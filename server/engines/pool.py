@@ -93,6 +93,9 @@ class EngineState:
         self._rate_mark = (now, self.served_tokens)
 
 
+ENGINE_KEEPALIVE_S = 3.0  # below every engine's keep-alive (uvicorn's default: 5 s)
+
+
 class EnginePool:
     def __init__(
         self,
@@ -101,7 +104,12 @@ class EnginePool:
         health_interval: float = 2.0,
     ) -> None:
         self._http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=2048, limit_per_host=1024),
+            # Idle connections are dropped before an engine's server closes them (uvicorn's
+            # default, which SGLang keeps, is 5 s), so a request never goes out on a connection
+            # the engine is closing.
+            connector=aiohttp.TCPConnector(
+                limit=2048, limit_per_host=1024, keepalive_timeout=ENGINE_KEEPALIVE_S
+            ),
             timeout=aiohttp.ClientTimeout(total=30.0, connect=5.0),
         )
         self.engines = [
