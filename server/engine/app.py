@@ -10,6 +10,7 @@ shape. Bodies of ``/generate`` are checked by hand so bad input gets SGLang's er
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -65,7 +66,8 @@ async def _engine(request: Request) -> EngineService:
 def _check_key(request: Request, admin: bool) -> None:
     settings: EngineSettings = request.app.state.engine.settings
     key = settings.admin_api_key if admin and settings.admin_api_key else settings.api_key
-    if key and request.headers.get("authorization") != f"Bearer {key}":
+    given = request.headers.get("authorization", "").encode()
+    if key and not hmac.compare_digest(given, f"Bearer {key}".encode()):  # in constant time
         raise _Unauthorized()
 
 
