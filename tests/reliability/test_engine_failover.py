@@ -5,7 +5,7 @@ SDK, logprobs on) are cut off when one engine is killed. Each must still get one
 and what it was given token by token (the token strings, their logprobs, the count) must be
 exactly the turn the store holds. Then the last engine dies too: every new request, chat or
 completions, streamed or not, is answered with a plain 503 in our error shape, with Retry-After,
-within ``NO_ENGINE_BOUND_S`` of the kill.
+within ``NO_ENGINE_BOUND_S`` of asking.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 STREAMS = 6
 MAX_TOKENS = 300
 ECHO_TOLERANCE = 1e-6  # a logprob sent to the client vs the one stored
-# A request with no engine in rotation: the proxy waits a bounded while for one to come back,
-# then answers 503. Measured 10.0 s for each of the four kinds (before helper C's change).
-NO_ENGINE_BOUND_S = 15.0
+# A request with no engine in rotation: the proxy waits at most 2 s for one to come back, then
+# answers 503. Measured 2.0 s for each of the four kinds (it was 10 s before that bound).
+NO_ENGINE_BOUND_S = 6.0
 
 
 @pytest.fixture(scope="module")
