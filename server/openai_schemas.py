@@ -8,14 +8,23 @@ accepted and ignored. Unknown fields are ignored, as many agent frameworks send 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from server.errors import BadRequest
+from server.schemas import MAX_INT, Count
 
 MAX_N = 16
 MAX_STOP = 16
+# Bounds no agent reaches (content of a few MB, tens of thousands of messages), checked before
+# anything is tokenized or reaches an engine.
+MAX_TEXT = 8_000_000
+MAX_ITEMS = 100_000
+Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
+Label = Annotated[str, StringConstraints(max_length=1000)]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=1000)]
+TokenLimit = Annotated[int, Field(ge=1, le=MAX_INT)]
 
 
 class _Lenient(BaseModel):
@@ -24,26 +33,26 @@ class _Lenient(BaseModel):
 
 class TextPart(_Lenient):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class FunctionCall(_Lenient):
-    name: str
-    arguments: str | dict[str, Any]
+    name: Label
+    arguments: Text | dict[str, Any]
 
 
 class ToolCallIn(_Lenient):
-    id: str | None = None
+    id: Label | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_ITEMS)] | None = None
+    name: Label | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_ITEMS)] | None = None
+    tool_call_id: Label | None = None
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
@@ -67,8 +76,8 @@ class ChatMessage(_Lenient):
 
 
 class FunctionDef(_Lenient):
-    name: str
-    description: str | None = None
+    name: Label
+    description: Text | None = None
     parameters: dict[str, Any] | None = None
 
 
@@ -84,17 +93,17 @@ class StreamOptions(_Lenient):
 class _Sampling(_Lenient):
     """What chat and text completions share."""
 
-    model: str
+    model: Label
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[Label, float] | None = Field(None, max_length=MAX_ITEMS)
 
     def refuse_untrainable(self) -> None:
         if self.top_p is not None and self.top_p < 1:
@@ -128,11 +137,11 @@ class _Sampling(_Lenient):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[ToolDef] | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ITEMS)
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_ITEMS)
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: TokenLimit | None = None
+    max_completion_tokens: TokenLimit | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
@@ -163,12 +172,19 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(max_length=MAX_ITEMS)]
+        | Annotated[list[Count], Field(max_length=MAX_ITEMS)]
+        | Annotated[
+            list[Annotated[list[Count], Field(max_length=MAX_ITEMS)]], Field(max_length=MAX_ITEMS)
+        ]
+    )
+    max_tokens: TokenLimit | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: Text | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     def refuse_untrainable(self) -> None:
         super().refuse_untrainable()

@@ -7,17 +7,21 @@ not know are kept (the trainer's own settings may live here) but never acted on 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 # Rewards (posted, or a run's default_reward) lie within [-REWARD_BOUND, REWARD_BOUND]: the
 # trainer's statistics square returns, and a reward of 1e200 overflowed them.
 REWARD_BOUND = 1e9
+# Counts and durations no run reaches, so that none overflows SQL's integers or a timedelta.
+MAX_COUNT = 2**31 - 1
+MAX_SECONDS = 10 * 365 * 24 * 3600.0
+Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
 
 
 class RunConfig(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     temperature: float = Field(
         1.0,
@@ -32,22 +36,35 @@ class RunConfig(BaseModel):
         "them out of the loss, or train them off-policy with their own behaviour logprobs.",
     )
     batch_size: int | None = Field(
-        None, ge=1, description="Sessions per training step; admission is off while unset."
+        None,
+        ge=1,
+        le=MAX_COUNT,
+        description="Sessions per training step; admission is off while unset.",
     )
     max_staleness: int = Field(
-        1, ge=0, description="How many policy versions generation may run ahead (AReaL's eta)."
+        1,
+        ge=0,
+        le=MAX_COUNT,
+        description="How many policy versions generation may run ahead (AReaL's eta).",
     )
     group_size: int | None = Field(
-        None, ge=1, description="Sessions per GRPO group; claims then take whole groups."
+        None,
+        ge=1,
+        le=MAX_COUNT,
+        description="Sessions per GRPO group; claims then take whole groups.",
     )
     admission_wait_s: float = Field(
-        30.0, ge=0, description="How long a session waits for admission before a 429."
+        30.0,
+        ge=0,
+        le=MAX_SECONDS,
+        allow_inf_nan=False,
+        description="How long a session waits for admission before a 429.",
     )
-    idle_timeout_s: float | None = Field(
-        600.0, gt=0, description="An open session idle this long is ended (None: never)."
+    idle_timeout_s: Seconds | None = Field(
+        600.0, description="An open session idle this long is ended (None: never)."
     )
-    reward_timeout_s: float | None = Field(
-        600.0, gt=0, description="An ended session without a reward after this is resolved."
+    reward_timeout_s: Seconds | None = Field(
+        600.0, description="An ended session without a reward after this is resolved."
     )
     on_missing_reward: Literal["drop", "default"] = Field(
         "drop", description="What a reward deadline does: drop the session or use default_reward."
@@ -65,9 +82,8 @@ class RunConfig(BaseModel):
         description="An ended session with per-turn rewards but no session reward is trainable "
         "(false: it waits for its session reward, or its reward deadline).",
     )
-    group_timeout_s: float | None = Field(
+    group_timeout_s: Seconds | None = Field(
         600.0,
-        gt=0,
         description="With group_size > 1: a group whose oldest trainable session waited this "
         "long is resolved as it is, by on_incomplete_group (None: wait for the whole group).",
     )
@@ -76,9 +92,8 @@ class RunConfig(BaseModel):
         description="What happens to a group still short of group_size at group_timeout_s, and "
         "to a session without group_id and task_id: train it as it is, or drop it.",
     )
-    claim_lease_s: float = Field(
+    claim_lease_s: Seconds = Field(
         300.0,
-        gt=0,
         description="How long a trainer's claim holds before its sessions return to the pool "
         "(its owner may still renew or confirm them until another claim takes them).",
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
+from fastapi import Path, Query
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -15,8 +16,32 @@ from pydantic import (
     model_validator,
 )
 
-from server.run_config import REWARD_BOUND, RunConfig
+from server.run_config import MAX_COUNT, REWARD_BOUND, RunConfig, Seconds
 from server.store.tables import DROP_REASON_LENGTH
+
+# Bounds no real caller reaches, checked before a value meets SQL (64-bit integers), a timedelta
+# or an engine: counts and numbers fit 32 bits, ids are as long as the store keeps them.
+MAX_INT = MAX_COUNT
+ID_LENGTH = 100
+NAME_LENGTH = 200
+Id = Annotated[str, StringConstraints(min_length=1, max_length=ID_LENGTH)]
+Name = Annotated[str, StringConstraints(max_length=NAME_LENGTH)]
+Count = Annotated[int, Field(ge=0, le=MAX_INT)]
+PathId = Annotated[str, Path(min_length=1, max_length=ID_LENGTH)]
+QueryId = Annotated[str | None, Query(min_length=1, max_length=ID_LENGTH)]
+QueryName = Annotated[str | None, Query(max_length=NAME_LENGTH)]
+Limit = Annotated[int, Query(ge=1, le=1000, description="Items per page.")]
+Offset = Annotated[int, Query(ge=0, le=MAX_INT, description="Items to skip.")]
+StepNumber = Annotated[int, Query(ge=0, le=MAX_INT, description="A trainer step number.")]
+FilePath = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+# A host name (RFC 1123 labels) or an IPv4/IPv6 address, as a socket can be given it.
+Host = Annotated[
+    str, StringConstraints(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9._:-]+$")
+]
+RENDEZVOUS_WAIT_S = 5.0
+MAX_TENSORS = 1_000_000
+DtypeName = Annotated[str, StringConstraints(min_length=1, max_length=32)]
+Shape = Annotated[list[Count], Field(max_length=16)]
 
 DROP_REASON = (
     'Why the session was dropped: a short code, a colon, a sentence (e.g. "no_reward: ...", '
@@ -32,7 +57,9 @@ ROW_TURNS = (
 
 
 class RunCreate(BaseModel):
-    name: str = Field("run", max_length=200, description="A name for people.")
+    model_config = ConfigDict(strict=True)
+
+    name: Name = Field("run", description="A name for people.")
     config: RunConfig = Field(default_factory=RunConfig, description="The run's configuration.")
 
 
@@ -60,12 +87,14 @@ class RunCreated(RunOut):
 
 
 class SessionCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    run_id: str | None = Field(None, description="The run (default: the server's default run).")
-    task_id: str | None = Field(None, max_length=200, description="The task (for baselines).")
-    group_id: str | None = Field(None, max_length=200, description="The GRPO group.")
-    metadata: dict[str, Any] = Field(default_factory=dict, description="Anything of yours.")
+    run_id: Id | None = Field(None, description="The run (default: the server's default run).")
+    task_id: Name | None = Field(None, description="The task (for baselines).")
+    group_id: Name | None = Field(None, description="The GRPO group.")
+    metadata: dict[Name, Any] = Field(
+        default_factory=dict, max_length=1000, description="Anything of yours."
+    )
 
 
 class SessionCreated(BaseModel):
@@ -77,7 +106,7 @@ class SessionCreated(BaseModel):
 
 
 class RewardIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     reward: float = Field(
         strict=True,
@@ -86,7 +115,7 @@ class RewardIn(BaseModel):
         le=REWARD_BOUND,
         description=f"A finite number within [-{REWARD_BOUND:g}, {REWARD_BOUND:g}].",
     )
-    completion_id: str | None = Field(None, description="Reward one turn instead of the session.")
+    completion_id: Id | None = Field(None, description="Reward one turn instead of the session.")
 
 
 class RewardOut(BaseModel):
@@ -164,16 +193,19 @@ class SessionOut(BaseModel):
 
 
 class ClaimIn(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     max_sessions: int = Field(
         ge=1,
         le=100_000,
         description="At most this many sessions; a GRPO group is never split, so the first "
         "group is claimed whole even if it is larger.",
     )
-    lease_s: float | None = Field(None, gt=0, description="Default: the run's claim_lease_s.")
+    lease_s: Seconds | None = Field(None, description="Default: the run's claim_lease_s.")
     group_size: int | None = Field(
         None,
         ge=1,
+        le=MAX_INT,
         description="Default: the run's group_size. Above 1, whole groups (by group_id, else "
         "task_id) with group_size trainable sessions, or incomplete ones after the run's "
         "group_timeout_s, and sessions with neither id; on_incomplete_group says whether those "
@@ -210,9 +242,9 @@ EACH_WITH_ITS_REASON = (
 
 
 class ConfirmIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    dropped: dict[str, DropReason] = Field(
+    dropped: dict[Id, DropReason] = Field(
         default_factory=dict,
         max_length=100_000,
         description=f"Sessions of the claim not to consume but to drop, {EACH_WITH_ITS_REASON}.",
@@ -231,9 +263,9 @@ class ConfirmOut(BaseModel):
 
 
 class DropIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    dropped: dict[str, DropReason] = Field(
+    dropped: dict[Id, DropReason] = Field(
         min_length=1,
         max_length=10_000,
         description=f"Sessions of the claim to drop now, {EACH_WITH_ITS_REASON}.",
@@ -252,13 +284,11 @@ class ReleaseOut(BaseModel):
 
 
 class RenewIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    claim_ids: list[Annotated[str, StringConstraints(max_length=64)]] = Field(
-        max_length=10_000, description="The claims to hold longer."
-    )
-    lease_s: float | None = Field(
-        None, gt=0, description="Seconds from now (default: the run's claim_lease_s)."
+    claim_ids: list[Id] = Field(max_length=10_000, description="The claims to hold longer.")
+    lease_s: Seconds | None = Field(
+        None, description="Seconds from now (default: the run's claim_lease_s)."
     )
 
 
@@ -273,13 +303,19 @@ class RenewOut(BaseModel):
 
 
 class DistributedWeightsIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    group_name: str = Field(description="The group formed with POST /admin/weights/group.")
-    names: list[str] = Field(min_length=1, description="Parameter names, in broadcast order.")
-    dtypes: list[str] = Field(description="torch dtype name of each, e.g. float32.")
-    shapes: list[list[int]] = Field(description="Shape of each.")
-    load_format: str | None = Field(None, description='"flattened_bucket": one flat broadcast.')
+    group_name: Name = Field(description="The group formed with POST /admin/weights/group.")
+    names: list[Name] = Field(
+        min_length=1, max_length=MAX_TENSORS, description="Parameter names, in broadcast order."
+    )
+    dtypes: list[DtypeName] = Field(
+        max_length=MAX_TENSORS, description="torch dtype name of each, e.g. float32."
+    )
+    shapes: list[Shape] = Field(max_length=MAX_TENSORS, description="Shape of each.")
+    load_format: Literal["flattened_bucket"] | None = Field(
+        None, description='"flattened_bucket": one flat broadcast (null: one per tensor).'
+    )
 
     @model_validator(mode="after")
     def _same_lengths(self) -> DistributedWeightsIn:
@@ -289,9 +325,9 @@ class DistributedWeightsIn(BaseModel):
 
 
 class WeightsIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    model_path: str | None = Field(
+    model_path: FilePath | None = Field(
         None, description="A Hugging Face directory the engines can read."
     )
     distributed: DistributedWeightsIn | None = Field(
@@ -299,8 +335,8 @@ class WeightsIn(BaseModel):
         description="Instead of model_path: the engines receive the weights from the trainer's "
         "broadcast over the named torch.distributed group while this call holds them paused.",
     )
-    version: int | None = Field(None, ge=0, description="Default: the current version + 1.")
-    run_id: str | None = Field(None, description="Default: the server's default run.")
+    version: Count | None = Field(None, description="Default: the current version + 1.")
+    run_id: Id | None = Field(None, description="Default: the server's default run.")
 
     @model_validator(mode="after")
     def _one_source(self) -> WeightsIn:
@@ -310,23 +346,31 @@ class WeightsIn(BaseModel):
 
 
 class WeightGroupIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    master_address: str = Field(description="Where the trainer (rank 0) hosts the rendezvous.")
+    master_address: Host = Field(
+        description="Where the trainer (rank 0) hosts the rendezvous: a host name or an IP "
+        "address. Something must accept connections there (rank 0 waiting for the engines) "
+        f"within {RENDEZVOUS_WAIT_S:g} s of the call, or the call is refused with a 422."
+    )
     master_port: int = Field(ge=1, le=65535)
-    group_name: str = Field("weight_update_group", min_length=1)
+    group_name: Annotated[str, StringConstraints(min_length=1, max_length=NAME_LENGTH)] = (
+        "weight_update_group"
+    )
     backend: Literal["gloo", "nccl"] = Field("nccl", description="gloo for CPU engines.")
 
 
-MetricValue = StrictFloat | StrictInt | str | list[StrictFloat | StrictInt | str | None] | None
+MetricText = Annotated[str, StringConstraints(max_length=10_000)]
+MetricItem = StrictFloat | StrictInt | MetricText | None
+MetricValue = MetricItem | Annotated[list[MetricItem], Field(max_length=100_000)]
 
 
 class StepIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    step: int = Field(ge=1, description="The trainer's step number (1 for the first step).")
-    version: int = Field(ge=0, description="The policy version the step published.")
-    metrics: dict[str, MetricValue] = Field(
+    step: int = Field(ge=1, le=MAX_INT, description="The trainer's step number (1 first).")
+    version: Count = Field(description="The policy version the step published.")
+    metrics: dict[Name, MetricValue] = Field(
         default_factory=dict,
         max_length=500,
         description="The step's figures by name: numbers, strings, lists of them, or null "

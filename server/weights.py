@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,8 +19,14 @@ from typing import Any
 from server.context import ServerContext
 from server.engines.client import EngineError, EngineRejected
 from server.engines.pool import EngineState
-from server.errors import BadGateway, BadRequest, NotFound, Unavailable
-from server.schemas import DistributedWeightsIn, WeightGroupIn, WeightsIn, WeightsOut
+from server.errors import BadGateway, BadRequest, NotFound, Unavailable, Unprocessable
+from server.schemas import (
+    RENDEZVOUS_WAIT_S,
+    DistributedWeightsIn,
+    WeightGroupIn,
+    WeightsIn,
+    WeightsOut,
+)
 from server.store import runs
 
 log = logging.getLogger(__name__)
@@ -109,11 +116,45 @@ def group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
     return offsets, next_rank
 
 
+async def rendezvous_problem(host: str, port: int, wait_s: float) -> str | None:
+    """None once something accepts a TCP connection at ``host:port`` (rank 0's store, which the
+    trainer starts as it asks the engines to join), else why nothing did within ``wait_s``.
+
+    Engines asked to join an address where nobody listens would block in their rendezvous for
+    many minutes, so the caller's address is checked here first."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        try:
+            connecting = asyncio.open_connection(host, port)
+            _, writer = await asyncio.wait_for(connecting, max(deadline - loop.time(), 0.1))
+        except socket.gaierror as exc:
+            return f"the host {host!r} does not resolve ({exc.strerror})"
+        except (OSError, TimeoutError, ValueError) as exc:
+            if loop.time() + 0.2 >= deadline:
+                return f"nothing accepted a connection at {host}:{port} within {wait_s:g} s ({exc})"
+            await asyncio.sleep(0.2)
+            continue
+        writer.close()
+        return None
+
+
 async def form_group(ctx: ServerContext, body: WeightGroupIn) -> dict[str, Any]:
-    """Every engine in rotation joins the trainer's weight group (the trainer is rank 0)."""
+    """Every engine in rotation joins the trainer's weight group (the trainer is rank 0).
+
+    Answers 422 when the rendezvous is unreachable or an engine refuses the caller's values
+    (naming the engine and its reason), 502 when an engine fails on its own."""
     engines = ctx.pool.healthy
     if not engines:
         raise Unavailable("No engine is in rotation to join a weight group.")
+    problem = await rendezvous_problem(body.master_address, body.master_port, RENDEZVOUS_WAIT_S)
+    if problem is not None:
+        raise Unprocessable(
+            f"No engine was asked to join {body.group_name!r}: {problem}. Start rank 0's "
+            "rendezvous (the trainer) at master_address:master_port first.",
+            param="master_address",
+            code="rendezvous_unreachable",
+        )
     offsets, world_size = group_ranks([engine.tp_size for engine in engines])
 
     async def join(rank: int, engine: EngineState) -> dict[str, Any]:
@@ -121,11 +162,18 @@ async def form_group(ctx: ServerContext, body: WeightGroupIn) -> dict[str, Any]:
         where = {"url": engine.url, "rank_offset": rank, "tp_size": engine.tp_size}
         try:
             return {**where, **await engine.client.init_weights_update_group(request)}
+        except EngineRejected as exc:  # it read the caller's values and refused them
+            return {**where, "success": False, "message": str(exc), "refused": True}
         except EngineError as exc:
             return {**where, "success": False, "message": str(exc)}
 
     results = await asyncio.gather(*(join(r, e) for r, e in zip(offsets, engines, strict=True)))
-    if not all(r.get("success") for r in results):
-        failed = [r for r in results if not r.get("success")]
+    failed = [r for r in results if not r.get("success")]
+    if any(r.get("refused") for r in failed):
+        refusals = "; ".join(f"{r['url']}: {r['message']}" for r in failed if r.get("refused"))
+        raise Unprocessable(
+            f"An engine refused to join {body.group_name!r}: {refusals}", code="engine_refused"
+        )
+    if failed:
         raise BadGateway(f"Not every engine joined {body.group_name!r}: {failed}")
     return {"group_name": body.group_name, "world_size": world_size, "engines": results}

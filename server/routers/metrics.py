@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server import auth
 from server.deps import Ctx
+from server.errors import documented
 
 router = APIRouter(tags=["metrics"])
 
@@ -23,7 +24,7 @@ router = APIRouter(tags=["metrics"])
     "/metrics",
     summary="Prometheus metrics (admin key unless the server binds loopback)",
     response_class=Response,
-    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}, **documented(401, 403)},
 )
 async def metrics(ctx: Ctx, authorization: Annotated[str | None, Header()] = None) -> Response:
     if not ctx.settings.binds_loopback:

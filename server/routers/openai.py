@@ -4,20 +4,28 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Header, Path
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from server import auth, chat, completions
 from server.deps import CallerDep, Ctx, PathCallerDep
-from server.errors import Conflict, Unauthorized
+from server.errors import Conflict, Unauthorized, documented
 from server.openai_schemas import ChatCompletionRequest, CompletionRequest
+from server.schemas import ID_LENGTH
 from server.session_state import SessionState
 from server.streaming import GuardedStream
 
 router = APIRouter(tags=["OpenAI-compatible"])
-SessionHeader = Annotated[str | None, Header(alias="X-Session-Id")]
+SessionHeader = Annotated[str | None, Header(alias="X-Session-Id", max_length=ID_LENGTH)]
+SessionPath = Annotated[str, Path(min_length=1, max_length=ID_LENGTH)]
 SSE = "text/event-stream"
+# What a generation can answer: the JSON completion, or with stream: true its SSE events; bad
+# input is a 400 (OpenAI's status, validation included), no engine to serve it a 503.
+GENERATION = {
+    200: {"content": {"application/json": {}, SSE: {"schema": {"type": "string"}}}},
+    **documented(400, 401, 403, 404, 409, 503),
+}
 
 
 async def _open_session(
@@ -57,7 +65,11 @@ async def _completion(ctx: Ctx, state: SessionState, body: CompletionRequest) ->
     return JSONResponse(await completions.text_completion(ctx, state, body))
 
 
-@router.post("/v1/chat/completions", summary="Chat completion in the caller's session")
+@router.post(
+    "/v1/chat/completions",
+    summary="Chat completion in the caller's session",
+    responses=GENERATION,
+)
 async def chat_completions(
     body: ChatCompletionRequest, ctx: Ctx, caller: CallerDep, x_session_id: SessionHeader = None
 ):
@@ -65,15 +77,19 @@ async def chat_completions(
 
 
 @router.post(
-    "/sessions/{session_id}/v1/chat/completions", summary="Chat completion, session in the path"
+    "/sessions/{session_id}/v1/chat/completions",
+    summary="Chat completion, session in the path",
+    responses=GENERATION,
 )
 async def session_chat_completions(
-    session_id: str, body: ChatCompletionRequest, ctx: Ctx, caller: PathCallerDep
+    session_id: SessionPath, body: ChatCompletionRequest, ctx: Ctx, caller: PathCallerDep
 ):
     return await _chat(ctx, await _open_session(ctx, caller, session_id, None), body)
 
 
-@router.post("/v1/completions", summary="Text completion in the caller's session")
+@router.post(
+    "/v1/completions", summary="Text completion in the caller's session", responses=GENERATION
+)
 async def text_completions(
     body: CompletionRequest, ctx: Ctx, caller: CallerDep, x_session_id: SessionHeader = None
 ):
@@ -81,10 +97,12 @@ async def text_completions(
 
 
 @router.post(
-    "/sessions/{session_id}/v1/completions", summary="Text completion, session in the path"
+    "/sessions/{session_id}/v1/completions",
+    summary="Text completion, session in the path",
+    responses=GENERATION,
 )
 async def session_text_completions(
-    session_id: str, body: CompletionRequest, ctx: Ctx, caller: PathCallerDep
+    session_id: SessionPath, body: CompletionRequest, ctx: Ctx, caller: PathCallerDep
 ):
     return await _completion(ctx, await _open_session(ctx, caller, session_id, None), body)
 
@@ -100,14 +118,18 @@ def _models(ctx: Ctx) -> dict:
     return {"object": "list", "data": [card]}
 
 
-@router.get("/v1/models", summary="The served model")
+@router.get("/v1/models", summary="The served model", responses=documented(400, 401))
 async def list_models(ctx: Ctx, caller: CallerDep) -> dict:
     if caller.kind == "anonymous":
         raise Unauthorized("Missing API key.", code="invalid_api_key")
     return _models(ctx)
 
 
-@router.get("/sessions/{session_id}/v1/models", summary="The served model (session path)")
-async def session_models(session_id: str, ctx: Ctx, caller: PathCallerDep) -> dict:
+@router.get(
+    "/sessions/{session_id}/v1/models",
+    summary="The served model (session path)",
+    responses=documented(400, 403, 404),
+)
+async def session_models(session_id: SessionPath, ctx: Ctx, caller: PathCallerDep) -> dict:
     await auth.session_for_generation(ctx, caller, session_id, None)
     return _models(ctx)

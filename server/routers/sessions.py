@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Query
+from fastapi import APIRouter
 
 from server import auth, sessions
 from server.deps import AdminDep, CallerDep, Ctx, KeyedDep
-from server.errors import Forbidden, Unauthorized
+from server.errors import Forbidden, Unauthorized, documented
 from server.schemas import (
+    Limit,
+    Offset,
+    PathId,
+    QueryId,
+    QueryName,
     RewardIn,
     RewardOut,
     SessionCreate,
@@ -22,7 +25,13 @@ from server.schemas import (
 router = APIRouter(prefix="/rl/sessions", tags=["sessions"])
 
 
-@router.post("", response_model=SessionCreated, status_code=201, summary="Start a session")
+@router.post(
+    "",
+    response_model=SessionCreated,
+    status_code=201,
+    summary="Start a session (waits for admission, then 429 with Retry-After)",
+    responses=documented(400, 401, 403, 404, 422, 429),
+)
 async def create_session(body: SessionCreate, ctx: Ctx, caller: CallerDep) -> SessionCreated:
     if caller.kind == "anonymous":
         raise Unauthorized("Creating a session needs the admin key or a run key.")
@@ -33,21 +42,31 @@ async def create_session(body: SessionCreate, ctx: Ctx, caller: CallerDep) -> Se
     return await sessions.create_session(ctx, run_id, body.task_id, body.group_id, body.metadata)
 
 
-@router.get("", response_model=list[SessionSummary], summary="List sessions, newest first")
+@router.get(
+    "",
+    response_model=list[SessionSummary],
+    summary="List sessions, newest first",
+    responses=documented(401, 403, 422),
+)
 async def list_sessions(
     ctx: Ctx,
     _: AdminDep,
-    run_id: str | None = None,
+    run_id: QueryId = None,
     status: SessionStatus | None = None,
-    task_id: str | None = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    task_id: QueryName = None,
+    limit: Limit = 50,
+    offset: Offset = 0,
 ) -> list[SessionSummary]:
     return await sessions.list_sessions(ctx, run_id, status, task_id, limit, offset)
 
 
-@router.get("/{session_id}", response_model=SessionOut, summary="A session, its turns and rows")
-async def get_session(session_id: str, ctx: Ctx, caller: KeyedDep) -> SessionOut:
+@router.get(
+    "/{session_id}",
+    response_model=SessionOut,
+    summary="A session, its turns and rows",
+    responses=documented(401, 403, 404, 422),
+)
+async def get_session(session_id: PathId, ctx: Ctx, caller: KeyedDep) -> SessionOut:
     session = await sessions.get_session(ctx, session_id)
     auth.require_session_access(caller, session.run_id, session.id)
     return await sessions.session_view(ctx, session)
@@ -57,8 +76,9 @@ async def get_session(session_id: str, ctx: Ctx, caller: KeyedDep) -> SessionOut
     "/{session_id}/reward",
     response_model=RewardOut,
     summary="Reward a session or turn (an ended session is trainable with its session reward)",
+    responses=documented(400, 401, 403, 404, 409, 422),
 )
-async def reward(session_id: str, body: RewardIn, ctx: Ctx, caller: KeyedDep) -> RewardOut:
+async def reward(session_id: PathId, body: RewardIn, ctx: Ctx, caller: KeyedDep) -> RewardOut:
     session = await sessions.get_session(ctx, session_id)
     auth.require_session_access(caller, session.run_id, session.id)
     return await sessions.post_reward(
@@ -66,8 +86,8 @@ async def reward(session_id: str, body: RewardIn, ctx: Ctx, caller: KeyedDep) ->
     )
 
 
-@router.post("/{session_id}/end", summary="End a session")
-async def end(session_id: str, ctx: Ctx, caller: KeyedDep) -> dict:
+@router.post("/{session_id}/end", summary="End a session", responses=documented(401, 403, 404, 422))
+async def end(session_id: PathId, ctx: Ctx, caller: KeyedDep) -> dict:
     session = await sessions.get_session(ctx, session_id)
     auth.require_session_access(caller, session.run_id, session.id)
     ended = await sessions.end_session(ctx, session_id)

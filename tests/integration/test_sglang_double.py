@@ -8,8 +8,11 @@ SGLang does (``/v1/models``), or report none, or too much."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -128,11 +131,20 @@ def test_a_request_over_the_learned_context_is_refused_by_the_proxy(proxy, doubl
     assert {name: d.stats()["generate"] for name, d in doubles.items()} == before
 
 
+@contextlib.contextmanager
+def rendezvous() -> Iterator[int]:
+    """A port where something accepts connections, as rank 0's store would (the proxy asks
+    no engine to join a rendezvous nobody listens at); the doubles only record the join."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        yield listener.getsockname()[1]
+
+
 def test_weight_group_ranks_follow_each_engines_tp_size(proxy, doubles):
-    body = {"master_address": "127.0.0.1", "master_port": free_port(), "backend": "gloo"}
-    reply = httpx.post(
-        f"{proxy.url}/admin/weights/group", json=body, headers=proxy.admin, timeout=60
-    )
+    with rendezvous() as port:
+        body = {"master_address": "127.0.0.1", "master_port": port, "backend": "gloo"}
+        reply = httpx.post(
+            f"{proxy.url}/admin/weights/group", json=body, headers=proxy.admin, timeout=60
+        )
     assert reply.status_code == 200, reply.text
     assert reply.json()["world_size"] == 1 + 2 + 1
     ((tp2_join,), (tp1_join,)) = (doubles[n].stats()["joins"] for n in ("tp2", "tp1"))
@@ -218,10 +230,11 @@ def test_serve_launches_and_supervises_sglang_servers(tiny_model_dir, tmp_path, 
             model="tiny", messages=MESSAGES, max_tokens=4
         )
         assert reply.choices[0].finish_reason in ("stop", "length")
-        body = {"master_address": "127.0.0.1", "master_port": free_port(), "backend": "gloo"}
-        group = httpx.post(
-            f"{proxy.url}/admin/weights/group", json=body, headers=proxy.admin, timeout=60
-        ).json()
+        with rendezvous() as port:
+            body = {"master_address": "127.0.0.1", "master_port": port, "backend": "gloo"}
+            group = httpx.post(
+                f"{proxy.url}/admin/weights/group", json=body, headers=proxy.admin, timeout=60
+            ).json()
         assert group["world_size"] == 5
         assert [e["rank_offset"] for e in group["engines"]] == [1, 3]
 

@@ -1,0 +1,53 @@
+"""Schemathesis hooks for test_api_fuzz.py: keep generated requests cheap, never less strict.
+
+Loaded by the ``schemathesis run`` that test starts (``SCHEMATHESIS_HOOKS``). Each hook only
+shrinks a value the schema already allows, so what is sent stays as valid (or as invalid) as
+what was generated:
+
+- a generation asks for at most ``MAX_TOKENS`` tokens: the schema bounds max_tokens by 2**31-1
+  and the server by the context (2048 for the tiny model), but decoding 2048 tokens 16 times per
+  request on two CPU cores would spend the whole run in the engine;
+- a run waits at most ``MAX_ADMISSION_WAIT_S`` for admission: a generated run with batch_size 1
+  admits two sessions, and every further POST /rl/sessions would wait its admission_wait_s (up to
+  ten years by the schema) before its 429.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import schemathesis
+
+MAX_TOKENS = 4
+MAX_ADMISSION_WAIT_S = 0.5
+TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _cap_tokens(body: dict[str, Any]) -> None:
+    given = [field for field in TOKEN_FIELDS if field in body]
+    if not given:
+        body["max_tokens"] = MAX_TOKENS
+    for field in given:
+        if _is_count(body[field]) and body[field] > MAX_TOKENS:
+            body[field] = MAX_TOKENS
+
+
+def _cap_admission_wait(config: dict[str, Any]) -> None:
+    wait = config.get("admission_wait_s")
+    if isinstance(wait, int | float) and not isinstance(wait, bool) and wait > MAX_ADMISSION_WAIT_S:
+        config["admission_wait_s"] = MAX_ADMISSION_WAIT_S
+
+
+@schemathesis.hook
+def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
+    body, path = case.body, case.operation.path
+    if not isinstance(body, dict):
+        return
+    if path.endswith("/completions"):
+        _cap_tokens(body)
+    elif path.startswith("/rl/runs") and isinstance(body.get("config"), dict):
+        _cap_admission_wait(body["config"])
