@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
 import signal
 import sys
@@ -26,7 +27,9 @@ __all__ = [
     "command_of",
     "descendants",
     "free_port",
+    "is_loopback_address",
     "kill_all",
+    "listening",
     "parse_sse",
     "running",
     "stream_events",
@@ -261,6 +264,43 @@ def command_of(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
     except OSError:
         return "?"
+
+
+def listening(pid: int) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """The TCP addresses ``pid`` listens on (its socket inodes matched against /proc/net)."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue  # it ended meanwhile
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.append(_socket_address(fields[1]))
+    return found
+
+
+def _socket_address(field: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """``0100007F:1F90`` (the kernel's hex, each 32-bit word in host byte order) as an address."""
+    host, port = field.split(":")
+    raw = bytes.fromhex(host)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    address = ipaddress.ip_address(words)
+    return address, int(port, 16)
+
+
+def is_loopback_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """127.0.0.0/8, ::1, or 127.x written as an IPv4-mapped IPv6 address."""
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 def start_worker(model_dir, lr: float = 1e-3, temperature: float = 1.0):

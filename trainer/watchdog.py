@@ -3,9 +3,10 @@
 ``python trainer/watchdog.py MARKER DIR`` waits for end-of-file on its stdin, a pipe whose write
 end only the trainer holds: the kernel closes it when the trainer exits, SIGKILL included. It
 then kills every process whose environment holds ``MARKER`` (the trainer sets it before
-``ray.init``, so every Ray process inherits it: GCS, raylet, agents, workers) and removes
-``DIR``. It runs in a session of its own, so a terminal's Ctrl-C or a signal to the trainer's
-process group does not stop it before it has done its work.
+``ray.init``, so every Ray process inherits it: GCS, raylet, agents, workers) or that has a file
+under ``DIR`` open (Ray's temporary directory, where each Ray process writes its log), and
+removes ``DIR``. It runs in a session of its own, so a terminal's Ctrl-C or a signal to the
+trainer's process group does not stop it before it has done its work.
 
 It knows nothing about Ray beyond the marker, and imports nothing of ours: it starts in
 milliseconds and works whatever state the trainer died in.
@@ -23,33 +24,46 @@ import time
 from pathlib import Path
 
 SWEEP_S = 10.0  # Ray may still be starting a worker while we kill: sweep until none is left
+QUIET_ROUNDS = 5  # sweeps in a row that find nothing before we believe it (0.1 s apart)
 
 
-def marked_processes(marker: bytes) -> list[int]:
-    """The processes whose initial environment holds ``marker`` (``NAME=value``)."""
+def run_processes(marker: bytes, directory: str, spare: tuple[int, ...] = ()) -> list[int]:
+    """The processes of the run: ``marker`` (``NAME=value``) in their initial environment, or
+    a file under ``directory`` open (every Ray process writes its log there). Either alone has
+    been seen to miss a process for a moment while Ray's own processes die. ``spare``: pids
+    left out besides our own (the trainer, which may still hold a Ray log open)."""
+    inside = directory.rstrip("/") + "/"
     found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
+    for proc in Path("/proc").glob("[0-9]*"):
+        if int(proc.name) in (os.getpid(), *spare):
+            continue
         try:
-            entries = environ.read_bytes().split(b"\0")
+            if marker in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+                continue
         except OSError:
-            continue  # ended meanwhile, or not ours
-        if marker in entries:
-            found.append(int(environ.parent.name))
+            pass  # ended meanwhile, not ours, or unreadable: the files may still tell
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd).startswith(inside) for fd in (proc / "fd").iterdir()):
+                found.append(int(proc.name))
     return found
 
 
-def kill_marked(marker: bytes, timeout_s: float = SWEEP_S) -> int:
-    """SIGKILL every marked process until none is left; returns how many were killed."""
+def kill_run(
+    marker: bytes, directory: str, spare: tuple[int, ...], timeout_s: float = SWEEP_S
+) -> int:
+    """SIGKILL the run's processes until none is left; returns how many were killed."""
     killed: set[int] = set()
+    quiet = 0
     deadline = time.monotonic() + timeout_s
-    while (pids := [p for p in marked_processes(marker) if p != os.getpid()]) and (
-        time.monotonic() < deadline
-    ):
+    while quiet < QUIET_ROUNDS and time.monotonic() < deadline:
+        pids = run_processes(marker, directory, spare)
+        quiet = 0 if pids else quiet + 1
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
                 killed.add(pid)
-        time.sleep(0.05)
+        time.sleep(0.1)
     return len(killed)
 
 
@@ -68,10 +82,13 @@ def start(marker: str, directory: str) -> subprocess.Popen:
 def main(marker: str, directory: str) -> None:
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
+    trainer = os.getppid()  # while it lives, it may still hold a Ray log open: never ours to kill
     while sys.stdin.buffer.read(4096):
         pass  # nothing is ever written: end-of-file is the message
-    kill_marked(marker.encode())
+    killed = kill_run(marker.encode(), directory, spare=(trainer,))
     shutil.rmtree(directory, ignore_errors=True)
+    if killed:
+        print(f"proxrl: stopped {killed} Ray process(es) left by the trainer", file=sys.stderr)
 
 
 if __name__ == "__main__":
