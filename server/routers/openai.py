@@ -23,7 +23,7 @@ SSE = "text/event-stream"
 # What a generation can answer: the JSON completion, or with stream: true its SSE events; bad
 # input is a 400 (OpenAI's status, validation included), no engine to serve it a 503.
 GENERATION = {
-    200: {"content": {"application/json": {}, SSE: {"schema": {"type": "string"}}}},
+    200: {"content": {"application/json": {}, SSE: {}}},
     **documented(400, 401, 403, 404, 409, 503),
 }
 

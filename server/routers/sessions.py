@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 
 from server import auth, sessions
@@ -25,12 +27,40 @@ from server.schemas import (
 router = APIRouter(prefix="/rl/sessions", tags=["sessions"])
 
 
+def _ref(path: str, method: str) -> str:
+    return "#/paths/" + path.replace("~", "~0").replace("/", "~1") + "/" + method
+
+
+# OpenAPI links: where a new session's id goes next (clients and fuzzers follow them).
+SESSION_ID = "$response.body#/session_id"
+IN_PATH = {"path.session_id": SESSION_ID}
+IN_HEADER = {"header.X-Session-Id": SESSION_ID}
+SESSION_LINKS = {
+    "Chat": (_ref("/sessions/{session_id}/v1/chat/completions", "post"), IN_PATH),
+    "Complete": (_ref("/sessions/{session_id}/v1/completions", "post"), IN_PATH),
+    "ChatByHeader": (_ref("/v1/chat/completions", "post"), IN_HEADER),
+    "CompleteByHeader": (_ref("/v1/completions", "post"), IN_HEADER),
+    "Models": (_ref("/sessions/{session_id}/v1/models", "get"), IN_PATH),
+    "Get": (_ref("/rl/sessions/{session_id}", "get"), IN_PATH),
+    "Reward": (_ref("/rl/sessions/{session_id}/reward", "post"), IN_PATH),
+    "End": (_ref("/rl/sessions/{session_id}/end", "post"), IN_PATH),
+}
+CREATED: dict[int | str, dict[str, Any]] = {
+    201: {
+        "links": {
+            name: {"operationRef": ref, "parameters": parameters}
+            for name, (ref, parameters) in SESSION_LINKS.items()
+        }
+    }
+}
+
+
 @router.post(
     "",
     response_model=SessionCreated,
     status_code=201,
     summary="Start a session (waits for admission, then 429 with Retry-After)",
-    responses=documented(400, 401, 403, 404, 422, 429),
+    responses={**CREATED, **documented(400, 401, 403, 404, 422, 429)},
 )
 async def create_session(body: SessionCreate, ctx: Ctx, caller: CallerDep) -> SessionCreated:
     if caller.kind == "anonymous":

@@ -10,10 +10,17 @@ what was generated:
 - a run waits at most ``MAX_ADMISSION_WAIT_S`` for admission: a generated run with batch_size 1
   admits two sessions, and every further POST /rl/sessions would wait its admission_wait_s (up to
   ten years by the schema) before its 429.
+
+And so that generations reach the engine at all, a generation body names the served model
+(``PROXRL_FUZZ_MODEL``) and loses the sampling settings the proxy refuses for what they would do
+to training (top_p < 1, penalties, logit_bias, forced tools, constrained formats, and the like):
+random values for them would otherwise refuse nearly every generated body with a 400. Schemathesis
+re-validates an edited case, so one the edit makes schema-valid counts as positive.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import schemathesis
@@ -21,6 +28,14 @@ import schemathesis
 MAX_TOKENS = 4
 MAX_ADMISSION_WAIT_S = 0.5
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+UNTRAINABLE = (
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "response_format",
+    "suffix",
+    "best_of",
+)
 
 
 def _is_count(value: Any) -> bool:
@@ -36,6 +51,21 @@ def _cap_tokens(body: dict[str, Any]) -> None:
             body[field] = MAX_TOKENS
 
 
+def _trainable(body: dict[str, Any]) -> None:
+    if isinstance(body.get("model"), str):
+        body["model"] = os.environ.get("PROXRL_FUZZ_MODEL", body["model"])
+    if body.get("top_p") not in (None, 1):
+        del body["top_p"]
+    for field in UNTRAINABLE:
+        body.pop(field, None)
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        del body["tool_choice"]
+    if body.get("top_logprobs") and body.get("logprobs") is not True:
+        del body["top_logprobs"]
+    if body.get("echo") and body.get("logprobs") is not None:
+        del body["echo"]
+
+
 def _cap_admission_wait(config: dict[str, Any]) -> None:
     wait = config.get("admission_wait_s")
     if isinstance(wait, int | float) and not isinstance(wait, bool) and wait > MAX_ADMISSION_WAIT_S:
@@ -48,6 +78,7 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
     if not isinstance(body, dict):
         return
     if path.endswith("/completions"):
+        _trainable(body)
         _cap_tokens(body)
     elif path.startswith("/rl/runs") and isinstance(body.get("config"), dict):
         _cap_admission_wait(body["config"])

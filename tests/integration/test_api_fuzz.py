@@ -17,8 +17,9 @@ Checks left out, and why:
 - ``missing_required_header``, ``unsupported_method``, ``allow_header_conformance``: FastAPI's
   own answers (405 without our error shape) for methods no route has; not ours to shape.
 
-Generation sizes: proxy_fuzz_hooks.py caps max_tokens and a run's admission wait (see there);
-``MAX_EXAMPLES`` bounds the cases per operation and phase.
+Generation sizes: proxy_fuzz_hooks.py caps max_tokens and a run's admission wait, and keeps
+generation bodies to what the proxy trains on (see there); ``MAX_EXAMPLES`` bounds the cases per
+operation and phase, ``STATEFUL`` the stateful phase's scenarios and their length.
 """
 
 from __future__ import annotations
@@ -29,12 +30,20 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.support import ROOT, ProxyProcess
 
 MAX_EXAMPLES = 6
 SEED = 14
+STATEFUL = """
+[phases.stateful]
+max-steps = 20
+
+[phases.stateful.generation]
+max-examples = 60
+"""
 CHECKS = [
     "not_a_server_error",
     "status_code_conformance",
@@ -47,19 +56,24 @@ CHECKS = [
 pytestmark = pytest.mark.slow
 
 
-def schemathesis_run(proxy: ProxyProcess, report: Path) -> tuple[int, str]:
+def schemathesis_run(proxy: ProxyProcess, workdir: Path) -> tuple[int, str]:
     import subprocess
 
+    model = httpx.get(f"{proxy.url}/v1/models", headers=proxy.admin).json()["data"][0]["id"]
+    config = workdir / "schemathesis.toml"
+    config.write_text(STATEFUL)
     command = [
-        str(Path(sys.executable).parent / "schemathesis"), "run", f"{proxy.url}/openapi.json",
+        str(Path(sys.executable).parent / "schemathesis"), "--config-file", str(config),
+        "run", f"{proxy.url}/openapi.json",
         "--header", f"Authorization: Bearer {proxy.ADMIN_KEY}",
         "--checks", ",".join(CHECKS),
         "--max-examples", str(MAX_EXAMPLES), "--seed", str(SEED), "--workers", "1",
         "--request-timeout", "30", "--no-shrink", "--output-truncate", "true",
-        "--report", "json", "--report-json-path", str(report),
+        "--report", "json", "--report-json-path", str(workdir / "report.json"),
     ]  # fmt: skip
     env = {
         **os.environ,
+        "PROXRL_FUZZ_MODEL": model,
         "PYTHONPATH": str(Path(__file__).parent),
         "SCHEMATHESIS_HOOKS": "proxy_fuzz_hooks",
         "NO_COLOR": "1",
@@ -71,12 +85,14 @@ def schemathesis_run(proxy: ProxyProcess, report: Path) -> tuple[int, str]:
 
 
 def test_every_operation_keeps_to_its_documented_statuses_and_shapes(tiny_model_dir, tmp_path):
-    report = tmp_path / "schemathesis.json"
     with ProxyProcess(tiny_model_dir, tmp_path / "proxy") as proxy:
         started = time.monotonic()
-        returncode, output = schemathesis_run(proxy, report)
+        returncode, output = schemathesis_run(proxy, tmp_path)
         seconds = time.monotonic() - started
-    print(output[-6000:])
+        engines = httpx.get(f"{proxy.url}/admin/engines", headers=proxy.admin).json()
+    report = tmp_path / "report.json"
     summary = json.loads(report.read_text()) if report.exists() else {}
-    print(f"schemathesis took {seconds:.0f} s; report keys: {sorted(summary)}")
+    print(output[-3000:])
+    print(f"schemathesis: {seconds:.0f} s, {summary.get('test_cases')}, ", end="")
+    print(f"{sum(e['served_tokens'] for e in engines)} tokens sampled")
     assert returncode == 0, output[-12000:]
