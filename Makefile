@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv system-deps test test-fast lint format bench demo clean
+.PHONY: venv system-deps test test-slow test-fast lint format bench demo clean
 
 venv: $(STAMP)
 
@@ -29,8 +29,13 @@ system-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
+# Everything but the tests marked slow (the end-to-end runs and the reliability drills), which
+# `make test-slow` runs; CI runs both.
 test: venv system-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow" --durations=15
+
+test-slow: venv system-deps
+	$(PY) -m pytest -q -m slow --durations=15
 
 test-fast: venv
 	$(PY) -m pytest -q tests/unit
