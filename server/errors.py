@@ -98,7 +98,10 @@ async def _proxy_error(request: Request, exc: Exception) -> JSONResponse:
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    # Of a union's branches, the one whose type matched says what to fix ("at most 16 items"),
+    # not the ones of another type ("Input should be a valid string").
+    telling = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
+    first = (telling or errors or [{"loc": (), "msg": "invalid request"}])[0]
     location = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(location) or None
     if first.get("type") == "json_invalid":

@@ -126,10 +126,8 @@ class _Sampling(_Lenient):
 
     @property
     def stops(self) -> tuple[str, ...]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOP or any(not s for s in stops):
-            raise BadRequest(f"stop takes up to {MAX_STOP} non-empty strings.", param="stop")
-        return tuple(stops)
+        """The stop strings (the schema holds them to MAX_STOP non-empty ones)."""
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     @property
     def include_usage(self) -> bool:

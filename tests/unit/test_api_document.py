@@ -1,0 +1,67 @@
+"""The OpenAPI document says what the server sends: every error in our shape, request-validation
+errors with the status ``errors._validation_error`` gives them, and each input bounded."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.errors import documented
+from server.main import create_app
+from server.settings import ServerSettings
+
+REF = "#/components/schemas/ErrorBody"
+# Keys (the bearer header, the dashboard's cookie) are only hashed and compared, never stored or
+# sent on; their bounds are server/deps.py's and server/dashboard/access.py's business.
+CREDENTIALS = ("authorization", "proxrl_admin")
+
+
+@pytest.fixture(scope="module")
+def document(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    model = tmp_path_factory.mktemp("model")  # the document needs no model: nothing starts
+    return create_app(ServerSettings(model=str(model), admin_key="k" * 32)).openapi()
+
+
+def operations(document: dict):
+    for path, methods in document["paths"].items():
+        for method, operation in methods.items():
+            yield path, method, operation
+
+
+def test_every_error_is_documented_in_our_shape(document):
+    assert "HTTPValidationError" not in str(document)
+    for path, method, operation in operations(document):
+        for status, response in operation["responses"].items():
+            if status.startswith("2") or path == "/health":
+                continue
+            schema = response["content"]["application/json"]["schema"]
+            assert schema == {"$ref": REF}, (method, path, status)
+
+
+def test_validation_errors_are_documented_with_the_status_they_get(document):
+    for path, method, operation in operations(document):
+        if not (operation.get("parameters") or operation.get("requestBody")):
+            continue
+        openai = path.startswith(("/v1/", "/sessions/"))
+        assert ("400" if openai else "422") in operation["responses"], (method, path)
+        if openai:
+            assert "422" not in operation["responses"], (method, path)
+
+
+def test_every_integer_and_string_input_is_bounded(document):
+    for path, method, operation in operations(document):
+        for parameter in operation.get("parameters", []):
+            if parameter["name"].lower() in CREDENTIALS:
+                continue
+            for schema in parameter["schema"].get("anyOf", [parameter["schema"]]):
+                if schema.get("type") == "integer":
+                    assert "maximum" in schema, (method, path, parameter["name"])
+                if schema.get("type") == "string" and "format" not in schema:
+                    assert "maxLength" in schema or "enum" in schema, (
+                        method,
+                        path,
+                        parameter["name"],
+                    )
+
+
+def test_a_refusal_with_retry_after_documents_the_header():
+    assert "Retry-After" in documented(429)[429]["headers"]
