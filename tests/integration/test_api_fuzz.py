@@ -19,7 +19,7 @@ Checks left out, and why:
 
 Generation sizes: proxy_fuzz_hooks.py caps max_tokens and a run's admission wait, and keeps
 generation bodies to what the proxy trains on (see there); ``MAX_EXAMPLES`` bounds the cases per
-operation and phase, ``STATEFUL`` the stateful phase's scenarios and their length.
+operation and phase, ``CONFIG`` the stateful phase's scenarios and their length.
 """
 
 from __future__ import annotations
@@ -33,11 +33,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import ROOT, ProxyProcess
+from tests.support import ProxyProcess
 
 MAX_EXAMPLES = 6
 SEED = 14
-STATEFUL = """
+# No cache between runs: each run is the same run (the seed's), and leaves nothing in the tree.
+CONFIG = """
+[cache]
+enabled = false
+
 [phases.stateful]
 max-steps = 20
 
@@ -61,7 +65,7 @@ def schemathesis_run(proxy: ProxyProcess, workdir: Path) -> tuple[int, str]:
 
     model = httpx.get(f"{proxy.url}/v1/models", headers=proxy.admin).json()["data"][0]["id"]
     config = workdir / "schemathesis.toml"
-    config.write_text(STATEFUL)
+    config.write_text(CONFIG)
     command = [
         str(Path(sys.executable).parent / "schemathesis"), "--config-file", str(config),
         "run", f"{proxy.url}/openapi.json",
@@ -79,7 +83,7 @@ def schemathesis_run(proxy: ProxyProcess, workdir: Path) -> tuple[int, str]:
         "NO_COLOR": "1",
     }
     done = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280, check=False
+        command, cwd=workdir, env=env, capture_output=True, text=True, timeout=280, check=False
     )
     return done.returncode, done.stdout + done.stderr
 
