@@ -18,17 +18,22 @@ async def get_context(request: Request) -> ServerContext:
 
 Ctx = Annotated[ServerContext, Depends(get_context)]
 
+# Credentials are only hashed and compared, but still bounded before anything reads them: far
+# longer than any key proxrl or an agent uses.
+CREDENTIAL_MAX_CHARS = 4096
+Authorization = Annotated[
+    str | None, Header(max_length=CREDENTIAL_MAX_CHARS, description="Bearer <key>")
+]
 
-async def get_caller(ctx: Ctx, authorization: Annotated[str | None, Header()] = None):
+
+async def get_caller(ctx: Ctx, authorization: Authorization = None):
     return await auth.identify(ctx, authorization)
 
 
 CallerDep = Annotated[auth.Caller, Depends(get_caller)]
 
 
-async def get_path_caller(
-    ctx: Ctx, authorization: Annotated[str | None, Header()] = None
-) -> auth.Caller:
+async def get_path_caller(ctx: Ctx, authorization: Authorization = None) -> auth.Caller:
     """For /sessions/{id}/v1/...: the session id in the path is the credential, so a key
     proxrl did not issue (an agent's fixed key) counts as no key rather than a wrong one."""
     try:

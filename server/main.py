@@ -19,6 +19,7 @@ from server.deps import Ctx
 from server.engines import sglang
 from server.metrics import Metrics, RequestMetrics
 from server.routers import admin, metrics, openai, runs, sessions
+from server.schemas import Health
 from server.settings import ServerSettings
 from server.startup import server_context
 
@@ -39,7 +40,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
         app.include_router(router)
     dashboard.install(app)
 
-    @app.get("/health", tags=["health"], summary="200 while an engine is in rotation")
+    @app.get(
+        "/health",
+        tags=["health"],
+        summary="200 while an engine is in rotation",
+        response_model=Health,
+        responses={503: {"model": Health, "description": "No engine is in rotation."}},
+    )
     async def health(ctx: Ctx) -> JSONResponse:
         healthy = len(ctx.pool.healthy)
         body = {"status": "ok" if healthy else "no engine", "engines_healthy": healthy}

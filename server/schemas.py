@@ -393,3 +393,8 @@ class WeightsOut(BaseModel):
     policy_version: int
     engines: list[dict[str, Any]]
     pause_seconds: float = Field(description="How long generation was paused for the swap.")
+
+
+class Health(BaseModel):
+    status: Literal["ok", "no engine"]
+    engines_healthy: int = Field(description="Engines in rotation now.")

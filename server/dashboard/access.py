@@ -18,12 +18,12 @@ import time
 from typing import Annotated
 from urllib.parse import quote
 
-from fastapi import Cookie, Depends, Header, Request
+from fastapi import Cookie, Depends, Request
 from fastapi.responses import RedirectResponse, Response
 
 from server import auth
 from server.context import ServerContext
-from server.deps import Ctx
+from server.deps import CREDENTIAL_MAX_CHARS, Authorization, Ctx
 from server.errors import Unauthorized
 
 COOKIE = "proxrl_admin"
@@ -87,8 +87,8 @@ async def is_admin(ctx: ServerContext, authorization: str | None, cookie: str | 
 
 async def require_api_admin(
     ctx: Ctx,
-    authorization: Annotated[str | None, Header()] = None,
-    proxrl_admin: Annotated[str | None, Cookie()] = None,
+    authorization: Authorization = None,
+    proxrl_admin: Annotated[str | None, Cookie(max_length=CREDENTIAL_MAX_CHARS)] = None,
 ) -> None:
     if not await is_admin(ctx, authorization, proxrl_admin):
         raise Unauthorized(
@@ -100,7 +100,7 @@ async def require_api_admin(
 async def require_page_admin(
     request: Request,
     ctx: Ctx,
-    proxrl_admin: Annotated[str | None, Cookie()] = None,
+    proxrl_admin: Annotated[str | None, Cookie(max_length=CREDENTIAL_MAX_CHARS)] = None,
 ) -> None:
     authorization = request.headers.get("authorization")
     if not await is_admin(ctx, authorization, proxrl_admin):

@@ -7,14 +7,12 @@ as is); on any other address it needs the admin key as a bearer token (Prometheu
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Header
+from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server import auth
-from server.deps import Ctx
+from server.deps import Authorization, Ctx
 from server.errors import documented
 
 router = APIRouter(tags=["metrics"])
@@ -26,7 +24,7 @@ router = APIRouter(tags=["metrics"])
     response_class=Response,
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}, **documented(401, 403)},
 )
-async def metrics(ctx: Ctx, authorization: Annotated[str | None, Header()] = None) -> Response:
+async def metrics(ctx: Ctx, authorization: Authorization = None) -> Response:
     if not ctx.settings.binds_loopback:
         auth.require_admin(await auth.identify(ctx, authorization))
     await ctx.metrics.state.refresh()

@@ -57,7 +57,8 @@ CHECKS = [
     "negative_data_rejection",
 ]
 
-pytestmark = pytest.mark.slow
+# In `make test`, not `make test-slow`: the API is fuzzed on every change (~3 minutes).
+pytestmark = pytest.mark.timeout(420)
 
 
 def schemathesis_run(proxy: ProxyProcess, workdir: Path) -> tuple[int, str]:
