@@ -12,6 +12,7 @@ This module only produces ``{name: tensor}``; the scheduler decides when they go
 from __future__ import annotations
 
 import json
+import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -59,8 +60,18 @@ def join_group(
     Rank 0 hosts the rendezvous store. The group lives beside the default process group (there
     may be none), so several named groups can exist in one process.
     """
-    url = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
+    if rank == 0:
+        # Left to itself torch's store listens on every interface for the group's whole life:
+        # rank 0 serves it on ``master_address`` alone (the address the other ranks are given).
+        family = socket.AF_INET6 if ":" in master_address else socket.AF_INET
+        listener = socket.create_server((master_address, master_port), family=family)
+        store: dist.Store = dist.TCPStore(
+            master_address, master_port, world_size, True, timeout=timeout,
+            master_listen_fd=listener.detach(),  # the store owns (and closes) it now
+        )  # fmt: skip
+    else:
+        url = f"tcp://{master_address}:{master_port}"
+        store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     group, _ = c10d._new_process_group_helper(
         world_size,
