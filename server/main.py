@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import signal
 import sys
@@ -24,11 +25,32 @@ from server.settings import ServerSettings
 from server.startup import server_context
 
 
+class SessionPathRedaction(logging.Filter):
+    """Access-log lines without session ids in paths (``/sessions/{id}/v1/...``,
+    ``/rl/sessions/{id}/...``): the id is the credential of the path form, and keys never go
+    to a log."""
+
+    SESSION_PATH = re.compile(r"/sessions/[^/?\s]+")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                self.SESSION_PATH.sub("/sessions/<id>", arg) if isinstance(arg, str) else arg
+                for arg in record.args
+            )
+        return True
+
+
+REDACT_SESSION_PATHS = SessionPathRedaction()
+
+
 def create_app(settings: ServerSettings) -> FastAPI:
     figures = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # uvicorn has configured its loggers by now; addFilter keeps one copy.
+        logging.getLogger("uvicorn.access").addFilter(REDACT_SESSION_PATHS)
         async with server_context(settings, figures) as ctx:
             app.state.ctx = ctx
             yield

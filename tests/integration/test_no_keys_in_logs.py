@@ -46,6 +46,7 @@ def test_keys_go_to_the_terminal_and_never_to_a_log(tiny_model_dir, tmp_path, mo
     monkeypatch.delenv("PROXRL_ADMIN_KEY", raising=False)
     data = tmp_path / "data"
     secrets_seen: list[str] = []
+    session_ids: list[str] = []  # credentials of the path form /sessions/{id}/v1/...
     with LoggedServe(tiny_model_dir, data) as serve:
         printed = serve.stdout_path.read_text()
         (admin_key,) = ADMIN_LINE.findall(printed)
@@ -65,7 +66,11 @@ def test_keys_go_to_the_terminal_and_never_to_a_log(tiny_model_dir, tmp_path, mo
                 assert session.status_code == 201, session.text
                 session_id, session_key = session.json()["session_id"], session.json()["api_key"]
                 secrets_seen.append(session_key)
+                session_ids.append(session_id)
                 chat(http, session_key)
+                path_form = f"/sessions/{session_id}/v1/chat/completions"  # the id is the key
+                body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+                assert http.post(path_form, json=body).status_code == 200
                 reward = http.post(
                     f"/rl/sessions/{session_id}/reward", headers=admin, json={"reward": 1.0}
                 )
@@ -94,6 +99,8 @@ def test_keys_go_to_the_terminal_and_never_to_a_log(tiny_model_dir, tmp_path, mo
     assert printed.count(admin_key) == 1 and printed.count(default_key) == 1
     assert not [secret for secret in secrets_seen[2:] if secret in printed]
     assert '"POST /admin/login HTTP/1.1" 303' in printed
+    assert '"POST /sessions/<id>/v1/chat/completions HTTP/1.1" 200' in printed
+    assert not [session_id for session_id in session_ids if session_id in printed]
     logs = {"stderr": serve.stderr_path.read_text()}
     logs |= {str(p): p.read_text() for p in (data / "logs").rglob("*") if p.is_file()}
     assert len(logs) >= 2, logs.keys()  # the proxy's log and its engine's
