@@ -1,12 +1,15 @@
 """Stop a local Ray when the trainer that started it dies, however it dies, and remove its files.
 
-``python trainer/watchdog.py MARKER DIR`` waits for end-of-file on its stdin, a pipe whose write
-end only the trainer holds: the kernel closes it when the trainer exits, SIGKILL included. It
-then kills every process whose environment holds ``MARKER`` (the trainer sets it before
-``ray.init``, so every Ray process inherits it: GCS, raylet, agents, workers) or that has a file
-under ``DIR`` open (Ray's temporary directory, where each Ray process writes its log), and
-removes ``DIR``. It runs in a session of its own, so a terminal's Ctrl-C or a signal to the
-trainer's process group does not stop it before it has done its work.
+``python trainer/watchdog.py MARKER DIR PID`` (PID: the trainer's) waits for end-of-file on its
+stdin, a pipe whose write end only the trainer holds: the kernel closes it when the trainer
+exits, SIGKILL included. (A child the trainer forked without exec would hold the pipe too, so
+it also acts once it is no longer PID's child: the trainer died.) It then kills every process whose environment
+holds ``MARKER`` (the trainer sets it before ``ray.init``, so every Ray process inherits it:
+GCS, raylet, agents, workers) or that is a Ray program with a file under ``DIR`` open (Ray's
+temporary directory, where each Ray process writes its log; a user's ``tail -f`` on a log there
+is not Ray's and is left alone), and removes ``DIR``. It runs in a session of its own, so a
+terminal's Ctrl-C or a signal to the trainer's process group does not stop it before it has
+done its work.
 
 It knows nothing about Ray beyond the marker, and imports nothing of ours: it starts in
 milliseconds and works whatever state the trainer died in.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -44,9 +48,21 @@ def run_processes(marker: bytes, directory: str, spare: tuple[int, ...] = ()) ->
         except OSError:
             pass  # ended meanwhile, not ours, or unreadable: the files may still tell
         with contextlib.suppress(OSError):
-            if any(os.readlink(fd).startswith(inside) for fd in (proc / "fd").iterdir()):
+            if is_ray_program(proc, inside) and any(
+                os.readlink(fd).startswith(inside) for fd in (proc / "fd").iterdir()
+            ):
                 found.append(int(proc.name))
     return found
+
+
+def is_ray_program(proc: Path, inside: str) -> bool:
+    """Whether the process runs Ray's code: a worker (``ray::...``) or a program under Ray's
+    package (raylet, gcs_server, the agents). Arguments naming files under the run's directory
+    do not count: ``tail -f DIR/logs/raylet.out`` is someone reading a log."""
+    args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+    return any(
+        arg.startswith("ray::") or ("/ray/" in arg and not arg.startswith(inside)) for arg in args
+    )
 
 
 def kill_run(
@@ -71,7 +87,7 @@ def start(marker: str, directory: str) -> subprocess.Popen:
     """Start the watchdog; it acts when the returned process's stdin is closed (or we die)."""
     env = {k: v for k, v in os.environ.items() if f"{k}={v}" != marker}
     return subprocess.Popen(
-        [sys.executable, "-I", __file__, marker, directory],
+        [sys.executable, "-I", __file__, marker, directory, str(os.getpid())],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         env=env,
@@ -79,12 +95,16 @@ def start(marker: str, directory: str) -> subprocess.Popen:
     )
 
 
-def main(marker: str, directory: str) -> None:
+def main(marker: str, directory: str, trainer: int) -> None:
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
-    trainer = os.getppid()  # while it lives, it may still hold a Ray log open: never ours to kill
-    while sys.stdin.buffer.read(4096):
-        pass  # nothing is ever written: end-of-file is the message
+    # ``trainer`` (our parent, named by itself: it may be gone before we ask) may still hold a
+    # Ray log open while it lives: never ours to kill.
+    stdin = sys.stdin.buffer.fileno()
+    while os.getppid() == trainer:  # once the trainer dies we are someone else's child
+        readable, _, _ = select.select([stdin], [], [], 1.0)
+        if readable and not os.read(stdin, 4096):
+            break  # nothing is ever written: end-of-file is the message
     killed = kill_run(marker.encode(), directory, spare=(trainer,))
     shutil.rmtree(directory, ignore_errors=True)
     if killed:
@@ -92,4 +112,4 @@ def main(marker: str, directory: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
