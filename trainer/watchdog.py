@@ -3,13 +3,13 @@
 ``python trainer/watchdog.py MARKER DIR PID`` (PID: the trainer's) waits for end-of-file on its
 stdin, a pipe whose write end only the trainer holds: the kernel closes it when the trainer
 exits, SIGKILL included. (A child the trainer forked without exec would hold the pipe too, so
-it also acts once it is no longer PID's child: the trainer died.) It then kills every process whose environment
-holds ``MARKER`` (the trainer sets it before ``ray.init``, so every Ray process inherits it:
-GCS, raylet, agents, workers) or that is a Ray program with a file under ``DIR`` open (Ray's
-temporary directory, where each Ray process writes its log; a user's ``tail -f`` on a log there
-is not Ray's and is left alone), and removes ``DIR``. It runs in a session of its own, so a
-terminal's Ctrl-C or a signal to the trainer's process group does not stop it before it has
-done its work.
+it also acts once it is no longer PID's child: the trainer died.) It then kills every process
+whose environment holds ``MARKER`` (the trainer sets it before ``ray.init``, so every Ray
+process inherits it: GCS, raylet, agents, workers) or that is a Ray program with a file under
+``DIR`` open (Ray's temporary directory, where each Ray process writes its log; a user's
+``tail -f`` on a log there is not Ray's and is left alone), and removes ``DIR``. It runs in a
+session of its own, so a terminal's Ctrl-C or a signal to the trainer's process group does not
+stop it before it has done its work.
 
 It knows nothing about Ray beyond the marker, and imports nothing of ours: it starts in
 milliseconds and works whatever state the trainer died in.
