@@ -63,7 +63,7 @@ class Trainer:
         self.children = descendants(self.process.pid)
         watchdogs = [p for p in self.children if "trainer/watchdog.py" in command_of(p)]
         assert len(watchdogs) == 1, [command_of(p) for p in self.children]
-        self.temp_dir = Path(command_of(watchdogs[0]).split()[-1])
+        self.temp_dir = Path(command_of(watchdogs[0]).split()[-2])  # MARKER DIR PID
         assert self.temp_dir.name.startswith("proxrl-ray-") and self.temp_dir.is_dir()
 
     def wait_for(self, line: str, timeout_s: float) -> None:
