@@ -77,6 +77,9 @@ class LocalRay:
 
     def _join(self) -> None:
         env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+        # A cluster at 127.0.0.1 stays there (Ray would dial the machine's own address instead,
+        # where a loopback head does not listen); other addresses are not rewritten anyway.
+        self._set_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
         if self.config.auth == "token":
             self._set_env(RAY_AUTH_MODE="token")
             if self.config.auth_token_file:
