@@ -127,9 +127,7 @@ def test_one_command_local_run_starts_and_stops_its_own_server(tiny_model_dir, t
     while found is None:
         assert process.poll() is None, log_path.read_text()[-3000:]
         assert time.monotonic() < deadline, "the local server never started"
-        found = re.search(
-            r"proxrl serve at (\S+); its admin key: (\S+)", log_path.read_text()
-        )
+        found = re.search(r"proxrl serve at (\S+); its admin key: (\S+)", log_path.read_text())
         time.sleep(0.3)
     url, admin_key = found.group(1), found.group(2)
     stop, errors = threading.Event(), []
