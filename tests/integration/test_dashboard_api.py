@@ -265,7 +265,7 @@ def test_metrics_need_the_admin_key_off_loopback(proxy, tiny_model_dir, tmp_path
     """A server bound to a non-loopback address serves /metrics only with the admin key (a
     strong one: off loopback the test key is refused; the last --admin-key counts)."""
     (engine,) = proxy.ok("GET", "/admin/engines")
-    key = secrets.token_urlsafe(32)
+    key = secrets.token_hex(32)  # token_urlsafe may begin with "-", which argparse takes for a flag
     extra = ("--host", "0.0.0.0", "--engines", engine["url"], "--admin-key", key)
     with ProxyProcess(tiny_model_dir, tmp_path / "open", *extra) as public:
         assert error_of(httpx.get(f"{public.url}/metrics"), 401)
