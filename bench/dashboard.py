@@ -203,7 +203,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="proxrl-bench-dashboard-") as tmp:
-        from server.engine.tiny_model import create_tiny_model
+        from server.common.tiny_model import create_tiny_model
 
         model = create_tiny_model(Path(tmp) / "tiny", "tiny")
         url = f"sqlite:///{tmp}/store.db"

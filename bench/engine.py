@@ -1,4 +1,4 @@
-"""Throughput of proxrl's embedded engine vs Hugging Face ``model.generate``, same model and CPU.
+"""Throughput of proxrl's embedded engine vs Hugging Face ``model.generate``, same model and device.
 
 Three scenarios, each reported as engine tokens/s divided by generate's tokens/s, all measured in
 one run (the machine is shared and noisy, so only ratios from the same run mean anything):
@@ -11,12 +11,14 @@ one run (the machine is shared and noisy, so only ratios from the same run mean 
 
 Both sides sample at temperature 1.0 and produce exactly the requested number of tokens (the
 engine with ``ignore_eos``, ``generate`` with ``min_new_tokens``), with the same number of torch
-threads, never at the same time. Each scenario is measured ``--repeats`` times and the median
-wall time is used. Tokens/s counts generated tokens only (prompts are not counted).
+threads, on the same device (``--device``: the CPU by default, or CUDA) in the same dtype
+(``--dtype``), never at the same time; on CUDA each timing ends with a ``synchronize``. Each
+scenario is measured ``--repeats`` times and the median wall time is used. Tokens/s counts
+generated tokens only (prompts are not counted).
 
 What it does not measure: latency (time to first token, inter-token), streaming, HTTP overhead
-on its own, GPU behaviour, or output quality (the model is random). Results go to stdout and to
-bench/results/engine.json.
+on its own, or output quality (the model is random). Results go to stdout and to
+bench/results/engine.json (engine-cuda.json on CUDA).
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from bench.common import positive_int  # noqa: E402
-from server.engine.launcher import EngineProcess  # noqa: E402
+from server.common.processes import EngineProcess  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results" / "engine.json"
+RESULTS_DIR = ROOT / "bench" / "results"
 LOG_DIR = ROOT / ".cache" / "bench"
 SEED = 0
 # A request on the tiny model takes seconds; an engine that answers nothing for this long has
@@ -83,7 +85,7 @@ def ensure_model(size: str) -> Path:
     """proxrl's test model of ``size``, built once under .cache/ (it is deterministic)."""
     model_dir = ROOT / ".cache" / "models" / size
     if not (model_dir / "model.safetensors").exists():
-        from server.engine.tiny_model import create_tiny_model
+        from server.common.tiny_model import create_tiny_model
 
         create_tiny_model(model_dir, size)
     return model_dir
@@ -94,6 +96,8 @@ def timed(label: str, run: Callable[[], None]) -> float:
     print(f"  {label} ...", end="", flush=True)
     started = time.perf_counter()
     run()
+    if torch.cuda.is_initialized():  # generate may return before its last kernels ran
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     print(f" {seconds:.2f}s", flush=True)
     return seconds
@@ -141,7 +145,7 @@ HF_SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 
 
 def hf_generate(model, prompt: list[int], max_new_tokens: int) -> None:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -164,8 +168,10 @@ def hf_sequential(model, work: Workload) -> None:
 def hf_static_batch(model, work: Workload, pad_id: int) -> None:
     """One left-padded batch; every row runs to the longest request's length."""
     width = max(len(p) for p in work.prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in work.prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in work.prompts])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in work.prompts], device=model.device)
+    mask = torch.tensor(
+        [[0] * (width - len(p)) + [1] * len(p) for p in work.prompts], device=model.device
+    )
     longest = max(work.max_new_tokens)
     out = model.generate(
         ids,
@@ -242,8 +248,9 @@ def markdown_table(rows: dict, requests: int) -> str:
     return "\n".join(lines)
 
 
-def machine() -> dict:
+def machine(device: str) -> dict:
     return {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -252,10 +259,11 @@ def machine() -> dict:
     }
 
 
-def save(report: dict) -> None:
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+def save(report: dict, device: str) -> None:
+    path = RESULTS_DIR / ("engine.json" if device == "cpu" else f"engine-{device}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
 
 
 def parse_args() -> argparse.Namespace:
@@ -278,21 +286,38 @@ def parse_args() -> argparse.Namespace:
         default=3,
         help="Rounds per scenario; the median wall time is reported (default: 3).",
     )
-    return parser.parse_args()
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="Where both the engine and generate run (default: cpu).",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="Weights and activations of both sides (default: float32).",
+    )
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")
+    return args
 
 
 def main() -> None:
     args = parse_args()
     started = time.perf_counter()
-    host = machine()
+    host = machine(args.device)
     print(
         f"machine: {host['cpu_count']} CPUs, torch {host['torch']} with {host['torch_threads']} "
-        f"threads on both sides, Python {host['python']}, {host['platform']}"
+        f"threads on both sides, Python {host['python']}, {host['platform']}; "
+        f"both sides on {host['device']} in {args.dtype}"
     )
     torch.manual_seed(SEED)
     model_dir = ensure_model(args.size)
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     pad_id, vocab = model.config.pad_token_id, model.config.vocab_size
     rng = random.Random(SEED)
     single = make_workload(rng, vocab, 1, (32, 32), (256, 256))
@@ -304,7 +329,8 @@ def main() -> None:
     print("starting the engine ...", flush=True)
     threads = str(host["torch_threads"])
     log_path = LOG_DIR / "engine.log"
-    with EngineProcess(model_dir, log_path, "--num-threads", threads) as engine:
+    flags = ("--num-threads", threads, "--device", args.device, "--dtype", args.dtype)
+    with EngineProcess(model_dir, log_path, *flags) as engine:
         print("warm-up")
         timed("engine warm-up", lambda: engine_generate(engine, warmup))
         timed("hf warm-up", lambda: hf_sequential(model, warmup))
@@ -324,7 +350,8 @@ def main() -> None:
             "rows": rows,
             "seconds": seconds,
             "total_seconds": total,
-        }
+        },
+        args.device,
     )
 
 

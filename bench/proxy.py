@@ -9,7 +9,7 @@ the same requests on both sides, phase after phase (direct, proxy, direct, proxy
   with ``max_tokens`` and a ``seed`` (httpx on both sides: the same client library, so the
   difference is the proxy's);
 - direct: httpx ``POST /generate`` to the engine with the body the proxy itself sends
-  (``server.generation.engine_body``): the same prompt ids (the chat template rendered and
+  (``server.proxy.generation.engine_body``): the same prompt ids (the chat template rendered and
   encoded here, checked against the prompt ids the store recorded), the same ``max_new_tokens``
   and ``sampling_seed``. The engine draws a seeded request's samples from its own generator, so
   both sides produce the same tokens and stop at the same EOS: the same work. (OpenAI's API has
@@ -72,9 +72,9 @@ import httpx  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 
 from bench.common import new_sessions, positive_int  # noqa: E402
-from server.engine.launcher import EngineProcess, ServerProcess, free_port  # noqa: E402
-from server.generation import SamplingRequest, engine_body  # noqa: E402
-from server.tokenization import Tokenizer  # noqa: E402
+from server.common.processes import EngineProcess, ServerProcess, free_port  # noqa: E402
+from server.proxy.generation import SamplingRequest, engine_body  # noqa: E402
+from server.text.tokenization import Tokenizer  # noqa: E402
 from tests.support import ProxyProcess  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "proxy.json"
@@ -160,7 +160,7 @@ def ensure_model() -> Path:
     """proxrl's tiny test model, built once under .cache/ (it is deterministic)."""
     model_dir = ROOT / ".cache" / "models" / "tiny"
     if not (model_dir / "model.safetensors").exists():
-        from server.engine.tiny_model import create_tiny_model
+        from server.common.tiny_model import create_tiny_model
 
         create_tiny_model(model_dir, "tiny")
     return model_dir

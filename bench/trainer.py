@@ -24,7 +24,9 @@ Two measurements on proxrl's test model, each a ratio of two numbers measured in
    packed 2, ...; padded first every other round), so a burst of load from other processes
    falls on both sides rather than on one whole pass. A side's step time is the sum over its
    micro-batches of each one's median over rounds; tokens/s counts real (non-pad) tokens. The
-   optimizer step costs the same on both sides and is left out. ``torch`` runs 2 threads.
+   optimizer step costs the same on both sides and is left out. ``torch`` runs 2 threads; the
+   models run on ``--device`` (the CPU by default, or CUDA, where each timing ends with a
+   ``synchronize``), in float32.
 
 2. Engine pause per weight swap vs loading the same weights alone. ``proxrl serve`` (its own
    embedded engine) on the model; every round, ``--clients`` clients stream chat completions
@@ -35,15 +37,17 @@ Two measurements on proxrl's test model, each a ratio of two numbers measured in
    resubmitted by the proxy), weights read and loaded, engines resumed. Then the clients
    finish their answers and stop, and, with nothing else running, this process times
    ``read_checkpoint`` of the same directory plus copying it into an in-process
-   ``AutoModelForCausalLM`` (what the engine does to load it). The ratio pause / load is what a
-   swap costs beyond reading and copying the weights. Every answer must be complete: a finish
-   reason, usage, ``max_tokens`` tokens when cut at the length, and the store holding exactly
-   the tokens the client was told of. The directories were just written, so both sides read
-   them from the page cache; a cold disk would add the same read time to both.
+   ``AutoModelForCausalLM`` (what the engine does to load it), both on ``--device`` in float32
+   (the proxy's engine is told so through ``PROXRL_ENGINE_DEVICE`` and ``PROXRL_ENGINE_DTYPE``).
+   The ratio pause / load is what a swap costs beyond reading and copying the weights. Every
+   answer must be complete: a finish reason, usage, ``max_tokens`` tokens when cut at the
+   length, and the store holding exactly the tokens the client was told of. The directories
+   were just written, so both sides read them from the page cache; a cold disk would add the
+   same read time to both.
 
-What it does not measure: the optimizer, FSDP or Ray overhead, several workers, GPUs,
+What it does not measure: the optimizer, FSDP or Ray overhead, several workers or GPUs,
 broadcast (NCCL/gloo) weight updates, several engines, or latency as the clients see it.
-Results go to stdout and to bench/results/trainer-<date>.md.
+Results go to stdout and to bench/results/trainer-<date>.md (trainer-<date>-cuda.md on CUDA).
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from bench.common import new_sessions, positive_int  # noqa: E402
-from server.engine.weights import read_checkpoint  # noqa: E402
+from server.common.weight_transfer import read_checkpoint  # noqa: E402
 from tests.support import ProxyProcess  # noqa: E402
 from trainer import attention  # noqa: E402
 from trainer.batching import pack, packed, padded, shift_logprobs  # noqa: E402
@@ -130,27 +134,27 @@ def padded_plan(lengths: list[int], budget: int) -> list[list[int]]:
 def packed_loss(model, rows: list[list[int]], loss_tokens: int) -> torch.Tensor:
     """This micro-batch's share of the step's mean NLL, rows packed into one ``[1, T]`` row."""
     batch = packed(rows)
+    ids, cu_seqlens = batch.input_ids.to(model.device), batch.cu_seqlens.to(model.device)
     logits = model(
-        input_ids=batch.input_ids,
-        position_ids=batch.position_ids,
-        cu_seq_lens_q=batch.cu_seqlens,
+        input_ids=ids,
+        position_ids=batch.position_ids.to(model.device),
+        cu_seq_lens_q=cu_seqlens,
         use_cache=False,
     ).logits
-    logprobs = shift_logprobs(logits[0].float(), batch.input_ids[0], batch.cu_seqlens)
+    logprobs = shift_logprobs(logits[0].float(), ids[0], cu_seqlens)
     return -logprobs.sum() / loss_tokens  # 0 at row starts: they predict nothing
 
 
 def padded_loss(model, rows: list[list[int]], pad_id: int, loss_tokens: int) -> torch.Tensor:
     """The same share, rows right-padded to the micro-batch's longest; pads masked out."""
     batch = padded(rows, pad_id)
-    size, width = batch.input_ids.shape
-    logits = model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-    ).logits
-    row_starts = torch.arange(0, size * width + 1, width, dtype=torch.int32)
-    flat_ids = batch.input_ids.reshape(-1)
+    ids, mask = batch.input_ids.to(model.device), batch.attention_mask.to(model.device)
+    size, width = ids.shape
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    row_starts = torch.arange(0, size * width + 1, width, dtype=torch.int32, device=model.device)
+    flat_ids = ids.reshape(-1)
     logprobs = shift_logprobs(logits.reshape(size * width, -1).float(), flat_ids, row_starts)
-    return -(logprobs * batch.attention_mask.reshape(-1)).sum() / loss_tokens
+    return -(logprobs * mask.reshape(-1)).sum() / loss_tokens
 
 
 def micro_step(side: Side, micro: list[int]) -> tuple[float, float]:
@@ -158,7 +162,14 @@ def micro_step(side: Side, micro: list[int]) -> tuple[float, float]:
     started = time.perf_counter()
     share = side.micro_loss(micro)
     share.backward()
+    synchronize()
     return time.perf_counter() - started, float(share.detach())
+
+
+def synchronize() -> None:
+    """Wait for queued CUDA kernels (if this process uses CUDA), so a timing covers them."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def whole_step(side: Side) -> tuple[float, float]:
@@ -306,6 +317,7 @@ def load_from_disk(model, path: Path) -> float:
         if state[name].shape != tensor.shape:
             raise RuntimeError(f"{name}: shape {tuple(tensor.shape)} in {path}")
         state[name].copy_(tensor)
+    synchronize()
     seconds = time.perf_counter() - started
     torch.set_num_threads(threads)
     return seconds
@@ -415,8 +427,11 @@ def measure_swaps(model_dir: Path, args: argparse.Namespace) -> dict:
     """Warm-up round, then ``--swaps`` rounds: a publish under streaming, a load alone."""
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # The proxy's engine loads each version where and as the load alone does.
+    os.environ.update(PROXRL_ENGINE_DEVICE=args.device, PROXRL_ENGINE_DTYPE="float32")
     with tempfile.TemporaryDirectory(prefix="proxrl-bench-") as tmp:
         versions = write_versions(model, model_dir, Path(tmp), args.swaps + 1)
+        model.to(args.device)
         print("starting the proxy (with its engine) ...", flush=True)
         with ProxyProcess(model_dir, Path(tmp) / "data") as proxy:
             sessions = asyncio.run(new_sessions(proxy.url, proxy.admin, args.clients))
@@ -471,7 +486,7 @@ def ensure_model(size: str) -> Path:
     """proxrl's test model of ``size``, built once under .cache/ (it is deterministic)."""
     model_dir = ROOT / ".cache" / "models" / size
     if not (model_dir / "model.safetensors").exists():
-        from server.engine.tiny_model import create_tiny_model
+        from server.common.tiny_model import create_tiny_model
 
         create_tiny_model(model_dir, size)
     return model_dir
@@ -516,8 +531,9 @@ def notes(step: dict, swap: dict) -> list[str]:
     ]
 
 
-def save(text: str, today: str) -> Path:
-    path = RESULTS_DIR / f"trainer-{today}.md"
+def save(text: str, today: str, device: str) -> Path:
+    suffix = "" if device == "cpu" else f"-{device}"
+    path = RESULTS_DIR / f"trainer-{today}{suffix}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
@@ -561,15 +577,24 @@ def parse_args() -> argparse.Namespace:
         default=48,
         help="max_tokens of each streamed answer (default: 48).",
     )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="Where the training step, the proxy's engine and the load alone run (default: cpu).",
+    )
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")
     if args.budget < ROW_LENGTHS[1]:
         parser.error(f"--budget must hold the longest row ({ROW_LENGTHS[1]} tokens)")
     return args
 
 
-def machine() -> str:
+def machine(device: str) -> str:
+    gpu = f", on {torch.cuda.get_device_name()}" if device == "cuda" else ""
     return (
-        f"{os.cpu_count()} CPUs, torch {torch.__version__} with {THREADS} threads, "
+        f"{os.cpu_count()} CPUs{gpu}, torch {torch.__version__} with {THREADS} threads, "
         f"Python {platform.python_version()}, {platform.platform()}"
     )
 
@@ -580,14 +605,16 @@ def main() -> None:
     started = time.perf_counter()
     torch.set_num_threads(THREADS)
     torch.manual_seed(args.seed)
-    print(f"machine: {machine()}")
+    print(f"machine: {machine(args.device)}")
     model_dir = ensure_model(args.size)
     hf_logging.disable_progress_bar()
     attention.register()
     packed_model, padded_model = (
         AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation=implementation
-        ).train()
+        )
+        .to(args.device)
+        .train()
         for implementation in (attention.NAME, "sdpa")
     )
     rows = make_rows(random.Random(args.seed), padded_model.config.vocab_size, args.rows)
@@ -601,9 +628,9 @@ def main() -> None:
     lines = [*notes(step, swap), f"total {time.perf_counter() - started:.0f}s"]
     print(f"\n{table}\n\n" + "\n".join(lines))
     today = datetime.date.today().isoformat()
-    header = [f"# bench/trainer.py, {today}", "", f"machine: {machine()}", ""]
+    header = [f"# bench/trainer.py, {today}", "", f"machine: {machine(args.device)}", ""]
     header += [f"args: `{vars(args)}`", "", table, ""]
-    path = save("\n".join(header + [f"- {line}" for line in lines]) + "\n", today)
+    path = save("\n".join(header + [f"- {line}" for line in lines]) + "\n", today, args.device)
     print(f"wrote {path.relative_to(ROOT)}")
 
 

@@ -13,7 +13,7 @@ from typing import Literal
 
 from server.context import ServerContext
 from server.errors import BadRequest, Forbidden, NotFound, Unauthorized
-from server.session_state import SessionState
+from server.proxy.session_cache import SessionState
 from server.store import runs as store_runs
 from server.store import sessions as store_sessions
 from server.store.keys import hash_key

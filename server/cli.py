@@ -26,7 +26,7 @@ class ModelInit(BaseModel):
     )
 
     def cli_cmd(self) -> None:
-        from server.engine.tiny_model import create_tiny_model, parameter_count
+        from server.common.tiny_model import create_tiny_model, parameter_count
 
         out = create_tiny_model(self.out_dir, self.size)
         print(f"wrote the {self.size} model ({parameter_count(out):,} parameters) to {out}")

@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
-from server.admission import Admission
-from server.engines.pool import EnginePool
+from server.engine_client.pool import EnginePool
 from server.metrics import Metrics
-from server.run_config import RunConfig
-from server.session_state import SessionRegistry
+from server.proxy.session_cache import SessionRegistry
+from server.rl.admission import Admission
 from server.settings import ServerSettings
+from server.store.run_config import RunConfigs
 from server.store.writer import TurnWriter
-from server.tokenization import Tokenizer
+from server.text.tokenization import Tokenizer
 
 
 @dataclass(eq=False)
@@ -28,12 +28,11 @@ class ServerContext:
     pool: EnginePool
     tokenizer: Tokenizer
     sessions: SessionRegistry
+    run_configs: RunConfigs
     admission: Admission = field(default_factory=Admission)
     metrics: Metrics = field(default_factory=Metrics)
     default_run_id: str = ""
     key_cache: dict[str, tuple[str, str | None, str | None]] = field(default_factory=dict)
-    # run id -> (when it was read, time.monotonic(); the config): see runs.run_config
-    run_configs: dict[str, tuple[float, RunConfig]] = field(default_factory=dict)
     unknown_keys: set[str] = field(default_factory=set)
     started_at: float = field(default_factory=time.time)
     model_name: str = ""  # the served model's name, fixed at start

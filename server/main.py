@@ -11,16 +11,17 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
-from prometheus_client import disable_created_metrics
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
 from sqlalchemy.engine import make_url
 
-from server import dashboard, errors
-from server.deps import Ctx
-from server.engines import sglang
+from server import auth, dashboard, errors
+from server.deps import Authorization, Ctx
+from server.engine_client import sglang
 from server.metrics import Metrics, RequestMetrics
-from server.routers import admin, metrics, openai, runs, sessions
-from server.schemas import Health
+from server.proxy import routes as proxy_routes
+from server.rl import routes as rl_routes
+from server.rl.schemas import Health
 from server.settings import ServerSettings
 from server.startup import server_context
 
@@ -58,9 +59,25 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="proxrl", summary="An OpenAI-compatible RL proxy", lifespan=lifespan)
     errors.install(app)
     app.add_middleware(RequestMetrics, metrics=figures)
-    for router in (openai.router, sessions.router, runs.router, admin.router, metrics.router):
+    for router in (proxy_routes.router, *rl_routes.ROUTERS):
         app.include_router(router)
     dashboard.install(app)
+
+    @app.get(
+        "/metrics",
+        tags=["metrics"],
+        summary="Prometheus metrics (admin key unless the server binds loopback)",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}, **errors.documented(401, 403)},
+    )
+    async def metrics(ctx: Ctx, authorization: Authorization = None) -> Response:
+        """Open to anyone while the server binds a loopback address (a local Prometheus
+        scrapes it as is); on any other address it needs the admin key as a bearer token
+        (Prometheus: ``authorization: {credentials: KEY}`` in the scrape config)."""
+        if not ctx.settings.binds_loopback:
+            auth.require_admin(await auth.identify(ctx, authorization))
+        await ctx.metrics.state.refresh()
+        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get(
         "/health",

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
-from server.engines.pool import parse_version
+from server.engine_client.pool import parse_version
 from server.store.tables import Run, Session
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from server import admin_keys
+from server.common import admin_keys
 from server.store.database import default_url
 
 
@@ -116,7 +116,7 @@ class ServerSettings(BaseSettings):
     @field_validator("sglang_args")
     @classmethod
     def _sglang_args_split(cls, value: str) -> str:
-        from server.engines.sglang import split_args
+        from server.engine_client.sglang import split_args
 
         split_args(value)
         return value

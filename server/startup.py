@@ -15,21 +15,21 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 
+from server.common.processes import EngineProcess, ServerProcess, wait_all
 from server.context import ServerContext
-from server.engine.launcher import EngineProcess, ServerProcess, wait_all
-from server.engines import sglang
-from server.engines.pool import EnginePool
+from server.engine_client import sglang
+from server.engine_client.pool import EnginePool
 from server.metrics import Metrics
-from server.run_config import RunConfig
-from server.session_state import SessionRegistry
+from server.proxy.session_cache import SessionRegistry
 from server.settings import ServerSettings
 from server.store import database, runs
 from server.store import secrets as store_secrets
 from server.store import sessions as store_sessions
 from server.store.keys import hash_key
+from server.store.run_config import RunConfig, RunConfigs
 from server.store.tables import Run
 from server.store.writer import TurnWriter
-from server.tokenization import Tokenizer
+from server.text.tokenization import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,7 @@ async def server_context(
             pool=pool,
             tokenizer=tokenizer,
             sessions=SessionRegistry(maker, tokenizer),
+            run_configs=RunConfigs(maker),
             model_name=settings.model_name,
             metrics=metrics,
         )

@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """proxrl's tiny model, built once per test session."""
-    from server.engine.tiny_model import create_tiny_model
+    from server.common.tiny_model import create_tiny_model
 
     return create_tiny_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
 

@@ -40,7 +40,7 @@ import aiohttp
 import httpx
 from aiohttp import web
 
-from server.engine.launcher import EngineProcess, ServerProcess, free_port
+from server.common.processes import EngineProcess, ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 STATS_PATH = "/_double/stats"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from server.engine.launcher import EngineProcess as _Launcher
-from server.engine.launcher import ServerProcess, free_port
+from server.common.processes import EngineProcess as _Launcher
+from server.common.processes import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,7 +7,7 @@ micro-batch; this attention instead attends within each row's own slice (the sum
 squared row lengths), the varlen scheme flash-attention uses on GPUs, written for any device.
 
 Each layer computes the attention its checkpoint declares, read from the config
-(``server.engine.architecture.layer_windows``, the same table the engine reads):
+(``server.common.architecture.layer_windows``, the same table the engine reads):
 
 - **Full causal** rows, and windowed rows no longer than their window: causal SDPA on the row.
 - **Sliding window** ``w`` (a query at ``q`` sees keys ``q - w < k <= q``), a row of length
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 
-from server.engine.architecture import layer_windows, visible
+from server.common.architecture import layer_windows, visible
 
 __all__ = ["NAME", "packed_attention", "register"]
 

@@ -2,7 +2,7 @@
 
 ``load_model`` loads a Hugging Face checkpoint the way every worker does (float32, the packed
 attention of ``trainer/attention.py``) after refusing a model whose attention neither the
-trainer nor the engine computes (``server.engine.architecture.unsupported_features``), so the
+trainer nor the engine computes (``server.common.architecture.unsupported_features``), so the
 trainer never trains another model than the one it was given. ``decoder_layers`` finds the
 modules FSDP2 shards one by one in any architecture, from the model's own declaration
 (``_no_split_modules``: the classes transformers keeps whole when it splits a model), not from
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from server.engine import architecture
-from server.engine.architecture import UnsupportedModel
+from server.common import architecture
+from server.common.architecture import UnsupportedModel
 from trainer import attention
 
 __all__ = [

@@ -94,7 +94,7 @@ class Publisher:
 
 def group_world_size(engines: list[dict]) -> int:
     """Rank 0 and every tensor-parallel rank of every engine (``GET /admin/engines`` rows; the
-    server numbers the engines' ranks the same way in server/weights.py)."""
+    server numbers the engines' ranks the same way in server/rl/weights.py)."""
     return 1 + sum(engine.get("tp_size") or 1 for engine in engines)
 
 

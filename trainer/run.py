@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from server.engine.launcher import die_with_parent
+from server.common.processes import die_with_parent
 from trainer.checkpoint import TrainerState
 from trainer.cluster import LocalRay, WorkerGroup, is_loopback
 from trainer.config import TrainConfig

@@ -101,7 +101,7 @@ def warm_start(
     ``examples`` (seeded). Logs a line every ``log_every`` steps with the loss, the rate and
     the time left. Returns ``out_dir``, an ordinary model directory.
     """
-    from server.engine.tiny_model import create_tiny_model
+    from server.common.tiny_model import create_tiny_model
 
     if not examples:
         raise ValueError("warm_start needs at least one example")
@@ -219,7 +219,7 @@ def warm_start_key(examples: Sequence[Example], **settings: Any) -> str:
     """A digest of everything that shapes the warmed-up model: the examples, the settings, and
     the source of this module and of the tiny model's builder. (Threads are left out: they
     change the last bits of the arithmetic, not what is learned.)"""
-    from server.engine import tiny_model
+    from server.common import tiny_model
 
     digest = hashlib.sha256()
     for source in (Path(__file__), Path(tiny_model.__file__)):

@@ -343,7 +343,7 @@ class Worker:
         """Rank 0 joins the engines' weight group as its rank 0 (the broadcast source)."""
         if self.rank != 0:
             return False
-        from server.engine.weights import join_group
+        from server.common.weight_transfer import join_group
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.weight_group = join_group(

@@ -16,7 +16,7 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
-# The bound rewards now lie within (server/run_config.py REWARD_BOUND, as of this revision).
+# The bound rewards now lie within (server/store/run_config.py REWARD_BOUND, as of this revision).
 REWARD_BOUND = 1e9
 
 

@@ -11,6 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from pydantic import BeforeValidator
 
+from server.bounds import MAX_INT, Offset, PathId, QueryId, QueryName
 from server.dashboard import views
 from server.dashboard.access import ApiAdmin
 from server.dashboard.schemas import (
@@ -23,8 +24,8 @@ from server.dashboard.schemas import (
 )
 from server.deps import Ctx
 from server.errors import documented
-from server.run_config import REWARD_BOUND
-from server.schemas import MAX_INT, Offset, PathId, QueryId, QueryName, SessionStatus
+from server.rl.schemas import SessionStatus
+from server.store.run_config import REWARD_BOUND
 from server.store.stats import SessionFilter
 
 router = APIRouter(

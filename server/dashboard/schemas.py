@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from server.schemas import ROW_TURNS, SessionOut, SessionSummary
+from server.rl.schemas import ROW_TURNS, SessionOut, SessionSummary
 
 
 class RunSummary(BaseModel):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from server.dashboard.schemas import TokenRow
-from server.schemas import RowOut
+from server.rl.schemas import RowOut
 
 PROMPT_TURN = -1
 

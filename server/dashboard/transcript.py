@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.schemas import TurnOut
+from server.rl.schemas import TurnOut
 
 
 @dataclass

@@ -14,8 +14,6 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from server import runs as run_views
-from server import sessions as session_views
 from server.context import ServerContext
 from server.dashboard.schemas import (
     EngineRow,
@@ -32,7 +30,9 @@ from server.dashboard.schemas import (
     SwapPoint,
 )
 from server.dashboard.tokens import token_rows
-from server.engines.pool import EngineState
+from server.engine_client.pool import EngineState
+from server.rl import runs as run_views
+from server.rl import sessions as session_views
 from server.store import runs, stats, steps
 from server.store.tables import Run, TrainerStep
 

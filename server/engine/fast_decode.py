@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from server.engine.architecture import layer_windows
+from server.common.architecture import layer_windows
 from server.engine.kv_cache import SlotKVCache
 
 FAMILY = {"llama", "qwen2", "qwen3", "mistral"}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.engine.sequence import Sequence
-from server.stop_strings import held_back
+from server.text.stop_strings import held_back
 
 Decode = Callable[..., str]  # decode(ids, skip_special_tokens=...) -> str
 

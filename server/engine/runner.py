@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from server.engine import architecture, fast_decode
+from server.common import architecture
+from server.engine import fast_decode
 from server.engine.kv_cache import SlotKVCache
 
 log = logging.getLogger(__name__)

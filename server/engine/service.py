@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from server.engine import protocol, weights
+from server.common import weight_transfer as weights
+from server.engine import protocol
 from server.engine.protocol import EngineInputError, GenerateItem
 from server.engine.responses import RenderOptions, StreamRenderer, final_output
 from server.engine.runner import ModelRunner, RunnerConfig

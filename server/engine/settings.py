@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from server import admin_keys
+from server.common import admin_keys
 
 
 class EngineSettings(BaseSettings):

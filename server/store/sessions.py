@@ -14,9 +14,9 @@ from typing import Any
 from sqlalchemy import case, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server.run_config import RunConfig
 from server.store import drop_reasons
 from server.store.keys import new_id, new_key
+from server.store.run_config import RunConfig
 from server.store.tables import SESSION_TARGET, Reward, Run, Session, utcnow
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server import admin_keys
+from server.common import admin_keys
 from server.dashboard.access import COOKIE, issue_cookie
 from server.store import database
 from server.store import secrets as store_secrets

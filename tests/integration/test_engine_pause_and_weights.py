@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from server.engine.weights import join_group, leave_group
+from server.common.weight_transfer import join_group, leave_group
 from tests.support import (
     EngineProcess,
     free_port,

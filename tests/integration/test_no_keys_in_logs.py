@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from server.engine.launcher import ServerProcess
+from server.common.processes import ServerProcess
 from tests.support import ROOT, free_port
 
 ADMIN_LINE = re.compile(r"^admin key \(generated; [^)]*\): (\S+)$", re.MULTILINE)

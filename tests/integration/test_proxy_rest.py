@@ -19,9 +19,8 @@ import pytest
 from openai import OpenAI
 from sqlalchemy import create_engine, select, update
 
-from server.run_config import REWARD_BOUND
-from server.runs import RUN_CONFIG_TTL_S
 from server.store.database import default_url, sync_url
+from server.store.run_config import REWARD_BOUND, RUN_CONFIG_TTL_S
 from server.store.tables import Run, Session
 from tests.support import ProxyProcess, RestClient
 

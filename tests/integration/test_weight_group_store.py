@@ -9,12 +9,12 @@ import sys
 import threading
 import time
 
-from server.engine.weights import join_group, leave_group
+from server.common.weight_transfer import join_group, leave_group
 from tests.support import ROOT, free_port, is_loopback_address, listening
 
 RANK_1 = """
 import sys
-from server.engine.weights import join_group, leave_group
+from server.common.weight_transfer import join_group, leave_group
 leave_group(join_group("127.0.0.1", int(sys.argv[1]), 1, 2, "store_test_group", "gloo"))
 """
 

@@ -16,7 +16,7 @@ import secrets
 import pytest
 from pydantic import ValidationError
 
-from server import admin_keys
+from server.common import admin_keys
 from server.dashboard.access import cookie_valid, issue_cookie
 from server.engine.settings import EngineSettings
 from server.settings import ServerSettings

@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from server.admission import Admission, admits
-from server.choices import TextStreamer, final_text
 from server.errors import TooManyRequests
-from server.generation import Completion, SamplingRequest, engine_body, parse_version
-from server.run_config import RunConfig
-from server.tokenization import Tokenizer
+from server.proxy.generation import Completion, SamplingRequest, engine_body, parse_version
+from server.proxy.outputs import TextStreamer, final_text
+from server.rl.admission import Admission, admits
+from server.store.run_config import RunConfig
+from server.text.tokenization import Tokenizer
 
 
 @pytest.mark.parametrize(

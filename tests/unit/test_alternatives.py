@@ -1,6 +1,6 @@
 """Alternatives: which turns of a session the session did not go on from (server.store.rows).
 
-Sessions are built the way ``server.recording`` records them: a request's choices get
+Sessions are built the way ``server.proxy.recording`` records them: a request's choices get
 consecutive turn indexes; the first choice of a request that continues a choice of the previous
 request shares that choice's row and extends it; every other choice opens a row. Examples first,
 then properties over random sessions of requests with 1 to 4 choices, retries and breaks.

@@ -22,8 +22,8 @@ import asyncio
 import pytest
 import torch
 
+from server.common.architecture import UnsupportedModel, layer_windows
 from server.engine import protocol
-from server.engine.architecture import UnsupportedModel, layer_windows
 from server.engine.runner import ModelRunner, RunnerConfig
 from server.engine.service import EngineService
 from server.engine.settings import EngineSettings
@@ -137,7 +137,7 @@ def test_weights_under_checkpoint_names_load_into_the_engine(name, model_dirs, t
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from server.engine.weights import read_checkpoint
+    from server.common.weight_transfer import read_checkpoint
     from trainer.model import checkpoint_names
 
     changed = AutoModelForCausalLM.from_pretrained(model_dirs[name])

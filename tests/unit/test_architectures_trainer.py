@@ -32,7 +32,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AttentionInterface, AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig
 
-from server.engine.weights import read_checkpoint
+from server.common.weight_transfer import read_checkpoint
 from tests import architectures, support
 from trainer import attention
 from trainer.batching import packed, shift_logprobs

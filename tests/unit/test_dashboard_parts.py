@@ -14,8 +14,8 @@ from server.dashboard.pages import session_filters, shown, token_colour
 from server.dashboard.tokens import PROMPT_TURN, token_rows
 from server.dashboard.transcript import transcript
 from server.dashboard.views import TARGET_BUCKETS, bucket_width, trainer_active
-from server.schemas import RowOut, TurnOut
-from server.steps import clean_value, reward_spread, session_reward
+from server.rl.schemas import RowOut, TurnOut
+from server.rl.steps import clean_value, reward_spread, session_reward
 from server.store.stats import StepSpan
 
 NOW = datetime(2026, 1, 31, 12, 0, tzinfo=UTC)

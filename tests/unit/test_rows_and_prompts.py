@@ -6,9 +6,8 @@ import random
 
 import pytest
 
-from server.detokenize import IncrementalDecoder
-from server.prompts import from_ids, splice
-from server.session_state import LastTurn, last_turn
+from server.proxy.prompts import from_ids, splice
+from server.proxy.session_cache import LastTurn, last_turn
 from server.store.packing import pack_floats, pack_ints, unpack_floats, unpack_ints
 from server.store.rows import (
     PROMPT_VERSION,
@@ -16,7 +15,8 @@ from server.store.rows import (
     assemble_rows,
     continues,
 )
-from server.tokenization import Tokenizer
+from server.text.detokenize import IncrementalDecoder
+from server.text.tokenization import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,18 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from server.chat import sampling_request
-from server.engines.client import EngineClient, EngineRejected, EngineUnavailable, in_band_error
-from server.engines.pool import EnginePool, EngineState, reported_context
+from server.engine_client.client import (
+    EngineClient,
+    EngineRejected,
+    EngineUnavailable,
+    in_band_error,
+)
+from server.engine_client.pool import EnginePool, EngineState, reported_context
 from server.errors import BadRequest, Unavailable
-from server.generation import SamplingRequest
-from server.streaming import first_output, guarded
-from server.weights import group_ranks
+from server.proxy.chat import sampling_request
+from server.proxy.generation import SamplingRequest
+from server.proxy.streaming import first_output, guarded
+from server.rl.weights import group_ranks
 from tests.sglang_double import in_band_error as sglang_in_band_error
 from tests.support import free_port, parse_sse
 from trainer.publish import group_world_size

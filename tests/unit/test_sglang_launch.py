@@ -10,7 +10,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from server.engines import sglang
+from server.engine_client import sglang
 from server.settings import ServerSettings
 from tests.support import ROOT
 
@@ -120,7 +120,7 @@ def test_a_server_that_dies_is_noticed_while_another_is_still_starting(tmp_path)
     import sys
     import time
 
-    from server.engine.launcher import ServerProcess, free_port, wait_all
+    from server.common.processes import ServerProcess, free_port, wait_all
 
     slow = ServerProcess(
         [sys.executable, "-c", "import time; time.sleep(60)"], f"http://127.0.0.1:{free_port()}"

@@ -1,5 +1,5 @@
-"""Errors in the API's terms (``server.streaming.api_error``) and the error event a stream ends
-with: OpenAI's shape and type names, never a Python class name."""
+"""Errors in the API's terms (``server.proxy.streaming.api_error``) and the error event a
+stream ends with: OpenAI's shape and type names, never a Python class name."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from server.engines.client import EngineError, EngineRejected, EngineUnavailable
-from server.engines.pool import NoEngineAvailable
+from server.engine_client.client import EngineError, EngineRejected, EngineUnavailable
+from server.engine_client.pool import NoEngineAvailable
 from server.errors import Conflict, Unavailable
-from server.streaming import api_error, guarded
+from server.proxy.streaming import api_error, guarded
 
 # (the exception, the status, type and code the client gets for it)
 CASES = [
@@ -41,7 +41,7 @@ def test_an_engine_outage_says_when_to_retry():
 
 
 def test_an_unexpected_error_is_logged_with_its_traceback_and_not_shown(caplog):
-    with caplog.at_level(logging.ERROR, logger="server.streaming"):
+    with caplog.at_level(logging.ERROR, logger="server.proxy.streaming"):
         error = api_error(RuntimeError("secret internals"))
     assert "secret internals" not in error.message
     (record,) = caplog.records

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from server.engine.tiny_model import IM_END, MARKUP_TOKENS, PAD_TOKEN, create_tiny_model
+from server.common.tiny_model import IM_END, MARKUP_TOKENS, PAD_TOKEN, create_tiny_model
 
 SAMPLES = [
     "What is 123 + 456? The answer is 579.",

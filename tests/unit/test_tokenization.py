@@ -1,4 +1,4 @@
-"""server.tokenization against transformers: same ids, same text, same rendered prompts."""
+"""server.text.tokenization against transformers: same ids, same text, same rendered prompts."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import tokenizers
 from transformers import AutoTokenizer
 
-from server.tokenization import TemplateError, Tokenizer
+from server.text.tokenization import TemplateError, Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER_FILES = [
@@ -426,7 +426,7 @@ def test_missing_files_are_named(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 def test_importing_it_loads_neither_torch_nor_transformers() -> None:
     code = (
-        "import sys, server.tokenization; "
+        "import sys, server.text.tokenization; "
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
     result = subprocess.run(

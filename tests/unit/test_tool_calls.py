@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from server.tool_calls import (
+from server.proxy.tool_calls import (
     ContentDelta,
     ParsedOutput,
     ToolCall,

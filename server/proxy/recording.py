@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from server.generation import Completion
-from server.prompts import Prompt
-from server.session_state import SessionState, last_turn
+from server.proxy.generation import Completion
+from server.proxy.prompts import Prompt
+from server.proxy.session_cache import SessionState, last_turn
 from server.store.turns import TurnRecord
 from server.store.writer import TurnWriter
-from server.tokenization import Tokenizer
+from server.text.tokenization import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ be the start of a stop string is held back until it is clear.
 
 from __future__ import annotations
 
-from server.detokenize import IncrementalDecoder
-from server.generation import Completion
-from server.stop_strings import held_back
-from server.tokenization import Tokenizer
+from server.proxy.generation import Completion
+from server.text.detokenize import IncrementalDecoder
+from server.text.stop_strings import held_back
+from server.text.tokenization import Tokenizer
 
 
 def final_text(tokenizer: Tokenizer, completion: Completion) -> str:

@@ -8,13 +8,14 @@ from fastapi import APIRouter, Header, Path
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from server import auth, chat, completions
+from server import auth
+from server.bounds import ID_LENGTH
 from server.deps import CallerDep, Ctx, PathCallerDep
 from server.errors import Conflict, Unauthorized, documented
-from server.openai_schemas import ChatCompletionRequest, CompletionRequest
-from server.schemas import ID_LENGTH
-from server.session_state import SessionState
-from server.streaming import GuardedStream
+from server.proxy import chat, completions
+from server.proxy.schemas import ChatCompletionRequest, CompletionRequest
+from server.proxy.session_cache import SessionState
+from server.proxy.streaming import GuardedStream
 
 router = APIRouter(tags=["OpenAI-compatible"])
 SessionHeader = Annotated[str | None, Header(alias="X-Session-Id", max_length=ID_LENGTH)]

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from server.engines.client import EngineUnavailable, Piece
-from server.engines.pool import EnginePool, EngineState, NoEngineAvailable, parse_version
+from server.engine_client.client import EngineUnavailable, Piece
+from server.engine_client.pool import EnginePool, EngineState, NoEngineAvailable, parse_version
 
 MAX_RESUMES = 32  # swaps or engine failures one completion may live through
 # How long a request waits for an engine to come (back) into rotation before it is refused

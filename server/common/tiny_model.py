@@ -28,7 +28,7 @@ MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respo
 VOCAB_SIZE = 1024
 SEED = 1234
 
-CHAT_TEMPLATE = resources.files("server.engine").joinpath("chat_template.jinja").read_text()
+CHAT_TEMPLATE = resources.files("server.common").joinpath("chat_template.jinja").read_text()
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from server.bounds import MAX_INT, Count
 from server.errors import BadRequest
-from server.schemas import MAX_INT, Count
 
 MAX_N = 16
 MAX_STOP = 16

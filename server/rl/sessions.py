@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from server import runs as run_views
 from server.context import ServerContext
 from server.errors import Conflict, NotFound
-from server.run_config import RunConfig
-from server.schemas import RewardOut, RowOut, SessionCreated, SessionOut, SessionSummary, TurnOut
+from server.rl import runs as run_views
+from server.rl.schemas import RewardOut, RowOut, SessionCreated, SessionOut, SessionSummary, TurnOut
 from server.store import claims, rewards, runs
 from server.store import sessions as store
 from server.store.packing import unpack_floats, unpack_ints
 from server.store.rewards import SESSION_TARGET
+from server.store.run_config import RunConfig
 from server.store.tables import Session
 from server.store.turns import session_turns
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import Path, Query
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -16,32 +15,23 @@ from pydantic import (
     model_validator,
 )
 
-from server.run_config import MAX_COUNT, REWARD_BOUND, RunConfig, Seconds
+from server.bounds import (
+    MAX_INT,
+    NAME_LENGTH,
+    Count,
+    DtypeName,
+    FilePath,
+    Host,
+    Id,
+    Name,
+    Shape,
+)
+from server.store.run_config import REWARD_BOUND, RunConfig, Seconds
 from server.store.tables import DROP_REASON_LENGTH
 
-# Bounds no real caller reaches, checked before a value meets SQL (64-bit integers), a timedelta
-# or an engine: counts and numbers fit 32 bits, ids are as long as the store keeps them.
-MAX_INT = MAX_COUNT
-ID_LENGTH = 100
-NAME_LENGTH = 200
-Id = Annotated[str, StringConstraints(min_length=1, max_length=ID_LENGTH)]
-Name = Annotated[str, StringConstraints(max_length=NAME_LENGTH)]
-Count = Annotated[int, Field(ge=0, le=MAX_INT)]
-PathId = Annotated[str, Path(min_length=1, max_length=ID_LENGTH)]
-QueryId = Annotated[str | None, Query(min_length=1, max_length=ID_LENGTH)]
-QueryName = Annotated[str | None, Query(max_length=NAME_LENGTH)]
-Limit = Annotated[int, Query(ge=1, le=1000, description="Items per page.")]
-Offset = Annotated[int, Query(ge=0, le=MAX_INT, description="Items to skip.")]
-StepNumber = Annotated[int, Query(ge=0, le=MAX_INT, description="A trainer step number.")]
-FilePath = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
-# A host name (RFC 1123 labels) or an IPv4/IPv6 address, as a socket can be given it.
-Host = Annotated[
-    str, StringConstraints(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9._:-]+$")
-]
 RENDEZVOUS_WAIT_S = 5.0
 MAX_TENSORS = 1_000_000
-DtypeName = Annotated[str, StringConstraints(min_length=1, max_length=32)]
-Shape = Annotated[list[Count], Field(max_length=16)]
+
 
 DROP_REASON = (
     'Why the session was dropped: a short code, a colon, a sentence (e.g. "no_reward: ...", '

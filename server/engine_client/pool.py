@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from server.engines.client import EngineClient, EngineError, EngineRejected
+from server.engine_client.client import EngineClient, EngineError, EngineRejected
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,15 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from server import choices, prompts
-from server.chat import check_model, run_temperature, sample_all, sampling_request
 from server.context import ServerContext
 from server.errors import BadRequest
-from server.generation import Completion
-from server.openai_schemas import CompletionRequest
-from server.recording import RequestLog, Served, record
-from server.session_state import SessionState
-from server.streaming import GuardedStream, drain, first_output, sse
+from server.proxy import outputs, prompts
+from server.proxy.chat import check_model, run_temperature, sample_all, sampling_request
+from server.proxy.generation import Completion
+from server.proxy.recording import RequestLog, Served, record
+from server.proxy.schemas import CompletionRequest
+from server.proxy.session_cache import SessionState
+from server.proxy.streaming import GuardedStream, drain, first_output, sse
 
 
 class _Plan:
@@ -100,8 +100,8 @@ async def text_completion(ctx: ServerContext, state: SessionState, body: Complet
     completions = await sample_all(ctx, state, plan.sampling, plan.completion_ids)
     answers, served = [], []
     for index, (cid, completion) in enumerate(zip(plan.completion_ids, completions, strict=True)):
-        text = choices.final_text(ctx.tokenizer, completion)
-        finish = choices.finish_reason(completion)
+        text = outputs.final_text(ctx.tokenizer, completion)
+        finish = outputs.finish_reason(completion)
         served.append(Served(cid, completion, {"text": text}, finish))
         answer: dict[str, Any] = {
             "index": index,
@@ -119,7 +119,7 @@ async def text_completion(ctx: ServerContext, state: SessionState, body: Complet
         "created": plan.created,
         "model": ctx.model_name,
         "choices": answers,
-        "usage": choices.usage(len(plan.prompt.ids), completions),
+        "usage": outputs.usage(len(plan.prompt.ids), completions),
     }
 
 
@@ -142,7 +142,7 @@ async def _stream(
         "model": ctx.model_name,
     }
     streamers = [
-        choices.TextStreamer(ctx.tokenizer, plan.sampling.stop) for _ in plan.completion_ids
+        outputs.TextStreamer(ctx.tokenizer, plan.sampling.stop) for _ in plan.completion_ids
     ]
     queue: asyncio.Queue[dict] = asyncio.Queue()
     produced = asyncio.Event()
@@ -172,15 +172,15 @@ async def _stream(
         for index, (cid, completion) in enumerate(
             zip(plan.completion_ids, completions, strict=True)
         ):
-            text = choices.final_text(ctx.tokenizer, completion)
-            finish = choices.finish_reason(completion)
+            text = outputs.final_text(ctx.tokenizer, completion)
+            finish = outputs.finish_reason(completion)
             served.append(Served(cid, completion, {"text": text}, finish))
             tail.append(choice(index, streamers[index].finish(completion), finish))
         await record(ctx.writer, ctx.tokenizer, state, plan.prompt, served, plan.log)
         for item in tail:
             yield sse({**head, "choices": [item]})
         if include_usage:
-            usage = choices.usage(len(plan.prompt.ids), completions)
+            usage = outputs.usage(len(plan.prompt.ids), completions)
             yield sse({**head, "choices": [], "usage": usage})
 
     return GuardedStream(events(), sampling)

@@ -14,7 +14,7 @@ import math
 from collections.abc import Awaitable, Callable
 
 from server.errors import TooManyRequests
-from server.run_config import RunConfig
+from server.store.run_config import RunConfig
 
 RETRY_AFTER_S = 5
 

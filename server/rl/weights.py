@@ -17,10 +17,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from server.context import ServerContext
-from server.engines.client import EngineError, EngineRejected
-from server.engines.pool import EngineState
+from server.engine_client.client import EngineError, EngineRejected
+from server.engine_client.pool import EngineState
 from server.errors import BadGateway, BadRequest, NotFound, Unavailable, Unprocessable
-from server.schemas import (
+from server.rl.schemas import (
     RENDEZVOUS_WAIT_S,
     DistributedWeightsIn,
     WeightGroupIn,

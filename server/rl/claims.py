@@ -1,20 +1,17 @@
-"""Runs as the REST API sees them: create, show, configure (the validated config is kept in
-memory for a moment), and the trainer's claims: take, renew, drop sessions, confirm (with
-drops), release."""
+"""The trainer's claims as the REST API sees them: take sessions (grouped as the run says),
+renew the lease, drop sessions, confirm (with drops), release. The store does the exactly-once
+part (``server.store.claims``); this module adds the run's config and wakes admission."""
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
-from pathlib import Path
-from typing import Any
 
 from server.context import ServerContext
-from server.errors import NotFound, Unprocessable
-from server.run_config import RunConfig
-from server.schemas import (
+from server.errors import Unprocessable
+from server.rl.runs import run_config
+from server.rl.schemas import (
     ClaimedSessionOut,
     ClaimOut,
     ConfirmOut,
@@ -22,89 +19,11 @@ from server.schemas import (
     ReleaseOut,
     RenewOut,
     RowOut,
-    RunOut,
 )
-from server.store import claims, runs
+from server.store import claims
 from server.store.groups import GroupRule
+from server.store.run_config import RunConfig
 from server.store.tables import Run, utcnow
-
-# How long a run's config is kept in memory: another server process on the same store sees a
-# PATCH within this (every request needs the run's temperature; a read per request would cost).
-RUN_CONFIG_TTL_S = 2.0
-
-
-def effective_config(run: Run) -> dict[str, Any]:
-    """The run's config as it acts: every field, defaults included (for a run stored before a
-    field existed), and the keys the server does not know."""
-    return RunConfig.model_validate(run.config).model_dump()
-
-
-async def run_view(ctx: ServerContext, run: Run) -> dict[str, Any]:
-    async with ctx.sessionmaker() as db:
-        counts = await runs.session_counts(db, run.id)
-        totals = await runs.run_totals(db, run.id)
-    return RunOut(
-        id=run.id,
-        name=run.name,
-        model=run.model,
-        model_path=str(Path(ctx.settings.model).resolve()),
-        weights_path=run.weights_path,
-        config=effective_config(run),
-        policy_version=run.policy_version,
-        is_default=run.is_default,
-        created_at=run.created_at,
-        sessions=counts,
-        totals=totals,
-    ).model_dump()
-
-
-async def get_run(ctx: ServerContext, run_id: str) -> Run:
-    async with ctx.sessionmaker() as db:
-        run = await runs.get_run(db, run_id)
-    if run is None:
-        raise NotFound(f"No run {run_id!r}.", code="run_not_found")
-    return run
-
-
-async def run_config(ctx: ServerContext, run_id: str) -> RunConfig:
-    """The run's validated config, read from the store at most every RUN_CONFIG_TTL_S seconds
-    and kept in memory meanwhile; create_run and update_config replace it at once."""
-    cached = ctx.run_configs.get(run_id)
-    if cached is not None and time.monotonic() - cached[0] < RUN_CONFIG_TTL_S:
-        return cached[1]
-    read_at = time.monotonic()
-    config = RunConfig.model_validate((await get_run(ctx, run_id)).config)
-    ctx.run_configs[run_id] = (read_at, config)
-    return config
-
-
-async def create_run(ctx: ServerContext, name: str, config: RunConfig) -> tuple[Run, str]:
-    async with ctx.sessionmaker() as db, db.begin():
-        run, key = await runs.create_run(
-            db, name, ctx.model_name, config.model_dump(exclude_none=False)
-        )
-    ctx.run_configs[run.id] = (time.monotonic(), config)
-    return run, key
-
-
-async def update_config(ctx: ServerContext, run_id: str, patch: dict[str, Any]) -> Run:
-    """Merge ``patch`` into the run's config; the result must validate as a RunConfig."""
-    async with ctx.sessionmaker() as db, db.begin():
-        run = await runs.get_run(db, run_id)
-        if run is None:
-            raise NotFound(f"No run {run_id!r}.", code="run_not_found")
-        merged = {**run.config, **patch}
-        try:
-            config = RunConfig.model_validate(merged)
-        except ValueError as exc:
-            raise Unprocessable(f"Invalid run config: {exc}") from exc
-        run.config = config.model_dump()
-    ctx.run_configs[run_id] = (time.monotonic(), config)
-    await ctx.admission.notify()
-    return run
-
-
-# ----- claims ----------------------------------------------------------------------------------
 
 
 def group_rule(config: RunConfig, group_size: int | None) -> GroupRule:

@@ -14,7 +14,7 @@ from typing import Any
 
 from server.context import ServerContext
 from server.errors import NotFound
-from server.schemas import StepIn, StepOut
+from server.rl.schemas import StepIn, StepOut
 from server.store import rewards, runs, steps
 from server.store.rewards import SESSION_TARGET
 

@@ -19,7 +19,7 @@ from server.store import sessions as store_sessions
 from server.store import turns as store_turns
 from server.store.packing import unpack_ints
 from server.store.tables import Turn
-from server.tokenization import Tokenizer
+from server.text.tokenization import Tokenizer
 
 
 @dataclass(frozen=True)

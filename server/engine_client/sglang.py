@@ -16,14 +16,32 @@ import importlib.util
 import logging
 import shlex
 import sys
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
-from server.engine.launcher import ServerProcess, free_port, wait_all
-
-if TYPE_CHECKING:
-    from server.settings import ServerSettings
+from server.common.processes import ServerProcess, free_port, wait_all
 
 log = logging.getLogger(__name__)
+
+
+class SGLangSettings(Protocol):
+    """What starting SGLang servers needs (``proxrl serve``'s settings have it)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def sglang_module(self) -> str: ...
+    @property
+    def sglang_args(self) -> str: ...
+    @property
+    def sglang_tp_size(self) -> int: ...
+    @property
+    def num_engines(self) -> int: ...
+    @property
+    def data_dir(self) -> Path: ...
+    @property
+    def sglang_start_timeout_s(self) -> float: ...
+
 
 HOST = "127.0.0.1"
 FIRST_WEIGHT_VERSION = "0"
@@ -75,7 +93,7 @@ def missing(module: str) -> str | None:
     )
 
 
-def command(settings: ServerSettings, index: int, port: int) -> list[str]:
+def command(settings: SGLangSettings, index: int, port: int) -> list[str]:
     """The command line of SGLang server ``index`` (0-based) of ``settings``."""
     tp_size = settings.sglang_tp_size
     return [
@@ -98,7 +116,7 @@ class SGLangProcess(ServerProcess):
     own_process_group = True
 
 
-def launch(settings: ServerSettings) -> list[SGLangProcess]:
+def launch(settings: SGLangSettings) -> list[SGLangProcess]:
     """Start ``--num-engines`` SGLang servers and wait until each serves."""
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)

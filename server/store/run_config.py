@@ -7,9 +7,11 @@ not know are kept (the trainer's own settings may live here) but never acted on 
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
 # Rewards (posted, or a run's default_reward) lie within [-REWARD_BOUND, REWARD_BOUND]: the
 # trainer's statistics square returns, and a reward of 1e200 overflowed them.
@@ -103,3 +105,39 @@ class RunConfig(BaseModel):
         if self.batch_size is None:
             return None
         return (self.max_staleness + policy_version + 1) * self.batch_size
+
+
+# How long a run's config is kept in memory: another server process on the same store sees a
+# PATCH within this.
+RUN_CONFIG_TTL_S = 2.0
+
+
+class RunConfigs:
+    """Runs' validated configs, read from the store at most every ``ttl_s`` seconds and kept in
+    memory meanwhile: every request needs its run's temperature, and a read per request would
+    cost. Another server on the same store sees a change within ``ttl_s``; this one at once
+    (``put``)."""
+
+    def __init__(self, sessionmaker: async_sessionmaker, ttl_s: float = RUN_CONFIG_TTL_S) -> None:
+        self.sessionmaker = sessionmaker
+        self.ttl_s = ttl_s
+        self._read: dict[str, tuple[float, RunConfig]] = {}  # run id -> (monotonic time, config)
+
+    async def get(self, run_id: str) -> RunConfig | None:
+        """The run's config, or None for no such run."""
+        cached = self._read.get(run_id)
+        if cached is not None and time.monotonic() - cached[0] < self.ttl_s:
+            return cached[1]
+        from server.store.runs import get_run  # runs' writes validate with this module
+
+        read_at = time.monotonic()
+        async with self.sessionmaker() as db:
+            run = await get_run(db, run_id)
+        if run is None:
+            return None
+        config = RunConfig.model_validate(run.config)
+        self._read[run_id] = (read_at, config)
+        return config
+
+    def put(self, run_id: str, config: RunConfig) -> None:
+        self._read[run_id] = (time.monotonic(), config)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.session_state import LastTurn
-from server.tokenization import Tokenizer
+from server.proxy.session_cache import LastTurn
+from server.text.tokenization import Tokenizer
 
 
 @dataclass(frozen=True)

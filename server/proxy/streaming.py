@@ -10,8 +10,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from server.engines.client import EngineError, EngineRejected
-from server.engines.pool import NoEngineAvailable
+from server.engine_client.client import EngineError, EngineRejected
+from server.engine_client.pool import NoEngineAvailable
 from server.errors import BadRequest, ProxyError, Unavailable, error_body
 
 log = logging.getLogger(__name__)

@@ -16,18 +16,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from server import choices, prompts, runs
 from server.context import ServerContext
-from server.engines.client import EngineError
-from server.engines.pool import NoEngineAvailable
+from server.engine_client.client import EngineError
+from server.engine_client.pool import NoEngineAvailable
 from server.errors import BadRequest, NotFound, Unavailable
-from server.generation import Completion, SamplingRequest, complete
-from server.openai_schemas import ChatCompletionRequest
-from server.recording import RequestLog, Served, record
-from server.session_state import SessionState
-from server.streaming import RETRY_AFTER, GuardedStream, api_error, drain, first_output, sse
-from server.tokenization import TemplateError
-from server.tool_calls import ContentDelta, ToolCallStream, parse_tool_calls
+from server.proxy import outputs, prompts
+from server.proxy.generation import Completion, SamplingRequest, complete
+from server.proxy.recording import RequestLog, Served, record
+from server.proxy.schemas import ChatCompletionRequest
+from server.proxy.session_cache import SessionState
+from server.proxy.streaming import RETRY_AFTER, GuardedStream, api_error, drain, first_output, sse
+from server.proxy.tool_calls import ContentDelta, ToolCallStream, parse_tool_calls
+from server.text.tokenization import TemplateError
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ async def sample_all(
 
 
 def _message(ctx: ServerContext, plan: Plan, completion: Completion) -> tuple[dict, str]:
-    text = choices.final_text(ctx.tokenizer, completion)
+    text = outputs.final_text(ctx.tokenizer, completion)
     message: dict[str, Any] = {"role": "assistant", "content": text}
     calls = []
     if plan.tool_names is not None:
@@ -175,22 +175,25 @@ def _message(ctx: ServerContext, plan: Plan, completion: Completion) -> tuple[di
         message["content"] = parsed.content
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
-    return message, choices.finish_reason(completion, bool(calls))
+    return message, outputs.finish_reason(completion, bool(calls))
 
 
 def _logprobs(ctx: ServerContext, completion: Completion) -> dict:
     tops = completion.top or [None] * len(completion.ids)  # type: ignore[list-item]
     return {
         "content": [
-            choices.logprob_entry(ctx.tokenizer, token, lp, top)
+            outputs.logprob_entry(ctx.tokenizer, token, lp, top)
             for token, lp, top in zip(completion.ids, completion.logprobs, tops, strict=True)
         ]
     }
 
 
 async def run_temperature(ctx: ServerContext, state: SessionState) -> float:
-    """The temperature of the session's run (from memory: see server.runs.run_config)."""
-    return (await runs.run_config(ctx, state.run_id)).temperature
+    """The temperature of the session's run (kept in memory for a moment: ``ctx.run_configs``)."""
+    config = await ctx.run_configs.get(state.run_id)
+    if config is None:  # the run of a live session is never deleted
+        raise NotFound(f"No run {state.run_id!r}.", code="run_not_found")
+    return config.temperature
 
 
 async def chat_completion(
@@ -218,7 +221,7 @@ async def chat_completion(
         "created": plan.created,
         "model": ctx.model_name,
         "choices": answers,
-        "usage": choices.usage(len(plan.prompt.ids), completions),
+        "usage": outputs.usage(len(plan.prompt.ids), completions),
     }
 
 
@@ -227,7 +230,7 @@ class _ChoiceStream:
 
     def __init__(self, ctx: ServerContext, plan: Plan, index: int) -> None:
         self.ctx, self.plan, self.index = ctx, plan, index
-        self.text = choices.TextStreamer(ctx.tokenizer, plan.sampling.stop)
+        self.text = outputs.TextStreamer(ctx.tokenizer, plan.sampling.stop)
         self.tools = ToolCallStream(plan.tool_names) if plan.tool_names is not None else None
         self.called = False
 
@@ -250,7 +253,7 @@ class _ChoiceStream:
         if self.plan.logprobs:
             tops = top or [None] * len(ids)
             entries = [
-                choices.logprob_entry(self.ctx.tokenizer, token, lp, t)
+                outputs.logprob_entry(self.ctx.tokenizer, token, lp, t)
                 for token, lp, t in zip(ids, logprobs, tops, strict=True)
             ]
             deltas = deltas or [{"content": ""}]
@@ -273,7 +276,7 @@ class _ChoiceStream:
             {"index": self.index, "delta": d, "logprobs": None, "finish_reason": None}
             for d in deltas
         ]
-        finish = choices.finish_reason(completion, self.called)
+        finish = outputs.finish_reason(completion, self.called)
         out.append({"index": self.index, "delta": {}, "logprobs": None, "finish_reason": finish})
         return out
 
@@ -329,7 +332,7 @@ async def _stream(
         for choice in tail:
             yield sse({**head, "choices": [choice]})
         if include_usage:
-            usage = choices.usage(len(plan.prompt.ids), completions)
+            usage = outputs.usage(len(plan.prompt.ids), completions)
             yield sse({**head, "choices": [], "usage": usage})
 
     return GuardedStream(events(), sampling)

@@ -1,0 +1,301 @@
+"""The RL REST surface: /rl/runs, /rl/sessions, /rl/claims (the trainer's), /admin (weights,
+engines). Thin: each route checks who calls and hands over to the module named for its concept
+(``runs``, ``sessions``, ``claims``, ``steps``, ``weights``)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body
+
+from server import auth
+from server.bounds import Limit, Name, Offset, PathId, QueryId, QueryName
+from server.deps import AdminDep, CallerDep, Ctx, KeyedDep
+from server.errors import Forbidden, Unauthorized, documented
+from server.rl import claims, runs, sessions, steps, weights
+from server.rl.schemas import (
+    ClaimIn,
+    ClaimOut,
+    ConfirmIn,
+    ConfirmOut,
+    DropIn,
+    DropOut,
+    ReleaseOut,
+    RenewIn,
+    RenewOut,
+    RewardIn,
+    RewardOut,
+    RunCreate,
+    RunCreated,
+    RunOut,
+    SessionCreate,
+    SessionCreated,
+    SessionOut,
+    SessionStatus,
+    SessionSummary,
+    StepIn,
+    StepOut,
+    WeightGroupIn,
+    WeightsIn,
+    WeightsOut,
+)
+from server.store import runs as store_runs
+
+sessions_router = APIRouter(prefix="/rl/sessions", tags=["sessions"])
+
+
+def _ref(path: str, method: str) -> str:
+    return "#/paths/" + path.replace("~", "~0").replace("/", "~1") + "/" + method
+
+
+# OpenAPI links: where a new session's id goes next (clients and fuzzers follow them).
+SESSION_ID = "$response.body#/session_id"
+IN_PATH = {"path.session_id": SESSION_ID}
+IN_HEADER = {"header.X-Session-Id": SESSION_ID}
+SESSION_LINKS = {
+    "Chat": (_ref("/sessions/{session_id}/v1/chat/completions", "post"), IN_PATH),
+    "Complete": (_ref("/sessions/{session_id}/v1/completions", "post"), IN_PATH),
+    "ChatByHeader": (_ref("/v1/chat/completions", "post"), IN_HEADER),
+    "CompleteByHeader": (_ref("/v1/completions", "post"), IN_HEADER),
+    "Models": (_ref("/sessions/{session_id}/v1/models", "get"), IN_PATH),
+    "Get": (_ref("/rl/sessions/{session_id}", "get"), IN_PATH),
+    "Reward": (_ref("/rl/sessions/{session_id}/reward", "post"), IN_PATH),
+    "End": (_ref("/rl/sessions/{session_id}/end", "post"), IN_PATH),
+}
+CREATED: dict[int | str, dict[str, Any]] = {
+    201: {
+        "links": {
+            name: {"operationRef": ref, "parameters": parameters}
+            for name, (ref, parameters) in SESSION_LINKS.items()
+        }
+    }
+}
+
+
+@sessions_router.post(
+    "",
+    response_model=SessionCreated,
+    status_code=201,
+    summary="Start a session (waits for admission, then 429 with Retry-After)",
+    responses={**CREATED, **documented(400, 401, 403, 404, 422, 429)},
+)
+async def create_session(body: SessionCreate, ctx: Ctx, caller: CallerDep) -> SessionCreated:
+    if caller.kind == "anonymous":
+        raise Unauthorized("Creating a session needs the admin key or a run key.")
+    if caller.kind == "session":
+        raise Forbidden("A session key cannot create sessions.")
+    run_id = body.run_id or caller.run_id or ctx.default_run_id
+    auth.require_run_access(caller, run_id)
+    return await sessions.create_session(ctx, run_id, body.task_id, body.group_id, body.metadata)
+
+
+@sessions_router.get(
+    "",
+    response_model=list[SessionSummary],
+    summary="List sessions, newest first",
+    responses=documented(401, 403, 422),
+)
+async def list_sessions(
+    ctx: Ctx,
+    _: AdminDep,
+    run_id: QueryId = None,
+    status: SessionStatus | None = None,
+    task_id: QueryName = None,
+    limit: Limit = 50,
+    offset: Offset = 0,
+) -> list[SessionSummary]:
+    return await sessions.list_sessions(ctx, run_id, status, task_id, limit, offset)
+
+
+@sessions_router.get(
+    "/{session_id}",
+    response_model=SessionOut,
+    summary="A session, its turns and rows",
+    responses=documented(401, 403, 404, 422),
+)
+async def get_session(session_id: PathId, ctx: Ctx, caller: KeyedDep) -> SessionOut:
+    session = await sessions.get_session(ctx, session_id)
+    auth.require_session_access(caller, session.run_id, session.id)
+    return await sessions.session_view(ctx, session)
+
+
+@sessions_router.post(
+    "/{session_id}/reward",
+    response_model=RewardOut,
+    summary="Reward a session or turn (an ended session is trainable with its session reward)",
+    responses=documented(400, 401, 403, 404, 409, 422),
+)
+async def reward(session_id: PathId, body: RewardIn, ctx: Ctx, caller: KeyedDep) -> RewardOut:
+    session = await sessions.get_session(ctx, session_id)
+    auth.require_session_access(caller, session.run_id, session.id)
+    return await sessions.post_reward(
+        ctx, session.run_id, session_id, body.reward, body.completion_id
+    )
+
+
+@sessions_router.post(
+    "/{session_id}/end", summary="End a session", responses=documented(401, 403, 404, 422)
+)
+async def end(session_id: PathId, ctx: Ctx, caller: KeyedDep) -> dict:
+    session = await sessions.get_session(ctx, session_id)
+    auth.require_session_access(caller, session.run_id, session.id)
+    ended = await sessions.end_session(ctx, session_id)
+    return {"session_id": session_id, "status": ended.status}
+
+
+runs_router = APIRouter(prefix="/rl", tags=["runs"])
+
+
+@runs_router.post(
+    "/runs",
+    response_model=RunCreated,
+    status_code=201,
+    summary="Create a run",
+    responses=documented(400, 401, 403, 422),
+)
+async def create_run(body: RunCreate, ctx: Ctx, _: AdminDep) -> dict:
+    run, key = await runs.create_run(ctx, body.name, body.config)
+    return {**await runs.run_view(ctx, run), "api_key": key}
+
+
+@runs_router.get(
+    "/runs", response_model=list[RunOut], summary="List runs", responses=documented(401, 403, 422)
+)
+async def list_runs(ctx: Ctx, _: AdminDep, limit: Limit = 100, offset: Offset = 0) -> list[dict]:
+    async with ctx.sessionmaker() as db:
+        found = await store_runs.list_runs(db, limit, offset)
+    return [await runs.run_view(ctx, run) for run in found]
+
+
+@runs_router.get(
+    "/runs/{run_id}",
+    response_model=RunOut,
+    summary="A run, its counts and version",
+    responses=documented(401, 403, 404, 422),
+)
+async def get_run(run_id: PathId, ctx: Ctx, caller: KeyedDep) -> dict:
+    run = await runs.get_run(ctx, run_id)
+    auth.require_run_access(caller, run.id)
+    return await runs.run_view(ctx, run)
+
+
+@runs_router.patch(
+    "/runs/{run_id}",
+    response_model=RunOut,
+    summary="Change a run's config",
+    responses=documented(400, 401, 403, 404, 422),
+)
+async def patch_run(
+    run_id: PathId,
+    ctx: Ctx,
+    _: AdminDep,
+    config: Annotated[dict[Name, Any], Body(embed=True, max_length=1000)],
+) -> dict:
+    return await runs.run_view(ctx, await runs.update_config(ctx, run_id, config))
+
+
+@runs_router.post(
+    "/runs/{run_id}/claims",
+    response_model=ClaimOut,
+    summary="Claim trainable sessions",
+    responses=documented(400, 401, 403, 404, 422),
+)
+async def claim(run_id: PathId, body: ClaimIn, ctx: Ctx, _: AdminDep) -> ClaimOut:
+    run = await runs.get_run(ctx, run_id)
+    return await claims.claim(ctx, run, body.max_sessions, body.lease_s, body.group_size)
+
+
+@runs_router.post(
+    "/runs/{run_id}/steps",
+    response_model=StepOut,
+    status_code=201,
+    summary="Record a trainer step's figures (reposting a step replaces them)",
+    responses=documented(400, 401, 403, 404, 422),
+)
+async def record_step(run_id: PathId, body: StepIn, ctx: Ctx, _: AdminDep) -> StepOut:
+    return await steps.record(ctx, run_id, body)
+
+
+@runs_router.post(
+    "/claims/renew",
+    response_model=RenewOut,
+    summary="Hold claims longer (sessions back in the pool after a lapse too, if not retaken)",
+    responses=documented(400, 401, 403, 422),
+)
+async def renew_claims(body: RenewIn, ctx: Ctx, _: AdminDep) -> RenewOut:
+    return await claims.renew(ctx, body.claim_ids, body.lease_s)
+
+
+@runs_router.post(
+    "/claims/{claim_id}/confirm",
+    response_model=ConfirmOut,
+    summary="Mark a claim's sessions consumed, or dropped with a reason",
+    responses=documented(400, 401, 403, 404, 422),
+)
+async def confirm_claim(
+    claim_id: PathId, ctx: Ctx, _: AdminDep, body: ConfirmIn | None = None
+) -> ConfirmOut:
+    return await claims.confirm(ctx, claim_id, body.dropped if body is not None else {})
+
+
+@runs_router.post(
+    "/claims/{claim_id}/drop",
+    response_model=DropOut,
+    summary="Drop sessions of a claim now, each with its reason (before the claim is confirmed)",
+    responses=documented(400, 401, 403, 404, 422),
+)
+async def drop_from_claim(claim_id: PathId, body: DropIn, ctx: Ctx, _: AdminDep) -> DropOut:
+    return await claims.drop(ctx, claim_id, body.dropped)
+
+
+@runs_router.post(
+    "/claims/{claim_id}/release",
+    response_model=ReleaseOut,
+    summary="Give a claim's sessions back",
+    responses=documented(401, 403, 404, 422),
+)
+async def release_claim(claim_id: PathId, ctx: Ctx, _: AdminDep) -> ReleaseOut:
+    return await claims.release(ctx, claim_id)
+
+
+admin_router = APIRouter(prefix="/admin", tags=["admin"], responses=documented(401, 403))
+
+
+@admin_router.post(
+    "/weights",
+    response_model=WeightsOut,
+    summary="Swap new weights into every engine",
+    responses=documented(400, 404, 422, 502, 503),
+)
+async def publish_weights(body: WeightsIn, ctx: Ctx, _: AdminDep) -> WeightsOut:
+    return await weights.publish(ctx, body)
+
+
+@admin_router.post(
+    "/weights/group",
+    summary="Have every engine join the trainer's weight group",
+    responses=documented(400, 409, 422, 502, 503),
+)
+async def weight_group(body: WeightGroupIn, ctx: Ctx, _: AdminDep) -> dict:
+    return await weights.form_group(ctx, body)
+
+
+@admin_router.get("/engines", summary="Each engine's URL, health, load and served version")
+async def engines(ctx: Ctx, _: AdminDep) -> list[dict]:
+    return [
+        {
+            "url": e.url,
+            "healthy": e.healthy,
+            "in_flight": e.in_flight,
+            "weight_version": e.weight_version,
+            "context_length": e.context_length,
+            "tp_size": e.tp_size,
+            "served_tokens": e.served_tokens,
+            "failures": e.failures,
+            "last_error": e.last_error,
+        }
+        for e in ctx.pool.engines
+    ]
+
+
+ROUTERS = (sessions_router, runs_router, admin_router)

@@ -1,0 +1,81 @@
+"""Runs as the REST API sees them: create, show, configure (the validated config is kept in
+memory for a moment)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from server.context import ServerContext
+from server.errors import NotFound, Unprocessable
+from server.rl.schemas import RunOut
+from server.store import runs
+from server.store.run_config import RunConfig
+from server.store.tables import Run
+
+
+def effective_config(run: Run) -> dict[str, Any]:
+    """The run's config as it acts: every field, defaults included (for a run stored before a
+    field existed), and the keys the server does not know."""
+    return RunConfig.model_validate(run.config).model_dump()
+
+
+async def run_view(ctx: ServerContext, run: Run) -> dict[str, Any]:
+    async with ctx.sessionmaker() as db:
+        counts = await runs.session_counts(db, run.id)
+        totals = await runs.run_totals(db, run.id)
+    return RunOut(
+        id=run.id,
+        name=run.name,
+        model=run.model,
+        model_path=str(Path(ctx.settings.model).resolve()),
+        weights_path=run.weights_path,
+        config=effective_config(run),
+        policy_version=run.policy_version,
+        is_default=run.is_default,
+        created_at=run.created_at,
+        sessions=counts,
+        totals=totals,
+    ).model_dump()
+
+
+async def get_run(ctx: ServerContext, run_id: str) -> Run:
+    async with ctx.sessionmaker() as db:
+        run = await runs.get_run(db, run_id)
+    if run is None:
+        raise NotFound(f"No run {run_id!r}.", code="run_not_found")
+    return run
+
+
+async def run_config(ctx: ServerContext, run_id: str) -> RunConfig:
+    """The run's validated config (kept in memory for a moment: ``ctx.run_configs``)."""
+    config = await ctx.run_configs.get(run_id)
+    if config is None:
+        raise NotFound(f"No run {run_id!r}.", code="run_not_found")
+    return config
+
+
+async def create_run(ctx: ServerContext, name: str, config: RunConfig) -> tuple[Run, str]:
+    async with ctx.sessionmaker() as db, db.begin():
+        run, key = await runs.create_run(
+            db, name, ctx.model_name, config.model_dump(exclude_none=False)
+        )
+    ctx.run_configs.put(run.id, config)
+    return run, key
+
+
+async def update_config(ctx: ServerContext, run_id: str, patch: dict[str, Any]) -> Run:
+    """Merge ``patch`` into the run's config; the result must validate as a RunConfig."""
+    async with ctx.sessionmaker() as db, db.begin():
+        run = await runs.get_run(db, run_id)
+        if run is None:
+            raise NotFound(f"No run {run_id!r}.", code="run_not_found")
+        merged = {**run.config, **patch}
+        try:
+            config = RunConfig.model_validate(merged)
+        except ValueError as exc:
+            raise Unprocessable(f"Invalid run config: {exc}") from exc
+        run.config = config.model_dump()
+    ctx.run_configs.put(run_id, config)
+    await ctx.admission.notify()
+    return run
