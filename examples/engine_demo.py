@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from server.engine.launcher import EngineProcess
+from server.common.processes import EngineProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ PROMPT = "<|im_start|>user\nWhat is 17 + 25?<|im_end|>\n<|im_start|>assistant\n"
 
 def ensure_model() -> Path:
     if not (MODEL_DIR / "model.safetensors").exists():
-        from server.engine.tiny_model import create_tiny_model
+        from server.common.tiny_model import create_tiny_model
 
         print(f"creating the tiny model in {MODEL_DIR} ...")
         create_tiny_model(MODEL_DIR, "tiny")
