@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
 
 from server.engine_client.pool import parse_version
-from server.store.tables import Run, Session
+from server.store import runs as store_runs
+from server.store import stats as store_stats
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -46,12 +46,8 @@ class StateCollector(Collector):
         if self.ctx is None:
             return
         async with self.ctx.sessionmaker() as db:
-            query = select(Session.run_id, Session.status, func.count()).group_by(
-                Session.run_id, Session.status
-            )
-            self.sessions = [(r, s, int(n)) for r, s, n in (await db.execute(query)).all()]
-            versions = await db.execute(select(Run.id, Run.policy_version))
-            self.versions = [(run_id, int(version)) for run_id, version in versions.all()]
+            self.sessions = await store_stats.sessions_by_run_and_status(db)
+            self.versions = await store_runs.policy_versions(db)
 
     def describe(self) -> list[Metric]:
         return []  # nothing to check at registration: the context arrives at start-up

@@ -12,11 +12,9 @@ import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import async_sessionmaker
-
 from server.store import sessions as store_sessions
 from server.store import turns as store_turns
+from server.store.database import Sessionmaker
 from server.store.packing import unpack_ints
 from server.store.tables import Turn
 from server.text.tokenization import Tokenizer
@@ -61,7 +59,7 @@ def last_turn(
 
 class SessionRegistry:
     def __init__(
-        self, sessionmaker: async_sessionmaker, tokenizer: Tokenizer, capacity: int = 20_000
+        self, sessionmaker: Sessionmaker, tokenizer: Tokenizer, capacity: int = 20_000
     ) -> None:
         self._sessionmaker = sessionmaker
         self._tokenizer = tokenizer
@@ -92,9 +90,7 @@ class SessionRegistry:
                 return None
             state = SessionState(session.id, session.run_id, session.status, engine=session.engine)
             last = await store_turns.last_request_turns(db, session_id)
-            top_row = await db.scalar(
-                select(func.max(Turn.row_index)).where(Turn.session_id == session_id)
-            )
+            top_row = await store_turns.last_row_index(db, session_id)
         if last:
             state.next_turn = max(t.turn_index for t in last) + 1
             state.next_row = int(top_row or 0) + 1

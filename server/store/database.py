@@ -74,6 +74,10 @@ def connect_sync(url: str) -> Engine:
     return engine
 
 
+# What the layers above the store hold to open a database session, naming no sqlalchemy type.
+Sessionmaker = async_sessionmaker
+
+
 def sessionmaker(engine: AsyncEngine) -> async_sessionmaker:
     return async_sessionmaker(engine, expire_on_commit=False)
 

@@ -54,6 +54,12 @@ async def set_config(db: AsyncSession, run_id: str, config: dict[str, Any]) -> N
     await db.execute(update(Run).where(Run.id == run_id).values(config=config))
 
 
+async def policy_versions(db: AsyncSession) -> list[tuple[str, int]]:
+    """(run_id, the policy version it serves) for every run."""
+    rows = await db.execute(select(Run.id, Run.policy_version))
+    return [(run_id, int(version)) for run_id, version in rows.all()]
+
+
 async def set_policy_version(
     db: AsyncSession, run_id: str, version: int, weights_path: str | None
 ) -> None:

@@ -223,3 +223,14 @@ async def completion_tokens(db: AsyncSession, session_ids: list[str]) -> dict[st
         .group_by(Turn.session_id)
     )
     return {sid: int(n) for sid, n in (await db.execute(query)).all()}
+
+
+# ----- every run (/metrics) --------------------------------------------------------------------
+
+
+async def sessions_by_run_and_status(db: AsyncSession) -> list[tuple[str, str, int]]:
+    """(run_id, status, sessions) for every run and status that has sessions: one GROUP BY."""
+    query = select(Session.run_id, Session.status, func.count()).group_by(
+        Session.run_id, Session.status
+    )
+    return [(run_id, status, int(n)) for run_id, status, n in (await db.execute(query)).all()]

@@ -194,6 +194,11 @@ async def last_request_turns(db: AsyncSession, session_id: str) -> list[Turn]:
     return list(await db.scalars(query.order_by(Turn.turn_index)))
 
 
+async def last_row_index(db: AsyncSession, session_id: str) -> int | None:
+    """The highest training row any of the session's turns belongs to (None: no turns)."""
+    return await db.scalar(select(func.max(Turn.row_index)).where(Turn.session_id == session_id))
+
+
 def sampled_temperature(turn: Turn) -> float | None:
     """The temperature the turn was sampled at, as its sampling settings recorded it."""
     value = (turn.sampling or {}).get("temperature")
