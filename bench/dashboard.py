@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import random
+import secrets
 import statistics
 import sys
 import tempfile
@@ -36,10 +37,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import httpx  # noqa: E402
 from sqlalchemy import create_engine, insert  # noqa: E402
 
+from server.common.processes import ProxyProcess  # noqa: E402
 from server.store.database import sync_url, upgrade  # noqa: E402
 from server.store.packing import pack_floats, pack_ints  # noqa: E402
 from server.store.tables import Reward, Run, Session, TrainerStep, Turn  # noqa: E402
-from tests.support import ProxyProcess  # noqa: E402
 
 TARGET_S = 1.0
 STATUSES = [("consumed", 0.7), ("trainable", 0.1), ("ended", 0.08), ("open", 0.05)]
@@ -210,9 +211,10 @@ def main() -> None:
         started = time.perf_counter()
         run_id, session_id = seed(url, args.sessions, args.steps, rng)
         print(f"seeded {args.sessions:,} sessions in {time.perf_counter() - started:.1f}s")
-        with ProxyProcess(model, Path(tmp) / "data", "--db", url) as proxy:
+        admin_key = secrets.token_hex(16)
+        with ProxyProcess(model, Path(tmp) / "data", admin_key, "--db", url) as proxy:
             login = httpx.post(
-                f"{proxy.url}/admin/login", data={"key": proxy.ADMIN_KEY}, follow_redirects=False
+                f"{proxy.url}/admin/login", data={"key": admin_key}, follow_redirects=False
             )
             cookies = {"proxrl_admin": login.cookies["proxrl_admin"]}
             with httpx.Client(base_url=proxy.url, cookies=cookies, timeout=60) as client:

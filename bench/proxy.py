@@ -53,6 +53,7 @@ import math
 import os
 import platform
 import random
+import secrets
 import signal
 import statistics
 import sys
@@ -72,10 +73,14 @@ import httpx  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 
 from bench.common import new_sessions, positive_int  # noqa: E402
-from server.common.processes import EngineProcess, ServerProcess, free_port  # noqa: E402
+from server.common.processes import (  # noqa: E402
+    EngineProcess,
+    ProxyProcess,
+    ServerProcess,
+    free_port,
+)
 from server.proxy.generation import SamplingRequest, engine_body  # noqa: E402
 from server.text.tokenization import Tokenizer  # noqa: E402
-from tests.support import ProxyProcess  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "proxy.json"
 LOG_DIR = ROOT / ".cache" / "bench"
@@ -307,6 +312,13 @@ async def proxy_phase(
     return result
 
 
+def stored_turns(proxy: ProxyProcess, session_id: str) -> list[dict]:
+    """The turns the proxy stored for a session (admin key)."""
+    reply = httpx.get(f"{proxy.url}/rl/sessions/{session_id}", headers=proxy.admin, timeout=60)
+    reply.raise_for_status()
+    return reply.json()["turns"]
+
+
 def check_stored(
     proxy: ProxyProcess, scenario: Scenario, sessions: list[dict], result: PhaseResult
 ) -> int:
@@ -314,7 +326,7 @@ def check_stored(
     the prompt ids the direct side used and the completion length the client was told."""
     stored, told = 0, iter(result.completion_tokens)
     for session, requests in zip(sessions, scenario.clients, strict=True):
-        turns = proxy.get_session(session["session_id"])["turns"]
+        turns = stored_turns(proxy, session["session_id"])
         if len(turns) != len(requests):
             raise RuntimeError(f"{len(turns)} turns stored for {len(requests)} requests")
         for turn, request in zip(turns, requests, strict=True):
@@ -566,7 +578,9 @@ def main() -> None:
             "--incremental-streaming-output",
             *("--num-threads", str(args.engine_threads)),
         ) as engine,
-        ProxyProcess(model_dir, Path(data_dir), "--engines", engine.url) as proxy,
+        ProxyProcess(
+            model_dir, Path(data_dir), secrets.token_hex(16), "--engines", engine.url
+        ) as proxy,
         Forwarder(engine.url, LOG_DIR / "proxy-bench-forwarder.log") as forwarder,
     ):
         measure(engine, proxy, forwarder, model_dir.name, scenarios, args)

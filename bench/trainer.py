@@ -59,6 +59,7 @@ import itertools
 import os
 import platform
 import random
+import secrets
 import signal
 import statistics
 import sys
@@ -80,8 +81,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from bench.common import new_sessions, positive_int  # noqa: E402
+from server.common.processes import ProxyProcess  # noqa: E402
 from server.common.weight_transfer import read_checkpoint  # noqa: E402
-from tests.support import ProxyProcess  # noqa: E402
 from trainer import attention  # noqa: E402
 from trainer.batching import pack, packed, padded, shift_logprobs  # noqa: E402
 from trainer.config import AlgorithmConfig  # noqa: E402
@@ -385,6 +386,13 @@ async def swap_round(
     return SwapRound(body["pause_seconds"], body["policy_version"], (sent, answered), answers)
 
 
+def stored_turns(proxy: ProxyProcess, session_id: str) -> list[dict]:
+    """The turns the proxy stored for a session (admin key)."""
+    reply = httpx.get(f"{proxy.url}/rl/sessions/{session_id}", headers=proxy.admin, timeout=60)
+    reply.raise_for_status()
+    return reply.json()["turns"]
+
+
 def check_answers(
     proxy: ProxyProcess, sessions: list[dict], rounds: list[SwapRound], max_tokens: int
 ) -> dict:
@@ -392,7 +400,7 @@ def check_answers(
     victims: answers in flight across a publish, and those the proxy resubmitted."""
     total = in_flight = resubmitted = on_new_version = 0
     for index, session in enumerate(sessions):
-        stored = proxy.get_session(session["session_id"])["turns"]
+        stored = stored_turns(proxy, session["session_id"])
         told = sum(len(round_.answers[index]) for round_ in rounds)
         if len(stored) != told:
             raise RuntimeError(f"{len(stored)} turns stored for {told} answers of client {index}")
@@ -433,7 +441,7 @@ def measure_swaps(model_dir: Path, args: argparse.Namespace) -> dict:
         versions = write_versions(model, model_dir, Path(tmp), args.swaps + 1)
         model.to(args.device)
         print("starting the proxy (with its engine) ...", flush=True)
-        with ProxyProcess(model_dir, Path(tmp) / "data") as proxy:
+        with ProxyProcess(model_dir, Path(tmp) / "data", secrets.token_hex(16)) as proxy:
             sessions = asyncio.run(new_sessions(proxy.url, proxy.admin, args.clients))
             rounds = []
             for index, path in enumerate(versions):

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from server.context import ServerContext
-from server.errors import BadRequest, Forbidden, NotFound, Unauthorized
+from server.errors import (
+    AuthenticationRequired,
+    InvalidKey,
+    InvalidRequest,
+    KeyOutOfScope,
+    SessionNotFound,
+)
 from server.proxy.session_cache import SessionState
 from server.store import runs as store_runs
 from server.store import sessions as store_sessions
@@ -51,12 +57,12 @@ async def identify(ctx: ServerContext, authorization: str | None) -> Caller:
     if cached is None:
         # Keys are issued before anyone can use them, so one unknown now stays unknown.
         if key_hash in ctx.unknown_keys:
-            raise Unauthorized("Invalid API key.", code="invalid_api_key")
+            raise InvalidKey()
         cached = await _lookup(ctx, key_hash)
         if cached is None:
             if len(ctx.unknown_keys) < KEY_CACHE_LIMIT:
                 ctx.unknown_keys.add(key_hash)
-            raise Unauthorized("Invalid API key.", code="invalid_api_key")
+            raise InvalidKey()
         if len(ctx.key_cache) < KEY_CACHE_LIMIT:
             ctx.key_cache[key_hash] = cached
     kind, run_id, session_id = cached
@@ -76,9 +82,11 @@ async def _lookup(ctx: ServerContext, key_hash: str) -> tuple[str, str | None, s
 
 def require_admin(caller: Caller) -> None:
     if caller.kind == "anonymous":
-        raise Unauthorized("This call needs the admin key: 'Authorization: Bearer <key>'.")
+        raise AuthenticationRequired(
+            "This call needs the admin key: 'Authorization: Bearer <key>'."
+        )
     if not caller.is_admin:
-        raise Forbidden("This call needs the admin key.")
+        raise KeyOutOfScope("This call needs the admin key.")
 
 
 def require_run_access(caller: Caller, run_id: str) -> None:
@@ -86,8 +94,8 @@ def require_run_access(caller: Caller, run_id: str) -> None:
     if caller.is_admin or (caller.kind == "run" and caller.run_id == run_id):
         return
     if caller.kind == "anonymous":
-        raise Unauthorized("This call needs the admin key or the run's key.")
-    raise Forbidden("This key cannot reach that run.")
+        raise AuthenticationRequired("This call needs the admin key or the run's key.")
+    raise KeyOutOfScope("This key cannot reach that run.")
 
 
 def require_session_access(caller: Caller, run_id: str, session_id: str) -> None:
@@ -103,26 +111,26 @@ async def session_for_generation(
     """The session an OpenAI-style call belongs to, checked against the caller."""
     if caller.kind == "session":
         if path_session is not None and path_session != caller.session_id:
-            raise Forbidden("This session key belongs to another session.")
+            raise KeyOutOfScope("This session key belongs to another session.")
         session_id = caller.session_id
     elif path_session is not None:
         session_id = path_session
     else:
         if caller.kind == "anonymous":
-            raise Unauthorized(
+            raise AuthenticationRequired(
                 "Missing API key: use a session key from POST /rl/sessions as the api_key.",
                 code="invalid_api_key",
             )
         session_id = header_session
         if session_id is None:
-            raise BadRequest(
+            raise InvalidRequest(
                 "Name the session: use its key as api_key, the path /sessions/{id}/v1/..., or "
                 "the header X-Session-Id."
             )
     assert session_id is not None
     state = await ctx.sessions.get(session_id)
     if state is None:
-        raise NotFound(f"No session {session_id!r}.", code="session_not_found")
+        raise SessionNotFound(session_id)
     if caller.kind == "run" and caller.run_id != state.run_id:
-        raise Forbidden("This run key cannot reach that session.")
+        raise KeyOutOfScope("This run key cannot reach that session.")
     return state

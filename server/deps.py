@@ -9,7 +9,7 @@ from fastapi import Depends, Header, Request
 
 from server import auth
 from server.context import ServerContext
-from server.errors import Unauthorized
+from server.errors import AuthenticationRequired, InvalidKey
 
 
 async def get_context(request: Request) -> ServerContext:
@@ -38,7 +38,7 @@ async def get_path_caller(ctx: Ctx, authorization: Authorization = None) -> auth
     proxrl did not issue (an agent's fixed key) counts as no key rather than a wrong one."""
     try:
         return await auth.identify(ctx, authorization)
-    except Unauthorized:
+    except InvalidKey:
         return auth.Caller("anonymous")
 
 
@@ -48,7 +48,7 @@ PathCallerDep = Annotated[auth.Caller, Depends(get_path_caller)]
 async def get_keyed(caller: CallerDep) -> auth.Caller:
     """Any valid key (checked before anything is looked up, so no key learns nothing)."""
     if caller.kind == "anonymous":
-        raise Unauthorized("Missing API key: 'Authorization: Bearer <key>'.")
+        raise AuthenticationRequired("Missing API key: 'Authorization: Bearer <key>'.")
     return caller
 
 

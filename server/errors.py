@@ -1,101 +1,329 @@
-"""Domain errors, rendered in one place in OpenAI's shape: {"error": {message, type, param, code}}.
+"""Every error the server answers with: one tree of domain exceptions, rendered in one place in
+OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
-Domain modules raise these (never HTTPException); ``install`` maps them, request validation
-errors and anything unexpected to JSON responses. Bad input always gets a 4xx that says what to
-fix; a bug gets a 500 that says so without leaking internals.
+Domain modules raise these, named for what went wrong (never HTTPException, never a status);
+``RENDERING`` says once, per class, which HTTP status, error type and default code the client
+gets, and whether it says when to retry. The exception handlers (``install``), the OpenAPI
+document (``documented``) and the error event a stream ends with
+(``server.proxy.streaming.api_error``) all read that table. The tree::
+
+    ProxrlError                  500  a bug: logged with its traceback, never shown
+    ├── InvalidRequest           400  the request is malformed; the message says what to fix
+    │   └── PromptTooLong        400  the prompt (plus max_tokens) exceeds the context
+    ├── InvalidConfig            422  a run config that does not validate
+    ├── NotInClaim               422  sessions named in ``dropped`` that are not the claim's
+    ├── AuthenticationRequired   401  no key, or not one the call takes
+    │   └── InvalidKey           401  a key proxrl did not issue
+    ├── KeyOutOfScope            403  a valid key that cannot reach this run, session or call
+    ├── ResourceNotFound         404  no such thing (a dashboard file)
+    │   ├── RunNotFound          404
+    │   ├── SessionNotFound      404
+    │   ├── CompletionNotFound   404  no turn with that completion_id in the session
+    │   └── ModelNotFound        404  a model name this server does not serve
+    ├── SessionNotOpen           409  the session takes no more turns
+    ├── RewardsClosed            409  the session takes no more rewards (claimed, settled)
+    ├── RewardConflict           409  a different reward was already posted for that target
+    ├── StalenessBound           429  the run's admission is full (Retry-After)
+    ├── NoEngineAvailable        503  no engine in rotation could serve (Retry-After)
+    │   └── ContextLengthUnknown 503  no engine has reported its context length yet
+    ├── EngineError              503  the engine serving the request failed (Retry-After)
+    │   ├── EngineUnavailable    503  it timed out, broke off or answered 5xx: another may serve
+    │   └── EngineRejected       400  it refused the request (4xx): no other engine would take it
+    └── WeightUpdateFailed       502  an engine failed to load weights or join a weight group
+        ├── WeightsRefused       400  every engine refused the weights named
+        ├── RendezvousUnreachable 422 the trainer's rendezvous does not answer
+        ├── WeightGroupRefused   422  an engine refused the weight group's values
+        └── NoEngineToUpdate     503  no engine in rotation to update
+
+Only this module knows statuses. It imports no web framework at its top, so the store and the
+engine client raise these without loading FastAPI (``install`` imports it when the app is
+built).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
 
 log = logging.getLogger(__name__)
 
+INTERNAL_MESSAGE = "The server hit an internal error; it has been logged."
 
-class ProxyError(Exception):
-    status = 500
-    type = "server_error"
+
+class ProxrlError(Exception):
+    """The root: what the client reads is ``message`` (the table's lead, then ``detail``, which
+    is also ``str(exc)``), with ``param`` and ``code``; ``status``, ``type`` and ``headers``
+    come from ``RENDERING``."""
 
     def __init__(
         self,
-        message: str,
+        detail: str,
         param: str | None = None,
         code: str | None = None,
-        headers: dict[str, str] | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
-        super().__init__(message)
-        self.message, self.param, self.code, self.headers = message, param, code, headers
+        super().__init__(detail)
+        rendering = rendering_of(type(self))
+        self.message = rendering.lead + detail
+        self.param = param
+        self.code = code if code is not None else rendering.code
+        self.status, self.type = rendering.status, rendering.type
+        retry = retry_after_s if retry_after_s is not None else rendering.retry_after_s
+        self.headers = {"Retry-After": str(retry)} if retry is not None else None
 
 
-class BadRequest(ProxyError):
-    status, type = 400, "invalid_request_error"
+class InvalidRequest(ProxrlError):
+    pass
 
 
-class Unauthorized(ProxyError):
-    status, type = 401, "authentication_error"
+class PromptTooLong(InvalidRequest):
+    pass
 
 
-class Forbidden(ProxyError):
-    status, type = 403, "permission_error"
+class InvalidConfig(ProxrlError):
+    pass
 
 
-class NotFound(ProxyError):
-    status, type = 404, "not_found_error"
+class NotInClaim(ProxrlError):
+    def __init__(self, claim_id: str, session_ids: list[str]) -> None:
+        super().__init__(
+            f"Sessions named in dropped are not in claim {claim_id!r}: "
+            f"{', '.join(session_ids[:20])}.",
+            param="dropped",
+        )
+        self.session_ids = session_ids
 
 
-class Conflict(ProxyError):
-    status, type = 409, "conflict_error"
+class AuthenticationRequired(ProxrlError):
+    pass
 
 
-class Unprocessable(ProxyError):
-    status, type = 422, "invalid_request_error"
+class InvalidKey(AuthenticationRequired):
+    def __init__(self) -> None:
+        super().__init__("Invalid API key.")
 
 
-class TooManyRequests(ProxyError):
-    status, type = 429, "rate_limit_error"
+class KeyOutOfScope(ProxrlError):
+    pass
 
 
-class BadGateway(ProxyError):
-    status, type = 502, "engine_error"
+class ResourceNotFound(ProxrlError):
+    pass
 
 
-class Unavailable(ProxyError):
-    status, type = 503, "service_unavailable"
+class RunNotFound(ResourceNotFound):
+    def __init__(self, run_id: str | None) -> None:
+        super().__init__(f"No run {run_id!r}.")
 
 
-ERROR_TYPES = {
-    kind.status: kind.type
-    for kind in (Unauthorized, Forbidden, NotFound, Conflict, TooManyRequests, Unavailable)
+class SessionNotFound(ResourceNotFound):
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"No session {session_id!r}.")
+
+
+class CompletionNotFound(ResourceNotFound):
+    def __init__(self, completion_id: str) -> None:
+        message = f"no turn with completion_id {completion_id!r} in this session"
+        super().__init__(message, param="completion_id")
+
+
+class ModelNotFound(ResourceNotFound):
+    def __init__(self, model: str, served: str) -> None:
+        message = f"The model '{model}' does not exist; this server serves '{served}'."
+        super().__init__(message, param="model")
+
+
+class SessionNotOpen(ProxrlError):
+    def __init__(self, status: str) -> None:
+        super().__init__(f"The session is {status}; it takes no more turns.")
+
+
+class RewardsClosed(ProxrlError):
+    def __init__(self, status: str) -> None:
+        super().__init__(f"the session is {status}; it takes no more rewards")
+        self.session_status = status
+
+
+class RewardConflict(ProxrlError):
+    def __init__(self, existing: float) -> None:
+        message = f"a different reward ({existing}) was already posted for this target"
+        super().__init__(message, param="reward")
+        self.existing = existing
+
+
+class StalenessBound(ProxrlError):
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(
+            "The run is at its staleness bound: generation is ahead of training. "
+            "Retry after the trainer publishes a new policy version.",
+            retry_after_s=retry_after_s,
+        )
+
+
+class NoEngineAvailable(ProxrlError):
+    pass
+
+
+class ContextLengthUnknown(NoEngineAvailable):
+    def __init__(self) -> None:
+        super().__init__(
+            "No engine has reported its context length, so no engine can serve; "
+            "see GET /admin/engines."
+        )
+
+
+class EngineError(ProxrlError):
+    pass
+
+
+class EngineUnavailable(EngineError):
+    """The engine did not answer, answered 5xx, or broke off: another engine may serve."""
+
+
+class EngineRejected(EngineError):
+    """The engine refused the request (4xx): retrying elsewhere would not help."""
+
+    def __init__(self, engine_status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.engine_status = engine_status
+
+
+class WeightUpdateFailed(ProxrlError):
+    pass
+
+
+class WeightsRefused(WeightUpdateFailed):
+    pass
+
+
+class RendezvousUnreachable(WeightUpdateFailed):
+    pass
+
+
+class WeightGroupRefused(WeightUpdateFailed):
+    pass
+
+
+class NoEngineToUpdate(WeightUpdateFailed):
+    pass
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """How the client sees one kind of error. ``lead`` comes before the raiser's detail (the
+    engine's own words, say); ``retry_after_s``: the Retry-After header, where retrying may
+    help."""
+
+    status: int
+    type: str
+    code: str | None = None
+    retry_after_s: int | None = None
+    lead: str = ""
+
+
+_INVALID = "invalid_request_error"
+_UNAVAILABLE = "service_unavailable"
+# An engine may be back at the next health check (or the next request's probe): retry soon.
+_ENGINE_RETRY_S = 1
+
+RENDERING: dict[type[ProxrlError], Rendering] = {
+    ProxrlError: Rendering(500, "server_error"),
+    InvalidRequest: Rendering(400, _INVALID),
+    PromptTooLong: Rendering(400, _INVALID, "context_length_exceeded"),
+    InvalidConfig: Rendering(422, _INVALID, lead="Invalid run config: "),
+    NotInClaim: Rendering(422, _INVALID, "not_in_claim"),
+    AuthenticationRequired: Rendering(401, "authentication_error"),
+    InvalidKey: Rendering(401, "authentication_error", "invalid_api_key"),
+    KeyOutOfScope: Rendering(403, "permission_error"),
+    ResourceNotFound: Rendering(404, "not_found_error"),
+    RunNotFound: Rendering(404, "not_found_error", "run_not_found"),
+    SessionNotFound: Rendering(404, "not_found_error", "session_not_found"),
+    CompletionNotFound: Rendering(404, "not_found_error", "completion_not_found"),
+    ModelNotFound: Rendering(404, "not_found_error", "model_not_found"),
+    SessionNotOpen: Rendering(409, "conflict_error", "session_closed"),
+    RewardsClosed: Rendering(409, "conflict_error", "rewards_closed"),
+    RewardConflict: Rendering(409, "conflict_error", "reward_conflict"),
+    StalenessBound: Rendering(429, "rate_limit_error", "staleness_bound", retry_after_s=1),
+    NoEngineAvailable: Rendering(
+        503,
+        _UNAVAILABLE,
+        "no_engine_available",
+        _ENGINE_RETRY_S,
+        lead="No engine could serve this request: ",
+    ),
+    ContextLengthUnknown: Rendering(503, _UNAVAILABLE, "no_engine_available", _ENGINE_RETRY_S),
+    EngineError: Rendering(
+        503,
+        _UNAVAILABLE,
+        "engine_unavailable",
+        _ENGINE_RETRY_S,
+        lead="The engine serving this request failed: ",
+    ),
+    EngineUnavailable: Rendering(
+        503,
+        _UNAVAILABLE,
+        "engine_unavailable",
+        _ENGINE_RETRY_S,
+        lead="The engine serving this request failed: ",
+    ),
+    EngineRejected: Rendering(
+        400, _INVALID, "engine_rejected", lead="The engine refused the request: "
+    ),
+    WeightUpdateFailed: Rendering(502, "engine_error"),
+    WeightsRefused: Rendering(400, _INVALID),
+    RendezvousUnreachable: Rendering(422, _INVALID, "rendezvous_unreachable"),
+    WeightGroupRefused: Rendering(422, _INVALID, "engine_refused"),
+    NoEngineToUpdate: Rendering(503, _UNAVAILABLE),
 }
+
+
+def rendering_of(kind: type[ProxrlError]) -> Rendering:
+    """The table's entry for ``kind``, or for its nearest ancestor (a subclass made elsewhere)."""
+    for ancestor in kind.__mro__:
+        if ancestor in RENDERING:
+            return RENDERING[ancestor]  # type: ignore[index]
+    raise AssertionError(f"{kind.__name__} is not a ProxrlError")
+
+
+# The error type of each status (one per status: a unit test holds the table to it), for the
+# refusals the framework makes itself (an unknown path, a method no route has).
+TYPE_OF_STATUS = {rendering.status: rendering.type for rendering in RENDERING.values()}
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None):
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def _is_openai_route(request: Request) -> bool:
-    return _is_openai_path(request.url.path)
+def body_of(exc: ProxrlError) -> dict[str, Any]:
+    return error_body(exc.message, exc.type, exc.param, exc.code)
+
+
+# ----- rendering in the app (FastAPI is imported when the app is built, not here) -----------
 
 
 def _is_openai_path(path: str) -> bool:
     return path.startswith("/v1/") or path.startswith("/sessions/")
 
 
-async def _proxy_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, ProxyError)
-    body = error_body(exc.message, exc.type, exc.param, exc.code)
-    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
+    from fastapi.responses import JSONResponse
+
+    assert isinstance(exc, ProxrlError)
+    return JSONResponse(body_of(exc), status_code=exc.status, headers=exc.headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     # Of a union's branches, the one whose type matched says what to fix ("at most 16 items"),
@@ -109,31 +337,40 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     else:
         message = f"{first.get('msg')}" + (f" (at {param})" if param else "")
     # OpenAI answers bad parameters with 400; the REST API follows FastAPI's 422.
-    status = 400 if _is_openai_route(request) or first.get("type") == "json_invalid" else 422
-    return JSONResponse(error_body(message, "invalid_request_error", param), status_code=status)
+    openai = _is_openai_path(request.url.path)
+    status = 400 if openai or first.get("type") == "json_invalid" else 422
+    return JSONResponse(error_body(message, _INVALID, param), status_code=status)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     """Starlette's and FastAPI's own refusals (an unknown path, a method no route has, a body
     that cannot be decoded) in our shape rather than ``{"detail": ...}``."""
-    assert isinstance(exc, StarletteHTTPException)
-    kind = ERROR_TYPES.get(exc.status_code, "invalid_request_error")
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    assert isinstance(exc, HTTPException)
+    kind = TYPE_OF_STATUS.get(exc.status_code, _INVALID)
     body = error_body(str(exc.detail), kind)
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    body = error_body("The server hit an internal error; it has been logged.", "server_error")
-    return JSONResponse(body, status_code=500)
+    return await _domain_error(request, ProxrlError(INTERNAL_MESSAGE))
 
 
 def install(app: FastAPI) -> None:
-    app.add_exception_handler(ProxyError, _proxy_error)
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    app.add_exception_handler(ProxrlError, _domain_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
     app.openapi = _documenting_validation(app)  # type: ignore[method-assign]
+
+
+# ----- the OpenAPI document --------------------------------------------------------------------
 
 
 def _documenting_validation(app: FastAPI) -> Callable[[], dict[str, Any]]:
@@ -170,7 +407,7 @@ def _error_response(status: str, document: dict[str, Any]) -> dict[str, Any]:
     body.pop("$defs", None)
     schemas.setdefault("ErrorBody", body)
     return {
-        "description": _MEANINGS[int(status)],
+        "description": MEANINGS[int(status)],
         "content": {"application/json": {"schema": {"$ref": REF.format(model="ErrorBody")}}},
     }
 
@@ -191,7 +428,8 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-_MEANINGS = {
+# What each status means to a client reading the API document.
+MEANINGS = {
     400: "Bad request: the message says what to fix.",
     401: "No key, or a key proxrl did not issue.",
     403: "The key may not do this.",
@@ -209,14 +447,16 @@ _RETRY_AFTER = {
         "schema": {"type": "integer"},
     }
 }
+_RETRIED = {r.status for r in RENDERING.values() if r.retry_after_s is not None}
 
 
 def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """The ``responses=`` of a route that can answer ``statuses`` in the error shape."""
+    """The ``responses=`` of a route that can answer ``statuses`` in the error shape (with the
+    Retry-After header where an error of that status carries one)."""
     responses: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
-        entry: dict[str, Any] = {"model": ErrorBody, "description": _MEANINGS[status]}
-        if status in (429, 503):
+        entry: dict[str, Any] = {"model": ErrorBody, "description": MEANINGS[status]}
+        if status in _RETRIED:
             entry["headers"] = _RETRY_AFTER
         responses[status] = entry
     return responses

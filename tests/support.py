@@ -7,13 +7,13 @@ import contextlib
 import ipaddress
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
 from server.common.processes import EngineProcess as _Launcher
+from server.common.processes import ProxyProcess as _Serve
 from server.common.processes import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,30 +107,22 @@ async def stream_events(client: httpx.AsyncClient, url: str, body: dict, on_chun
     return events
 
 
-class ProxyProcess(ServerProcess):
+class ProxyProcess(_Serve):
     """``proxrl serve`` as a real process on loopback (it starts its own embedded engines
-    unless ``--engines`` is among ``extra``), stopped on exit."""
+    unless ``--engines`` is among ``extra``) with the admin key ``ADMIN_KEY``, offline, its
+    whole output in ``data_dir/proxy-{port}.log``; stopped on exit."""
 
     ADMIN_KEY = "test-admin-key"
-    name = "proxy"
     ready_timeout = 180.0
-    stop_timeout = 30.0  # it stops its own engines first
+    child_env = ServerProcess.child_env
+    log_stdout = True
 
     def __init__(self, model_dir: Path, data_dir: Path, *extra: str) -> None:
-        self.port = free_port()
-        self.data_dir = data_dir
-        data_dir.mkdir(parents=True, exist_ok=True)
-        command = [
-            sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
-            "--port", str(self.port), "--data-dir", str(data_dir),
-            "--admin-key", self.ADMIN_KEY, "--log-level", "warning", *extra,
-        ]  # fmt: skip
-        url = f"http://127.0.0.1:{self.port}"
-        super().__init__(command, url, data_dir / f"proxy-{self.port}.log", cwd=ROOT)
-
-    @property
-    def admin(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.ADMIN_KEY}"}
+        port = free_port()
+        log_path = data_dir / f"proxy-{port}.log"
+        super().__init__(
+            model_dir, data_dir, self.ADMIN_KEY, *extra, log_path=log_path, cwd=ROOT, port=port
+        )
 
     def session(self, **body) -> dict:
         """A new session (admin key): its id, api_key and base_url."""

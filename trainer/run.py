@@ -12,17 +12,13 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from server.common.processes import die_with_parent
+from server.common.processes import ProxyProcess, die_with_parent
 from trainer.checkpoint import TrainerState
 from trainer.cluster import LocalRay, WorkerGroup, is_loopback
 from trainer.config import TrainConfig
@@ -32,57 +28,15 @@ from trainer.server_api import ServerAPI
 log = logging.getLogger("proxrl.trainer")
 
 
-class LocalServer:
-    """``proxrl serve`` on loopback for a one-command local run, stopped on exit."""
+class LocalServer(ProxyProcess):
+    """``proxrl serve`` on loopback for a one-command local run: a fresh admin key of its own,
+    its log in ``data_dir/server.log``; serving once constructed, stopped by ``stop()``."""
+
+    name = "proxrl serve"
 
     def __init__(self, model_dir: str, data_dir: Path, timeout_s: float = 300.0) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.admin_key = secrets.token_urlsafe(24)
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = data_dir / "server.log"
-        command = [
-            sys.executable, "-m", "server.cli", "serve", "--model", model_dir,
-            "--port", str(port), "--data-dir", str(data_dir), "--log-level", "warning",
-        ]  # fmt: skip
-        env = {**os.environ, "PROXRL_ADMIN_KEY": self.admin_key}
-        self._log = self.log_path.open("w")
-        self.process = subprocess.Popen(
-            command,
-            env=env,
-            # Its stdout is for a person at a terminal (the default run's key); the log file
-            # takes its log (stderr) only, so no key lands in a file.
-            stdout=subprocess.DEVNULL,
-            stderr=self._log,
-            preexec_fn=die_with_parent(),  # stops (and stops its engines) if we are killed
-        )
-        self._wait_ready(timeout_s)
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"proxrl serve exited; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"proxrl serve did not start in {timeout_s:.0f}s; see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
+        super().__init__(model_dir, data_dir, secrets.token_urlsafe(24))
+        self.wait_ready(timeout_s)
 
 
 class TrainerProcess:

@@ -1,8 +1,9 @@
-"""Start ``proxrl engine`` (or another server) as a child process on loopback and wait until
-it serves.
+"""Start ``proxrl engine``, ``proxrl serve`` (or another server) as a child process on loopback
+and wait until it serves: the one child-process helper for every server the project starts.
 
-Used by whatever needs an embedded engine of its own (the demo, the proxy when no --engines
-are given, tests). Imports neither torch nor transformers: the engine runs in the child.
+Used by whatever needs a server of its own: the proxy its embedded engines when no --engines
+are given, ``proxrl train`` its local ``proxrl serve``, the demo, benchmarks and tests. Imports
+neither torch nor transformers: the servers run in the children.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Self
+from typing import IO, ClassVar, Self
 
 import httpx
 
@@ -50,8 +51,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class ServerProcess:
     """A server run as a child process on loopback (it dies with us, see
-    :func:`die_with_parent`), its output in ``log_path``; a context manager that waits until
-    ``url + ready_path`` answers 200 and stops it after (SIGTERM, then SIGKILL)."""
+    :func:`die_with_parent`), its output in ``log_path``, ``env`` added to its environment; a
+    context manager that waits until ``url + ready_path`` answers 200 and stops it after
+    (SIGTERM, then SIGKILL)."""
 
     name = "server"  # in error messages
     ready_path = "/health"
@@ -60,6 +62,15 @@ class ServerProcess:
     # Run it in a process group of its own and stop the whole group: for servers that start
     # processes of their own (SGLang's scheduler and detokenizer).
     own_process_group = False
+    # Laid over our environment for the child: the servers we start for ourselves load their
+    # model from disk, so they need no hub (a subclass whose child may download clears it).
+    child_env: ClassVar[Mapping[str, str]] = {
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    # False: the child's stdout (what it shows a person at a terminal: keys, say) is dropped,
+    # and the log takes its stderr only.
+    log_stdout = True
 
     def __init__(
         self,
@@ -67,17 +78,18 @@ class ServerProcess:
         url: str,
         log_path: str | Path | None = None,
         cwd: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.url = url
         self.log_path = Path(log_path) if log_path else None
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         self._log: IO[str] | None = open(self.log_path, "w") if self.log_path else None  # noqa: SIM115
+        log = self._log if self._log else subprocess.DEVNULL
         self.process = subprocess.Popen(
             command,
             cwd=cwd,
-            env=env,
-            stdout=self._log if self._log else subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.child_env, **(env or {})},
+            stdout=log if self.log_stdout else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if self.log_stdout else log,
             preexec_fn=die_with_parent(),
             start_new_session=self.own_process_group,
         )
@@ -172,3 +184,49 @@ class EngineProcess(ServerProcess):
             "--log-level", "warning", *extra_args,
         ]  # fmt: skip
         super().__init__(command, f"http://{host}:{self.port}", log_path)
+
+
+class ProxyProcess(ServerProcess):
+    """One ``proxrl serve`` process: its own embedded engines unless ``--engines`` is among
+    ``extra_args``, its store and checkpoints in ``data_dir``. The admin key travels in its
+    environment (``PROXRL_ADMIN_KEY``), never on its command line; its stdout, meant for a
+    person at a terminal, is dropped, and its log (stderr) goes to ``log_path``
+    (``data_dir/server.log`` unless given)."""
+
+    name = "proxy"
+    ready_timeout = 300.0  # it starts its own engines first
+    stop_timeout = 30.0  # and stops them first
+    child_env: ClassVar[Mapping[str, str]] = {}  # its --model may be a hub id to download
+    log_stdout = False
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        data_dir: str | Path,
+        admin_key: str,
+        *extra_args: str,
+        log_path: str | Path | None = None,
+        cwd: str | Path | None = None,
+        port: int | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.data_dir = Path(data_dir)
+        self.admin_key = admin_key
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
+            "--port", str(self.port), "--data-dir", str(self.data_dir),
+            "--log-level", "warning", *extra_args,
+        ]  # fmt: skip
+        super().__init__(
+            command,
+            f"http://127.0.0.1:{self.port}",
+            log_path or self.data_dir / "server.log",
+            cwd=cwd,
+            env={"PROXRL_ADMIN_KEY": admin_key},
+        )
+
+    @property
+    def admin(self) -> dict[str, str]:
+        """Headers that carry the admin key."""
+        return {"Authorization": f"Bearer {self.admin_key}"}

@@ -24,7 +24,7 @@ from fastapi.responses import RedirectResponse, Response
 from server import auth
 from server.context import ServerContext
 from server.deps import CREDENTIAL_MAX_CHARS, Authorization, Ctx
-from server.errors import Unauthorized
+from server.errors import AuthenticationRequired
 
 COOKIE = "proxrl_admin"
 COOKIE_PATH = "/admin"
@@ -91,7 +91,7 @@ async def require_api_admin(
     proxrl_admin: Annotated[str | None, Cookie(max_length=CREDENTIAL_MAX_CHARS)] = None,
 ) -> None:
     if not await is_admin(ctx, authorization, proxrl_admin):
-        raise Unauthorized(
+        raise AuthenticationRequired(
             "The dashboard API needs the admin key: 'Authorization: Bearer <key>' or the "
             "dashboard's login cookie."
         )

@@ -28,7 +28,7 @@ from server.dashboard.access import PageAdmin
 from server.dashboard.api import utc
 from server.dashboard.transcript import transcript
 from server.deps import Ctx
-from server.errors import NotFound
+from server.errors import ResourceNotFound
 from server.store.sessions import STATUSES
 from server.store.stats import SessionFilter
 
@@ -154,7 +154,7 @@ async def runs_page(request: Request, ctx: Ctx, page: int = 1) -> HTMLResponse:
 async def run_page(request: Request, ctx: Ctx, run_id: str) -> HTMLResponse:
     try:
         run = await views.run_detail(ctx, run_id)
-    except NotFound:
+    except ResourceNotFound:
         return render(request, "missing.html", status=404, what=f"run {run_id}")
     return render(request, "run.html", run=run)
 
@@ -206,7 +206,7 @@ async def sessions_page(request: Request, ctx: Ctx, page: int = 1) -> HTMLRespon
 async def session_page(request: Request, ctx: Ctx, session_id: str) -> HTMLResponse:
     try:
         session = await views.session_detail(ctx, session_id)
-    except NotFound:
+    except ResourceNotFound:
         return render(request, "missing.html", status=404, what=f"session {session_id}")
     budget, rows = MAX_VIEW_TOKENS, []
     for row in session.token_rows:
@@ -251,7 +251,7 @@ def _asset(name: str) -> tuple[bytes, bytes, str]:
 @router.get("/static/{name}", dependencies=[PageAdmin])
 async def asset(request: Request, name: str) -> Response:
     if name not in ASSETS:
-        raise NotFound(f"No dashboard file {name!r}.")
+        raise ResourceNotFound(f"No dashboard file {name!r}.")
     data, compressed, etag = await asyncio.to_thread(_asset, name)
     headers = {
         "ETag": f'"{etag}"',

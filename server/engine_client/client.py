@@ -2,7 +2,8 @@
 
 It turns ``/generate`` answers (whole or streamed, cumulative or incremental) into
 :class:`Piece` objects: the new token ids with their logprobs and the weight version of each
-token, plus the finish reason when the request ended. Failures come out as two exceptions:
+token, plus the finish reason when the request ended. Failures come out as two exceptions of
+``server.errors``' tree:
 :class:`EngineUnavailable` (the engine is gone, timed out or broke: try another) and
 :class:`EngineRejected` (it refused the request: do not retry). A streamed request SGLang
 refuses is answered with HTTP 200 and the error in-band (sglang-protocol.md, sections 1.5 and
@@ -23,25 +24,11 @@ from typing import Any
 
 import aiohttp
 
+from server.errors import EngineError, EngineRejected, EngineUnavailable
+
 CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=60.0, connect=5.0)
 WEIGHTS_TIMEOUT = aiohttp.ClientTimeout(total=600.0, connect=5.0)
 _FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
-
-
-class EngineError(Exception):
-    pass
-
-
-class EngineUnavailable(EngineError):
-    """The engine did not answer, answered 5xx, or broke off: another engine may serve."""
-
-
-class EngineRejected(EngineError):
-    """The engine refused the request (4xx): retrying elsewhere would not help."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -215,7 +202,7 @@ class EngineClient:
             await self._post("/begin_weight_update", {"selector": "all"}, CONTROL_TIMEOUT)
             in_session = True
         except EngineRejected as exc:
-            if exc.status != 404:
+            if exc.engine_status != 404:
                 raise
             in_session = False
         try:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from server.engine_client.client import EngineClient, EngineError, EngineRejected
+from server.engine_client.client import EngineClient
+from server.errors import EngineError, EngineRejected, NoEngineAvailable
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,6 @@ def parse_version(version: str) -> int:
     """proxrl versions are integers; SGLang's start-up "default" is version 0."""
     match = _TRAILING_NUMBER.search(version)
     return int(match.group(1)) if match else 0
-
-
-class NoEngineAvailable(Exception):
-    pass
 
 
 UNKNOWN_CONTEXT = (

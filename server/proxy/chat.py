@@ -17,15 +17,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.context import ServerContext
-from server.engine_client.client import EngineError
-from server.engine_client.pool import NoEngineAvailable
-from server.errors import BadRequest, NotFound, Unavailable
+from server.errors import (
+    ContextLengthUnknown,
+    InvalidRequest,
+    ModelNotFound,
+    PromptTooLong,
+    RunNotFound,
+)
 from server.proxy import outputs, prompts
 from server.proxy.generation import Completion, SamplingRequest, complete
 from server.proxy.recording import RequestLog, Served, record
 from server.proxy.schemas import ChatCompletionRequest
 from server.proxy.session_cache import SessionState
-from server.proxy.streaming import RETRY_AFTER, GuardedStream, api_error, drain, first_output, sse
+from server.proxy.streaming import GuardedStream, drain, first_output, sse
 from server.proxy.tool_calls import ContentDelta, ToolCallStream, parse_tool_calls
 from server.text.tokenization import TemplateError
 
@@ -46,11 +50,7 @@ class Plan:
 
 def check_model(ctx: ServerContext, model: str) -> None:
     if model != ctx.model_name:
-        raise NotFound(
-            f"The model '{model}' does not exist; this server serves '{ctx.model_name}'.",
-            param="model",
-            code="model_not_found",
-        )
+        raise ModelNotFound(model, ctx.model_name)
 
 
 def sampling_request(
@@ -66,26 +66,19 @@ def sampling_request(
     temperature is sampled at the run's."""
     context = ctx.context_length
     if context is None:
-        raise Unavailable(
-            "No engine has reported its context length, so no engine can serve; "
-            "see GET /admin/engines.",
-            code="no_engine_available",
-            headers=RETRY_AFTER,
-        )
+        raise ContextLengthUnknown()
     room = context - len(prompt_ids)
     if room <= 0:
-        raise BadRequest(
+        raise PromptTooLong(
             f"The prompt has {len(prompt_ids)} tokens; the model's context is {context}.",
             param="messages",
-            code="context_length_exceeded",
         )
     max_tokens = limit if limit is not None else room
     if max_tokens > room:
-        raise BadRequest(
+        raise PromptTooLong(
             f"This model's maximum context length is {context} tokens; the prompt has "
             f"{len(prompt_ids)} and {max_tokens} were asked for the completion.",
             param="max_tokens",
-            code="context_length_exceeded",
         )
     temperature = default_temperature if body.temperature is None else body.temperature
     return SamplingRequest(
@@ -108,7 +101,7 @@ def plan_chat(
     try:
         text = ctx.tokenizer.render(messages, tools=tools, add_generation_prompt=True)
     except TemplateError as exc:
-        raise BadRequest(f"The chat template refused the messages: {exc}", "messages") from exc
+        raise InvalidRequest(f"The chat template refused the messages: {exc}", "messages") from exc
     prompt = prompts.splice(ctx.tokenizer, text, state.last)
     top = (body.top_logprobs or 0) if body.logprobs else 0
     sampling = sampling_request(ctx, prompt.ids, body.token_limit, body, top, default_temperature)
@@ -158,8 +151,6 @@ async def sample_all(
     tasks = [asyncio.create_task(one(i, rid)) for i, rid in enumerate(completion_ids)]
     try:
         return list(await asyncio.gather(*tasks))
-    except (NoEngineAvailable, EngineError) as exc:
-        raise api_error(exc) from exc
     finally:
         for task in tasks:  # one choice failed: the others are not wanted either
             task.cancel()
@@ -192,7 +183,7 @@ async def run_temperature(ctx: ServerContext, state: SessionState) -> float:
     """The temperature of the session's run (kept in memory for a moment: ``ctx.run_configs``)."""
     config = await ctx.run_configs.get(state.run_id)
     if config is None:  # the run of a live session is never deleted
-        raise NotFound(f"No run {state.run_id!r}.", code="run_not_found")
+        raise RunNotFound(state.run_id)
     return config.temperature
 
 

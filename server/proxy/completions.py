@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from server.context import ServerContext
-from server.errors import BadRequest
+from server.errors import InvalidRequest
 from server.proxy import outputs, prompts
 from server.proxy.chat import check_model, run_temperature, sample_all, sampling_request
 from server.proxy.generation import Completion
@@ -40,7 +40,7 @@ class _Plan:
             self.echo = prompt
         else:
             if any(not 0 <= t < ctx.tokenizer.vocab_size for t in prompt):
-                raise BadRequest("prompt holds a token id outside the vocabulary.", "prompt")
+                raise InvalidRequest("prompt holds a token id outside the vocabulary.", "prompt")
             self.prompt = prompts.from_ids(prompt, state.last)
             self.echo = ctx.tokenizer.decode(prompt)
         self.echo = self.echo if body.echo else ""
@@ -73,9 +73,9 @@ class _Plan:
 def _single(body: CompletionRequest) -> list[str | list[int]]:
     prompts_ = body.prompts()
     if len(prompts_) != 1:
-        raise BadRequest("Send one prompt per request; batches of prompts are not supported.")
+        raise InvalidRequest("Send one prompt per request; batches of prompts are not supported.")
     if not prompts_[0]:
-        raise BadRequest("prompt is empty.", param="prompt")
+        raise InvalidRequest("prompt is empty.", param="prompt")
     return prompts_
 
 

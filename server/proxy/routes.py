@@ -11,7 +11,7 @@ from starlette.types import Receive, Scope, Send
 from server import auth
 from server.bounds import ID_LENGTH
 from server.deps import CallerDep, Ctx, PathCallerDep
-from server.errors import Conflict, Unauthorized, documented
+from server.errors import AuthenticationRequired, SessionNotOpen, documented
 from server.proxy import chat, completions
 from server.proxy.schemas import ChatCompletionRequest, CompletionRequest
 from server.proxy.session_cache import SessionState
@@ -34,9 +34,7 @@ async def _open_session(
 ) -> SessionState:
     state = await auth.session_for_generation(ctx, caller, path, header)
     if state.status != "open":
-        raise Conflict(
-            f"The session is {state.status}; it takes no more turns.", code="session_closed"
-        )
+        raise SessionNotOpen(state.status)
     return state
 
 
@@ -122,7 +120,7 @@ def _models(ctx: Ctx) -> dict:
 @router.get("/v1/models", summary="The served model", responses=documented(400, 401))
 async def list_models(ctx: Ctx, caller: CallerDep) -> dict:
     if caller.kind == "anonymous":
-        raise Unauthorized("Missing API key.", code="invalid_api_key")
+        raise AuthenticationRequired("Missing API key.", code="invalid_api_key")
     return _models(ctx)
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from server.bounds import MAX_INT, Count
-from server.errors import BadRequest
+from server.errors import InvalidRequest
 
 MAX_N = 16
 MAX_STOP = 16
@@ -107,20 +107,20 @@ class _Sampling(_Lenient):
 
     def refuse_untrainable(self) -> None:
         if self.top_p is not None and self.top_p < 1:
-            raise BadRequest(
+            raise InvalidRequest(
                 "top_p < 1 truncates the sampling distribution, so the logprobs proxrl records "
                 "would not be the behaviour policy's; leave top_p unset or 1.",
                 param="top_p",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
-                raise BadRequest(
+                raise InvalidRequest(
                     f"{name} changes the sampling distribution, which training could not "
                     "account for; leave it unset or 0.",
                     param=name,
                 )
         if self.logit_bias:
-            raise BadRequest(
+            raise InvalidRequest(
                 "logit_bias is not supported: it would bias what is trained.", "logit_bias"
             )
 
@@ -148,19 +148,19 @@ class ChatCompletionRequest(_Sampling):
     def refuse_untrainable(self) -> None:
         super().refuse_untrainable()
         if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
-            raise BadRequest(
+            raise InvalidRequest(
                 "tool_choice 'required' or a named function would need constrained decoding, "
                 "which proxrl does not do; use 'auto' or 'none'.",
                 param="tool_choice",
             )
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise BadRequest(
+            raise InvalidRequest(
                 "response_format other than text needs constrained decoding, which proxrl does "
                 "not do.",
                 param="response_format",
             )
         if self.top_logprobs and not self.logprobs:
-            raise BadRequest("top_logprobs needs logprobs: true.", param="top_logprobs")
+            raise InvalidRequest("top_logprobs needs logprobs: true.", param="top_logprobs")
 
     @property
     def token_limit(self) -> int | None:
@@ -187,18 +187,18 @@ class CompletionRequest(_Sampling):
     def refuse_untrainable(self) -> None:
         super().refuse_untrainable()
         if self.suffix:
-            raise BadRequest("suffix (insertion) is not supported.", param="suffix")
+            raise InvalidRequest("suffix (insertion) is not supported.", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
-            raise BadRequest("best_of is not supported; use n.", param="best_of")
+            raise InvalidRequest("best_of is not supported; use n.", param="best_of")
         if self.echo and self.logprobs is not None:
-            raise BadRequest("echo with logprobs (prompt logprobs) is not supported.", "echo")
+            raise InvalidRequest("echo with logprobs (prompt logprobs) is not supported.", "echo")
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
         if not prompt:
-            raise BadRequest("prompt is empty.", param="prompt")
+            raise InvalidRequest("prompt is empty.", param="prompt")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
         return list(prompt)  # type: ignore[arg-type]

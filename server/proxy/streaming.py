@@ -7,48 +7,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-from server.engine_client.client import EngineError, EngineRejected
-from server.engine_client.pool import NoEngineAvailable
-from server.errors import BadRequest, ProxyError, Unavailable, error_body
+from server.errors import INTERNAL_MESSAGE, ProxrlError, body_of
 
 log = logging.getLogger(__name__)
 
-# An engine may be back at the next health check (or the next request's probe): retry soon.
-RETRY_AFTER = {"Retry-After": "1"}
 
-# What an engine-side failure means for the client: one entry per kind, the most specific
-# first in each exception's own class hierarchy (see ``api_error``).
-ENGINE_FAILURES: dict[type[Exception], Callable[[Exception], ProxyError]] = {
-    NoEngineAvailable: lambda exc: Unavailable(
-        f"No engine could serve this request: {exc}",
-        code="no_engine_available",
-        headers=RETRY_AFTER,
-    ),
-    EngineRejected: lambda exc: BadRequest(  # the request's fault: no other engine would take it
-        f"The engine refused the request: {exc}", code="engine_rejected"
-    ),
-    EngineError: lambda exc: Unavailable(
-        f"The engine serving this request failed: {exc}",
-        code="engine_unavailable",
-        headers=RETRY_AFTER,
-    ),
-}
-
-
-def api_error(exc: Exception) -> ProxyError:
-    """``exc`` in the API's terms: a ProxyError as it is, an engine failure as
-    ``ENGINE_FAILURES`` says, anything else a ``server_error`` (logged with its traceback; the
-    client learns nothing of the internals)."""
-    if isinstance(exc, ProxyError):
+def api_error(exc: Exception) -> ProxrlError:
+    """``exc`` in the API's terms: an error of ``server.errors``' tree as it is (engine failures
+    included), anything else a ``server_error`` (logged with its traceback; the client learns
+    nothing of the internals)."""
+    if isinstance(exc, ProxrlError):
         return exc
-    for kind in type(exc).__mro__:
-        if kind in ENGINE_FAILURES:
-            return ENGINE_FAILURES[kind](exc)
     log.error("unexpected error while answering", exc_info=exc)
-    return ProxyError("The server hit an internal error; it has been logged.")
+    return ProxrlError(INTERNAL_MESSAGE)
 
 
 def sse(payload: dict | str) -> str:
@@ -118,8 +92,7 @@ async def guarded(events: AsyncIterator[str], work: asyncio.Task) -> AsyncIterat
         async for event in events:
             yield event
     except Exception as exc:
-        error = api_error(exc)
-        yield sse(error_body(error.message, error.type, error.param, error.code))
+        yield sse(body_of(api_error(exc)))
     finally:
         if not work.done():
             work.cancel()

@@ -13,7 +13,7 @@ import contextlib
 import math
 from collections.abc import Awaitable, Callable
 
-from server.errors import TooManyRequests
+from server.errors import StalenessBound
 from server.store.run_config import RunConfig
 
 RETRY_AFTER_S = 5
@@ -55,13 +55,8 @@ class Admission:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 self.refusals += 1
-                retry = str(max(1, math.ceil(min(RETRY_AFTER_S, timeout or RETRY_AFTER_S))))
-                raise TooManyRequests(
-                    "The run is at its staleness bound: generation is ahead of training. "
-                    "Retry after the trainer publishes a new policy version.",
-                    code="staleness_bound",
-                    headers={"Retry-After": retry},
-                )
+                retry = max(1, math.ceil(min(RETRY_AFTER_S, timeout or RETRY_AFTER_S)))
+                raise StalenessBound(retry)
             async with self._changed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))

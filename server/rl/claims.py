@@ -4,12 +4,9 @@ part (``server.store.claims``); this module adds the run's config and wakes admi
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
 from datetime import timedelta
 
 from server.context import ServerContext
-from server.errors import Unprocessable
 from server.rl.runs import run_config
 from server.rl.schemas import (
     ClaimedSessionOut,
@@ -76,22 +73,8 @@ async def renew(ctx: ServerContext, claim_ids: list[str], lease_s: float | None)
     return RenewOut(held=held, expires_at=expires if any(held.values()) else None)
 
 
-@contextlib.asynccontextmanager
-async def _named_in(claim_id: str) -> AsyncIterator[None]:
-    """Sessions named in ``dropped`` that are not the claim's: a 422 naming them."""
-    try:
-        yield
-    except claims.NotInClaim as exc:
-        raise Unprocessable(
-            f"Sessions named in dropped are not in claim {claim_id!r}: "
-            f"{', '.join(exc.session_ids[:20])}.",
-            param="dropped",
-            code="not_in_claim",
-        ) from exc
-
-
 async def confirm(ctx: ServerContext, claim_id: str, dropped: dict[str, str]) -> ConfirmOut:
-    async with _named_in(claim_id), ctx.sessionmaker() as db, db.begin():
+    async with ctx.sessionmaker() as db, db.begin():
         settlement = await claims.confirm(db, claim_id, dropped)
     if settlement.dropped:
         await ctx.admission.notify()
@@ -100,7 +83,7 @@ async def confirm(ctx: ServerContext, claim_id: str, dropped: dict[str, str]) ->
 
 async def drop(ctx: ServerContext, claim_id: str, dropped: dict[str, str]) -> DropOut:
     """Drop sessions of a claim now; admission waiters look again, as they no longer count."""
-    async with _named_in(claim_id), ctx.sessionmaker() as db, db.begin():
+    async with ctx.sessionmaker() as db, db.begin():
         drops = await claims.drop(db, claim_id, dropped)
     if drops.dropped:
         await ctx.admission.notify()

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Body
 from server import auth
 from server.bounds import Limit, Name, Offset, PathId, QueryId, QueryName
 from server.deps import AdminDep, CallerDep, Ctx, KeyedDep
-from server.errors import Forbidden, Unauthorized, documented
+from server.errors import AuthenticationRequired, KeyOutOfScope, documented
 from server.rl import claims, runs, sessions, steps, weights
 from server.rl.schemas import (
     ClaimIn,
@@ -81,9 +81,9 @@ CREATED: dict[int | str, dict[str, Any]] = {
 )
 async def create_session(body: SessionCreate, ctx: Ctx, caller: CallerDep) -> SessionCreated:
     if caller.kind == "anonymous":
-        raise Unauthorized("Creating a session needs the admin key or a run key.")
+        raise AuthenticationRequired("Creating a session needs the admin key or a run key.")
     if caller.kind == "session":
-        raise Forbidden("A session key cannot create sessions.")
+        raise KeyOutOfScope("A session key cannot create sessions.")
     run_id = body.run_id or caller.run_id or ctx.default_run_id
     auth.require_run_access(caller, run_id)
     return await sessions.create_session(ctx, run_id, body.task_id, body.group_id, body.metadata)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from server.context import ServerContext
-from server.errors import NotFound, Unprocessable
+from server.errors import InvalidConfig, RunNotFound
 from server.rl.schemas import RunOut
 from server.store import runs
 from server.store.run_config import RunConfig
@@ -43,7 +43,7 @@ async def get_run(ctx: ServerContext, run_id: str) -> Run:
     async with ctx.sessionmaker() as db:
         run = await runs.get_run(db, run_id)
     if run is None:
-        raise NotFound(f"No run {run_id!r}.", code="run_not_found")
+        raise RunNotFound(run_id)
     return run
 
 
@@ -51,7 +51,7 @@ async def run_config(ctx: ServerContext, run_id: str) -> RunConfig:
     """The run's validated config (kept in memory for a moment: ``ctx.run_configs``)."""
     config = await ctx.run_configs.get(run_id)
     if config is None:
-        raise NotFound(f"No run {run_id!r}.", code="run_not_found")
+        raise RunNotFound(run_id)
     return config
 
 
@@ -69,12 +69,12 @@ async def update_config(ctx: ServerContext, run_id: str, patch: dict[str, Any]) 
     async with ctx.sessionmaker() as db, db.begin():
         run = await runs.get_run(db, run_id)
         if run is None:
-            raise NotFound(f"No run {run_id!r}.", code="run_not_found")
+            raise RunNotFound(run_id)
         merged = {**run.config, **patch}
         try:
             config = RunConfig.model_validate(merged)
         except ValueError as exc:
-            raise Unprocessable(f"Invalid run config: {exc}") from exc
+            raise InvalidConfig(str(exc)) from exc
         run.config = config.model_dump()
     ctx.run_configs.put(run_id, config)
     await ctx.admission.notify()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from server.context import ServerContext
-from server.errors import Conflict, NotFound
+from server.errors import RunNotFound, SessionNotFound
 from server.rl import runs as run_views
 from server.rl.schemas import RewardOut, RowOut, SessionCreated, SessionOut, SessionSummary, TurnOut
 from server.store import claims, rewards, runs
@@ -32,7 +32,7 @@ async def create_session(
             async with ctx.sessionmaker() as db:
                 run = await runs.get_run(db, run_id)
                 if run is None:
-                    raise NotFound(f"No run {run_id!r}.", code="run_not_found")
+                    raise RunNotFound(run_id)
                 config = RunConfig.model_validate(run.config)
                 limit = config.admission_limit(run.policy_version)
                 room = limit is None or await store.admitted_count(db, run_id) < limit
@@ -58,7 +58,7 @@ async def get_session(ctx: ServerContext, session_id: str) -> Session:
     async with ctx.sessionmaker() as db:
         session = await store.get_session(db, session_id)
     if session is None:
-        raise NotFound(f"No session {session_id!r}.", code="session_not_found")
+        raise SessionNotFound(session_id)
     return session
 
 
@@ -147,17 +147,10 @@ async def post_reward(
     async with ctx.sessionmaker() as db, db.begin():
         session = await store.get_session(db, session_id)
         if session is None:
-            raise NotFound(f"No session {session_id!r}.", code="session_not_found")
-        try:
-            reward, created = await rewards.add_reward(
-                db, session, float(value), completion_id, suffice
-            )
-        except rewards.RewardConflict as exc:
-            raise Conflict(str(exc), param="reward", code="reward_conflict") from exc
-        except rewards.RewardsClosed as exc:
-            raise Conflict(str(exc), code="rewards_closed") from exc
-        except rewards.UnknownCompletion as exc:
-            raise NotFound(str(exc), param="completion_id", code="completion_not_found") from exc
+            raise SessionNotFound(session_id)
+        reward, created = await rewards.add_reward(
+            db, session, float(value), completion_id, suffice
+        )
         status = session.status
     ctx.sessions.set_status(session_id, status)
     return RewardOut(
@@ -173,7 +166,7 @@ async def end_session(ctx: ServerContext, session_id: str) -> Session:
     async with ctx.sessionmaker() as db, db.begin():
         session = await store.get_session(db, session_id)
         if session is None:
-            raise NotFound(f"No session {session_id!r}.", code="session_not_found")
+            raise SessionNotFound(session_id)
         await store.end_session(db, session)
     ctx.sessions.set_status(session_id, session.status)
     return session

@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from server.context import ServerContext
-from server.errors import NotFound
+from server.errors import RunNotFound
 from server.rl.schemas import StepIn, StepOut
 from server.store import rewards, runs, steps
 from server.store.rewards import SESSION_TARGET
@@ -53,7 +53,7 @@ async def record(ctx: ServerContext, run_id: str, body: StepIn) -> StepOut:
     session_ids = metrics.pop(SESSION_IDS, None)
     async with ctx.sessionmaker() as db, db.begin():
         if await runs.get_run(db, run_id) is None:
-            raise NotFound(f"No run {run_id!r}.", code="run_not_found")
+            raise RunNotFound(run_id)
         if isinstance(session_ids, list) and "reward_std" not in metrics:
             ids = [str(s) for s in session_ids if s is not None]
             values: list[float] = []

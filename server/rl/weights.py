@@ -19,7 +19,14 @@ from typing import Any
 from server.context import ServerContext
 from server.engine_client.client import EngineError, EngineRejected
 from server.engine_client.pool import EngineState
-from server.errors import BadGateway, BadRequest, NotFound, Unavailable, Unprocessable
+from server.errors import (
+    NoEngineToUpdate,
+    RendezvousUnreachable,
+    RunNotFound,
+    WeightGroupRefused,
+    WeightsRefused,
+    WeightUpdateFailed,
+)
 from server.rl.schemas import (
     RENDEZVOUS_WAIT_S,
     DistributedWeightsIn,
@@ -60,13 +67,13 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
     async with ctx.sessionmaker() as db:
         run = await runs.get_run(db, run_id or ctx.default_run_id)
     if run is None:
-        raise NotFound(f"No run {run_id!r}.", code="run_not_found")
+        raise RunNotFound(run_id)
     version = run.policy_version + 1 if version is None else version
     pool = ctx.pool
     async with pool.update_lock:
         engines = pool.healthy
         if not engines:
-            raise Unavailable("No engine is in rotation to load the weights.")
+            raise NoEngineToUpdate("No engine is in rotation to load the weights.")
         started = time.perf_counter()
         paused = await asyncio.gather(
             *(e.client.pause("abort") for e in engines), return_exceptions=True
@@ -85,8 +92,8 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
         if not any(r["success"] for r in results):  # nothing changed: no engine is to blame
             message = f"No engine loaded {source}: {results[0].get('message')}"
             if all(r.get("refused") for r in results):
-                raise BadRequest(message, param="model_path" if body.model_path else "distributed")
-            raise BadGateway(message)
+                raise WeightsRefused(message, "model_path" if body.model_path else "distributed")
+            raise WeightUpdateFailed(message)
         pool.expected_version = version
         for engine, pause_error, result in zip(engines, paused, results, strict=True):
             if isinstance(pause_error, Exception) or not result["success"]:
@@ -146,14 +153,13 @@ async def form_group(ctx: ServerContext, body: WeightGroupIn) -> dict[str, Any]:
     (naming the engine and its reason), 502 when an engine fails on its own."""
     engines = ctx.pool.healthy
     if not engines:
-        raise Unavailable("No engine is in rotation to join a weight group.")
+        raise NoEngineToUpdate("No engine is in rotation to join a weight group.")
     problem = await rendezvous_problem(body.master_address, body.master_port, RENDEZVOUS_WAIT_S)
     if problem is not None:
-        raise Unprocessable(
+        raise RendezvousUnreachable(
             f"No engine was asked to join {body.group_name!r}: {problem}. Start rank 0's "
             "rendezvous (the trainer) at master_address:master_port first.",
             param="master_address",
-            code="rendezvous_unreachable",
         )
     offsets, world_size = group_ranks([engine.tp_size for engine in engines])
 
@@ -171,9 +177,7 @@ async def form_group(ctx: ServerContext, body: WeightGroupIn) -> dict[str, Any]:
     failed = [r for r in results if not r.get("success")]
     if any(r.get("refused") for r in failed):
         refusals = "; ".join(f"{r['url']}: {r['message']}" for r in failed if r.get("refused"))
-        raise Unprocessable(
-            f"An engine refused to join {body.group_name!r}: {refusals}", code="engine_refused"
-        )
+        raise WeightGroupRefused(f"An engine refused to join {body.group_name!r}: {refusals}")
     if failed:
-        raise BadGateway(f"Not every engine joined {body.group_name!r}: {failed}")
+        raise WeightUpdateFailed(f"Not every engine joined {body.group_name!r}: {failed}")
     return {"group_name": body.group_name, "world_size": world_size, "engines": results}

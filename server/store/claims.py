@@ -26,6 +26,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from server.errors import NotInClaim
 from server.store import drop_reasons, groups
 from server.store import sessions as status
 from server.store.keys import new_id
@@ -67,12 +68,6 @@ class Settlement:
 class Drops:
     dropped: int  # newly dropped
     held: int  # the claim's sessions still claimed
-
-
-class NotInClaim(Exception):
-    def __init__(self, session_ids: list[str]) -> None:
-        super().__init__(f"not sessions of this claim: {', '.join(session_ids)}")
-        self.session_ids = session_ids
 
 
 async def claim(
@@ -311,7 +306,7 @@ async def _check_named(db: AsyncSession, claim_id: str, session_ids: list[str]) 
     }
     missing = sorted(set(session_ids) - accepted)
     if missing:
-        raise NotInClaim(missing)
+        raise NotInClaim(claim_id, missing)
 
 
 async def release(db: AsyncSession, claim_id: str) -> int:

@@ -11,25 +11,9 @@ from sqlalchemy import case, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from server.errors import CompletionNotFound, RewardConflict, RewardsClosed
 from server.store import sessions
 from server.store.tables import SESSION_TARGET, Reward, Session, Turn, utcnow
-
-
-class RewardConflict(Exception):
-    def __init__(self, existing: float) -> None:
-        super().__init__(f"a different reward ({existing}) was already posted for this target")
-        self.existing = existing
-
-
-class RewardsClosed(Exception):
-    def __init__(self, status: str) -> None:
-        super().__init__(f"the session is {status}; it takes no more rewards")
-        self.status = status
-
-
-class UnknownCompletion(Exception):
-    def __init__(self, completion_id: str) -> None:
-        super().__init__(f"no turn with completion_id {completion_id!r} in this session")
 
 
 async def add_reward(
@@ -49,7 +33,7 @@ async def add_reward(
             )
         )
         if turn is None:
-            raise UnknownCompletion(completion_id)
+            raise CompletionNotFound(completion_id)
     target = completion_id or SESSION_TARGET
     existing = await _existing(db, session.id, target)
     if existing is None:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from server.errors import TooManyRequests
+from server.errors import StalenessBound
 from server.proxy.generation import Completion, SamplingRequest, engine_body, parse_version
 from server.proxy.outputs import TextStreamer, final_text
 from server.rl.admission import Admission, admits
@@ -58,7 +58,7 @@ def test_refused_with_retry_after_when_the_wait_runs_out():
 
         await Admission().wait_for_room(check)
 
-    with pytest.raises(TooManyRequests) as refused:
+    with pytest.raises(StalenessBound) as refused:
         asyncio.run(scenario())
     assert refused.value.status == 429
     assert int(refused.value.headers["Retry-After"]) >= 1

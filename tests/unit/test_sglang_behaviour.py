@@ -18,7 +18,7 @@ from server.engine_client.client import (
     in_band_error,
 )
 from server.engine_client.pool import EnginePool, EngineState, reported_context
-from server.errors import BadRequest, Unavailable
+from server.errors import ContextLengthUnknown, PromptTooLong
 from server.proxy.chat import sampling_request
 from server.proxy.generation import SamplingRequest
 from server.proxy.streaming import first_output, guarded
@@ -45,7 +45,7 @@ def test_an_in_band_error_is_a_refusal_only_with_a_4xx_code(error, expected, sta
     raised = in_band_error("http://engine", error)
     assert type(raised) is expected
     if status is not None:
-        assert raised.status == status and str(raised) == error["message"]
+        assert raised.engine_status == status and str(raised) == error["message"]
 
 
 def test_a_streamed_refusal_after_http_200_raises_engine_rejected():
@@ -72,7 +72,7 @@ def test_a_streamed_refusal_after_http_200_raises_engine_rejected():
 
     with pytest.raises(EngineRejected) as raised:
         asyncio.run(scenario())
-    assert raised.value.status == 400 and str(raised.value) == message
+    assert raised.value.engine_status == 400 and str(raised.value) == message
 
 
 @pytest.mark.parametrize(
@@ -111,7 +111,7 @@ def _body(**fields) -> SimpleNamespace:
 
 
 def test_no_request_is_sized_against_an_unknown_context():
-    with pytest.raises(Unavailable) as raised:
+    with pytest.raises(ContextLengthUnknown) as raised:
         sampling_request(SimpleNamespace(context_length=None), [1, 2, 3], None, _body(), 0, 1.0)
     assert "context length" in raised.value.message
 
@@ -119,7 +119,7 @@ def test_no_request_is_sized_against_an_unknown_context():
 @pytest.mark.parametrize(("prompt", "limit"), [(128, None), (200, None), (100, 29)])
 def test_a_request_over_the_context_is_refused(prompt, limit):
     ctx = SimpleNamespace(context_length=128)
-    with pytest.raises(BadRequest) as raised:
+    with pytest.raises(PromptTooLong) as raised:
         sampling_request(ctx, list(range(prompt)), limit, _body(), 0, 1.0)
     assert raised.value.code == "context_length_exceeded"
 
@@ -138,13 +138,13 @@ def test_a_sampling_request_asks_for_at_least_one_token(max_tokens):
 
 def test_a_failure_before_any_output_is_raised_before_the_stream_starts():
     async def refused() -> None:
-        raise BadRequest("The engine refused the request: too long", code="engine_rejected")
+        raise EngineRejected(400, "too long")
 
     async def scenario() -> None:
         work = asyncio.create_task(refused())
         await first_output(work, asyncio.Event())
 
-    with pytest.raises(BadRequest):
+    with pytest.raises(EngineRejected):
         asyncio.run(scenario())
 
 
@@ -155,7 +155,7 @@ def test_a_failure_after_output_comes_in_band_in_the_api_shape():
         async def work() -> None:
             produced.set()
             await asyncio.sleep(0)
-            raise BadRequest("The engine refused the request: too long", code="engine_rejected")
+            raise EngineRejected(400, "too long")
 
         task = asyncio.create_task(work())
         await first_output(task, produced)  # output came: nothing raised here

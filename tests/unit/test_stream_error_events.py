@@ -10,9 +10,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from server.engine_client.client import EngineError, EngineRejected, EngineUnavailable
-from server.engine_client.pool import NoEngineAvailable
-from server.errors import Conflict, Unavailable
+from server.errors import (
+    EngineError,
+    EngineRejected,
+    EngineUnavailable,
+    NoEngineAvailable,
+    NoEngineToUpdate,
+    SessionNotOpen,
+)
 from server.proxy.streaming import api_error, guarded
 
 # (the exception, the status, type and code the client gets for it)
@@ -21,7 +26,7 @@ CASES = [
     (EngineUnavailable("timed out"), 503, "service_unavailable", "engine_unavailable"),
     (EngineError("broke"), 503, "service_unavailable", "engine_unavailable"),
     (EngineRejected(400, "too long"), 400, "invalid_request_error", "engine_rejected"),
-    (Conflict("closed", code="session_closed"), 409, "conflict_error", "session_closed"),
+    (SessionNotOpen("ended"), 409, "conflict_error", "session_closed"),
     (RuntimeError("a bug"), 500, "server_error", None),
     (KeyError("turn"), 500, "server_error", None),
 ]
@@ -37,7 +42,7 @@ def test_every_failure_has_an_api_type_and_code(exc, status, type_, code):
 def test_an_engine_outage_says_when_to_retry():
     for exc in (NoEngineAvailable("gone"), EngineUnavailable("timed out")):
         assert int(api_error(exc).headers["Retry-After"]) >= 1
-    assert Unavailable("x").headers is None  # only where retrying may help
+    assert NoEngineToUpdate("x").headers is None  # only where retrying may help
 
 
 def test_an_unexpected_error_is_logged_with_its_traceback_and_not_shown(caplog):
