@@ -37,8 +37,10 @@ test: venv system-deps
 test-slow: venv system-deps
 	$(PY) -m pytest -q -m slow --durations=15
 
+# The pure unit tests and the in-process API tier (the app over ASGI, real SQLite, the real
+# engine in threads): no process started, under a minute on two cores.
 test-fast: venv
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -m "not slow" --durations=10 tests/unit tests/api
 
 lint: venv
 	$(VENV)/bin/ruff format --check .

@@ -53,7 +53,10 @@ class ThreadedEngine:
         config = uvicorn.Config(create_engine_app(self.service), log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.socket]}, name="api-tier-engine"
+            target=self.server.run,
+            kwargs={"sockets": [self.socket]},
+            name="api-tier-engine",
+            daemon=True,  # a teardown that fails cannot keep the test process alive
         )
 
     def start(self) -> ThreadedEngine:
