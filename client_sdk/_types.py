@@ -1,7 +1,8 @@
 """What the REST API answers, as TypedDicts: plain dicts at run time, typed for the reader.
 
-They mirror the server's JSON (``/docs`` on a running server is the reference); timestamps
-stay ISO-8601 strings. This module knows nothing about HTTP.
+They mirror the server's JSON (``/docs`` on a running server is the reference), and
+tests/unit/test_sdk_schema.py holds them to the server's OpenAPI document, field by field;
+timestamps stay ISO-8601 strings. This module knows nothing about HTTP.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ class Run(TypedDict):
     id: str
     name: str
     model: str
+    model_path: str
+    """The model directory the server started from."""
+    weights_path: str | None
+    """The directory of the weights last published from disk (None: the start)."""
     config: dict[str, Any]
     """The config as it acts: every field, defaults included, and keys the server does not know
     (the trainer's)."""

@@ -30,6 +30,7 @@ from server.rl.schemas import (
     RunOut,
     SessionCreate,
     SessionCreated,
+    SessionEnded,
     SessionOut,
     SessionStatus,
     SessionSummary,
@@ -134,13 +135,16 @@ async def reward(session_id: PathId, body: RewardIn, ctx: Ctx, caller: KeyedDep)
 
 
 @sessions_router.post(
-    "/{session_id}/end", summary="End a session", responses=documented(401, 403, 404, 422)
+    "/{session_id}/end",
+    response_model=SessionEnded,
+    summary="End a session",
+    responses=documented(401, 403, 404, 422),
 )
-async def end(session_id: PathId, ctx: Ctx, caller: KeyedDep) -> dict:
+async def end(session_id: PathId, ctx: Ctx, caller: KeyedDep) -> SessionEnded:
     session = await sessions.get_session(ctx, session_id)
     auth.require_session_access(caller, session.run_id, session.id)
     ended = await sessions.end_session(ctx, session_id)
-    return {"session_id": session_id, "status": ended.status}
+    return SessionEnded(session_id=session_id, status=ended.status)
 
 
 runs_router = APIRouter(prefix="/rl", tags=["runs"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -28,6 +29,7 @@ from server.bounds import (
 )
 from server.store.run_config import REWARD_BOUND, RunConfig, Seconds
 from server.store.tables import DROP_REASON_LENGTH
+from server.store.turns import TurnFields
 
 RENDEZVOUS_WAIT_S = 5.0
 MAX_TENSORS = 1_000_000
@@ -116,23 +118,19 @@ class RewardOut(BaseModel):
     status: str
 
 
-class TurnOut(BaseModel):
-    completion_id: str
-    request_id: str
-    turn_index: int
-    row_index: int
-    extends_previous: bool
-    messages: list[Any] | None
-    tools: list[Any] | None
-    response: dict[str, Any]
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    versions: list[int] = Field(description="The policy version of each completion token.")
-    finish_reason: str
-    sampling: dict[str, Any]
-    engine: str | None
-    resubmits: int
+class SessionEnded(BaseModel):
+    session_id: str
+    status: str = Field(
+        description='"ended", or "trainable" when it already had its session reward (or per-turn '
+        "rewards, where the run's turn_rewards_suffice is true)."
+    )
+
+
+@dataclass(kw_only=True)
+class TurnOut(TurnFields):
+    """A turn as GET /rl/sessions/{id} shows it: its stored fields, its own reward (null: none),
+    and when it was served."""
+
     reward: float | None
     created_at: datetime
 
@@ -178,8 +176,8 @@ class SessionOut(BaseModel):
     drop_reason: str | None = Field(description=DROP_REASON)
     reward: float | None
     rewards: dict[str, float]
-    turns: list[TurnOut] = Field(default_factory=list)
-    rows: list[RowOut] = Field(default_factory=list)
+    turns: list[TurnOut]
+    rows: list[RowOut]
 
 
 class ClaimIn(BaseModel):

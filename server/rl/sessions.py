@@ -10,11 +10,10 @@ from server.rl import runs as run_views
 from server.rl.schemas import RewardOut, RowOut, SessionCreated, SessionOut, SessionSummary, TurnOut
 from server.store import claims, rewards, runs
 from server.store import sessions as store
-from server.store.packing import unpack_floats, unpack_ints
 from server.store.rewards import SESSION_TARGET
 from server.store.run_config import RunConfig
 from server.store.tables import Session
-from server.store.turns import session_turns
+from server.store.turns import served_fields, session_turns
 
 
 async def create_session(
@@ -99,40 +98,13 @@ async def session_view(ctx: ServerContext, session: Session) -> SessionOut:
         targets = (await rewards.rewards_of(db, [session.id]))[session.id]
         (claimed,) = await claims.sessions_with_rows(db, [session])
     return SessionOut(
-        session_id=session.id,
-        run_id=session.run_id,
-        task_id=session.task_id,
-        group_id=session.group_id,
+        **summary_fields(session),
         metadata=session.meta,
-        status=session.status,
-        created_at=session.created_at,
-        ended_at=session.ended_at,
-        turn_count=session.turn_count,
-        row_count=session.row_count,
-        breaks=session.breaks,
-        drop_reason=session.drop_reason,
         reward=targets.get(SESSION_TARGET),
         rewards=targets,
         turns=[
             TurnOut(
-                completion_id=t.completion_id,
-                request_id=t.request_id,
-                turn_index=t.turn_index,
-                row_index=t.row_index,
-                extends_previous=t.extends_previous,
-                messages=t.messages,
-                tools=t.tools,
-                response=t.response,
-                prompt_ids=unpack_ints(t.prompt_ids),
-                completion_ids=unpack_ints(t.completion_ids),
-                logprobs=unpack_floats(t.logprobs),
-                versions=unpack_ints(t.versions),
-                finish_reason=t.finish_reason,
-                sampling=t.sampling,
-                engine=t.engine,
-                resubmits=t.resubmits,
-                reward=targets.get(t.completion_id),
-                created_at=t.created_at,
+                **served_fields(t), reward=targets.get(t.completion_id), created_at=t.created_at
             )
             for t in turns
         ],

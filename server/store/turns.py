@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import Field
 from sqlalchemy import Connection, Dialect, bindparam, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -14,56 +16,70 @@ from server.store.rows import TurnTokens
 from server.store.tables import Session, Turn, utcnow
 
 
-@dataclass
-class TurnRecord:
+@dataclass(kw_only=True)
+class TurnFields:
+    """A turn's fields: what the server keeps of one served completion and what
+    GET /rl/sessions/{id} shows of it. Listed here once: :class:`TurnRecord` (the write) and the
+    REST answer (``server.rl.schemas.TurnOut``) extend it, and the table's columns are these
+    (the token lists packed) plus what :func:`_to_row` derives."""
+
+    completion_id: str
+    request_id: str  # the choices of one request (n > 1) share it
+    turn_index: int
+    row_index: int
+    extends_previous: bool  # it continues a turn of the previous request in that turn's row
+    messages: list[Any] | None  # what its request asked (chat; None: a prompt of token ids)
+    tools: list[Any] | None
+    response: dict[str, Any]
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    versions: Annotated[
+        list[int], Field(description="The policy version of each completion token.")
+    ]
+    finish_reason: str
+    sampling: dict[str, Any]
+    engine: str | None
+    resubmits: int
+
+
+@dataclass(kw_only=True)
+class TurnRecord(TurnFields):
     """One served completion, as plain data, ready to store."""
 
     session_id: str
     run_id: str
-    completion_id: str
-    request_id: str
-    turn_index: int
-    row_index: int
-    extends_previous: bool
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str
-    messages: list[Any] | None = None
-    tools: list[Any] | None = None
-    response: dict[str, Any] = field(default_factory=dict)
-    sampling: dict[str, Any] = field(default_factory=dict)
-    engine: str | None = None
-    resubmits: int = 0
     new_row: bool = True  # this turn opened a row
     is_break: bool = False  # ...because it did not extend the previous turn
 
 
+# The token lists are stored packed (server.store.packing): how to pack and unpack each.
+_PACKED: dict[str, tuple[Callable[[Any], bytes], Callable[[bytes], Any]]] = {
+    "prompt_ids": (pack_ints, unpack_ints),
+    "completion_ids": (pack_ints, unpack_ints),
+    "logprobs": (pack_floats, unpack_floats),
+    "versions": (pack_ints, unpack_ints),
+}
+_SERVED = [f.name for f in fields(TurnFields)]
+_RECORDED = [f.name for f in fields(TurnRecord) if f.name in Turn.__table__.columns]
+
+
 def _to_row(record: TurnRecord, now: datetime) -> dict[str, Any]:
-    return dict(
-        session_id=record.session_id,
-        run_id=record.run_id,
-        completion_id=record.completion_id,
-        request_id=record.request_id,
-        turn_index=record.turn_index,
-        row_index=record.row_index,
-        extends_previous=record.extends_previous,
-        messages=record.messages,
-        tools=record.tools,
-        response=record.response,
-        prompt_ids=pack_ints(record.prompt_ids),
-        completion_ids=pack_ints(record.completion_ids),
-        logprobs=pack_floats(record.logprobs),
-        versions=pack_ints(record.versions),
-        prompt_tokens=len(record.prompt_ids),
-        completion_tokens=len(record.completion_ids),
-        finish_reason=record.finish_reason,
-        sampling=record.sampling,
-        engine=record.engine,
-        resubmits=record.resubmits,
-        created_at=now,
-    )
+    row = {name: getattr(record, name) for name in _RECORDED}
+    for name, (pack, _) in _PACKED.items():
+        row[name] = pack(row[name])
+    row["prompt_tokens"] = len(record.prompt_ids)
+    row["completion_tokens"] = len(record.completion_ids)
+    row["created_at"] = now
+    return row
+
+
+def served_fields(turn: Turn) -> dict[str, Any]:
+    """The :class:`TurnFields` of a stored turn, its token lists unpacked."""
+    values = {name: getattr(turn, name) for name in _SERVED}
+    for name, (_, unpack) in _PACKED.items():
+        values[name] = unpack(values[name])
+    return values
 
 
 # Built once: compiling statements is a large part of a small write.
