@@ -1,5 +1,6 @@
-"""What chat and text completions share: a completion's final text, its streamed text, its
-logprobs in OpenAI's shape, and usage counts.
+"""What every surface's answer is made of: a completion's final text, its streamed text (and
+tool calls), its logprobs in OpenAI's shape, usage counts, and the envelope and stream framing
+that chat and text completions share (``OpenAIRenderer``).
 
 The text is always decoded by the proxy from the sampled token ids (never taken from the
 engine), a matched stop string or stop token is cut from it, and while streaming, text that may
@@ -8,7 +9,12 @@ be the start of a stop string is held back until it is clear.
 
 from __future__ import annotations
 
+from typing import Any
+
+from server.errors import ProxrlError, body_of
 from server.proxy.generation import Completion
+from server.proxy.plan import Plan
+from server.proxy.tool_calls import ContentDelta, StreamEvent, ToolCallDelta, ToolCallStream
 from server.text.detokenize import IncrementalDecoder
 from server.text.stop_strings import held_back
 from server.text.tokenization import Tokenizer
@@ -60,6 +66,32 @@ class TextStreamer:
         return rest
 
 
+class ChoiceText:
+    """The streamed text of one choice, as text and tool-call deltas that can be sent now:
+    stop strings held back (``TextStreamer``) and, when ``tool_names`` is given, tool calls
+    split out of the text (``ToolCallStream``). ``called``: a tool call was sent."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, stops: tuple[str, ...], tool_names: set[str] | None
+    ) -> None:
+        self._text = TextStreamer(tokenizer, stops)
+        self._tools = ToolCallStream(tool_names) if tool_names is not None else None
+        self.called = False
+
+    def push(self, ids: list[int]) -> list[StreamEvent]:
+        return self._deltas(self._text.push(ids), final=False)
+
+    def finish(self, completion: Completion) -> list[StreamEvent]:
+        return self._deltas(self._text.finish(completion), final=True)
+
+    def _deltas(self, text: str, final: bool) -> list[StreamEvent]:
+        if self._tools is None:
+            return [ContentDelta(text)] if text else []
+        events = self._tools.feed(text) + (self._tools.finish() if final else [])
+        self.called = self.called or any(isinstance(e, ToolCallDelta) for e in events)
+        return events
+
+
 def logprob_entry(
     tokenizer: Tokenizer, token: int, logprob: float, top: list[tuple[float, int]] | None
 ) -> dict:
@@ -80,3 +112,46 @@ def usage(prompt_tokens: int, completions: list[Completion]) -> dict:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+class OpenAIRenderer:
+    """What chat and text completions' answers share: the envelope (``id``, ``object``,
+    ``created``, ``model``), chunks with the same head, the usage chunk (when asked for),
+    errors in OpenAI's shape and ``[DONE]``. A surface adds its choices (``answer.Renderer``)."""
+
+    named_events = False
+    object = ""  # the answer's ``object``
+    chunk_object = ""  # a streamed chunk's ``object``
+
+    def __init__(self, model: str, plan: Plan, include_usage: bool) -> None:
+        self.model, self.plan, self.include_usage = model, plan, include_usage
+
+    def envelope(self, choices: list[dict], usage: dict) -> dict:
+        return {
+            "id": self.plan.request_id,
+            "object": self.object,
+            "created": self.plan.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        }
+
+    def chunk(self, choices: list[dict], **extra: Any) -> dict:
+        head = {
+            "id": self.plan.request_id,
+            "object": self.chunk_object,
+            "created": self.plan.created,
+            "model": self.model,
+        }
+        return {**head, "choices": choices, **extra}
+
+    def end(self, usage: dict) -> list[dict]:
+        return [self.chunk([], usage=usage)] if self.include_usage else []
+
+    @staticmethod
+    def error(error: ProxrlError) -> list[dict]:
+        return [body_of(error)]
+
+    @staticmethod
+    def closing() -> list[str]:
+        return ["[DONE]"]

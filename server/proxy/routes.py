@@ -12,7 +12,8 @@ from server import auth
 from server.bounds import ID_LENGTH
 from server.deps import CallerDep, Ctx, PathCallerDep
 from server.errors import AuthenticationRequired, SessionNotOpen, documented
-from server.proxy import chat, completions
+from server.proxy import answer, chat, completions
+from server.proxy.plan import Plan
 from server.proxy.schemas import ChatCompletionRequest, CompletionRequest
 from server.proxy.session_cache import SessionState
 from server.proxy.streaming import GuardedStream
@@ -52,16 +53,24 @@ class _Stream(StreamingResponse):
             self.events.stop()
 
 
+async def _answer(
+    ctx: Ctx, state: SessionState, plan: Plan, renderer: answer.Renderer, stream: bool
+) -> Any:
+    if stream:
+        return _Stream(await answer.stream(ctx, state, plan, renderer))
+    return JSONResponse(await answer.respond(ctx, state, plan, renderer))
+
+
 async def _chat(ctx: Ctx, state: SessionState, body: ChatCompletionRequest) -> Any:
-    if body.stream:
-        return _Stream(await chat.chat_completion_stream(ctx, state, body))
-    return JSONResponse(await chat.chat_completion(ctx, state, body))
+    plan = await chat.plan_chat(ctx, state, body)
+    renderer = chat.ChatRenderer(ctx, plan, body.include_usage)
+    return await _answer(ctx, state, plan, renderer, body.stream)
 
 
 async def _completion(ctx: Ctx, state: SessionState, body: CompletionRequest) -> Any:
-    if body.stream:
-        return _Stream(await completions.text_completion_stream(ctx, state, body))
-    return JSONResponse(await completions.text_completion(ctx, state, body))
+    plan = await completions.plan_completion(ctx, state, body)
+    renderer = completions.CompletionRenderer(ctx, plan, body.include_usage)
+    return await _answer(ctx, state, plan, renderer, body.stream)
 
 
 @router.post(

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from server.errors import INTERNAL_MESSAGE, ProxrlError, body_of
+from server.errors import INTERNAL_MESSAGE, ProxrlError
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +25,11 @@ def api_error(exc: Exception) -> ProxrlError:
     return ProxrlError(INTERNAL_MESSAGE)
 
 
-def sse(payload: dict | str) -> str:
+def sse(payload: dict | str, event: str | None = None) -> str:
+    """One SSE event: ``data:`` (JSON, or a bare string like ``[DONE]``), named by an ``event:``
+    line where the surface names its events."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
+    return f"data: {data}\n\n" if event is None else f"event: {event}\ndata: {data}\n\n"
 
 
 _DONE = object()
@@ -66,15 +68,22 @@ async def first_output(work: asyncio.Task, produced: asyncio.Event) -> None:
 
 
 class GuardedStream:
-    """An answer's events (``guarded``) and the work that produces them, which ``stop`` cancels.
+    """An answer's events (``guarded``) and the work that produces them, which ``stop`` cancels;
+    ``on_error`` frames an error in the surface's shape, ``closing`` is its last text.
 
     The response calls ``stop`` however it ends: a client that leaves before the first chunk
     is written leaves the events' generator unstarted, and an unstarted generator never runs
     its ``finally``."""
 
-    def __init__(self, events: AsyncIterator[str], work: asyncio.Task) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        work: asyncio.Task,
+        on_error: Callable[[ProxrlError], str],
+        closing: str,
+    ) -> None:
         self.work = work
-        self.events = guarded(events, work)
+        self.events = guarded(events, work, on_error, closing)
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self.events
@@ -84,16 +93,21 @@ class GuardedStream:
             self.work.cancel()
 
 
-async def guarded(events: AsyncIterator[str], work: asyncio.Task) -> AsyncIterator[str]:
-    """``events`` then ``[DONE]``; an error mid-stream (the status is already 200) is reported
-    in-band as OpenAI does, in the shape the same error has before a stream starts. Leaving
-    early (the client went away) cancels ``work``."""
+async def guarded(
+    events: AsyncIterator[str],
+    work: asyncio.Task,
+    on_error: Callable[[ProxrlError], str],
+    closing: str,
+) -> AsyncIterator[str]:
+    """``events`` then ``closing`` (OpenAI's ``[DONE]``); an error mid-stream (the status is
+    already 200) is reported in-band (``on_error``), as the same error would be before a stream
+    starts. Leaving early (the client went away) cancels ``work``."""
     try:
         async for event in events:
             yield event
     except Exception as exc:
-        yield sse(body_of(api_error(exc)))
+        yield on_error(api_error(exc))
     finally:
         if not work.done():
             work.cancel()
-    yield sse("[DONE]")
+    yield closing

@@ -19,9 +19,10 @@ from server.engine_client.client import (
 )
 from server.engine_client.pool import EnginePool, EngineState, reported_context
 from server.errors import ContextLengthUnknown, PromptTooLong
-from server.proxy.chat import sampling_request
 from server.proxy.generation import SamplingRequest
-from server.proxy.streaming import first_output, guarded
+from server.proxy.outputs import OpenAIRenderer
+from server.proxy.plan import sampling_request
+from server.proxy.streaming import first_output, guarded, sse
 from server.rl.weights import group_ranks
 from tests.sglang_double import in_band_error as sglang_in_band_error
 from tests.support import free_port, parse_sse
@@ -164,7 +165,11 @@ def test_a_failure_after_output_comes_in_band_in_the_api_shape():
             yield "data: {}\n\n"
             await asyncio.gather(task)
 
-        return [event async for event in guarded(events(), task)]
+        def on_error(error: Exception) -> str:
+            return "".join(sse(event) for event in OpenAIRenderer.error(error))
+
+        done = "".join(sse(event) for event in OpenAIRenderer.closing())
+        return [event async for event in guarded(events(), task, on_error, done)]
 
     events = parse_sse("".join(asyncio.run(scenario())))
     assert events[-1] == "[DONE]"

@@ -1,0 +1,119 @@
+"""What one generation request asks for, whatever its surface: the ``Plan``.
+
+A surface's module (``chat``, ``completions``) parses its request into a plan: the prompt's
+token ids (and the turn they continue), the sampling settings, one completion id per choice,
+what the turn records of the request, and the few things its answer needs (logprobs, tool
+names to parse, echoed text). ``answer`` then samples, records and answers any plan the same
+way. This module knows nothing of any surface's request or answer shapes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.context import ServerContext
+from server.errors import ContextLengthUnknown, ModelNotFound, PromptTooLong, RunNotFound
+from server.proxy.generation import SamplingRequest
+from server.proxy.prompts import Prompt
+from server.proxy.recording import RequestLog
+from server.proxy.session_cache import SessionState
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated generation request, ready to sample: ``n`` choices of one prompt."""
+
+    request_id: str
+    prompt: Prompt
+    sampling: SamplingRequest
+    completion_ids: list[str]  # one per choice
+    log: RequestLog  # what each turn records of the request
+    logprobs: bool  # the answer carries the sampled tokens' logprobs
+    tool_names: set[str] | None = None  # None: the text is not parsed for tool calls
+    echo: str = ""  # text repeated before each choice's text (text completions' ``echo``)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def new_plan(
+    prefix: str,
+    prompt: Prompt,
+    sampling: SamplingRequest,
+    n: int,
+    *,
+    messages: list[Any] | None = None,
+    tools: list[Any] | None = None,
+    logprobs: bool = False,
+    tool_names: set[str] | None = None,
+    echo: str = "",
+) -> Plan:
+    """A plan with a fresh request id (``prefix-<hex>``) and its choices' completion ids (the
+    request id itself when ``n`` is 1, else ``<request id>-<i>``)."""
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+    log = RequestLog(
+        request_id=request_id,
+        messages=messages,
+        tools=tools,
+        sampling={
+            "temperature": sampling.temperature,
+            "max_tokens": sampling.max_tokens,
+            "stop": list(sampling.stop),
+            "seed": sampling.seed,
+            "n": n,
+        },
+    )
+    return Plan(request_id, prompt, sampling, ids, log, logprobs, tool_names, echo)
+
+
+def check_model(ctx: ServerContext, model: str) -> None:
+    if model != ctx.model_name:
+        raise ModelNotFound(model, ctx.model_name)
+
+
+def sampling_request(
+    ctx: ServerContext,
+    prompt_ids: list[int],
+    limit: int | None,
+    body: Any,
+    top_logprobs: int,
+    default_temperature: float,
+) -> SamplingRequest:
+    """Sampling settings, with max tokens checked against the context length (the engines'
+    smallest; the pool routes only to engines that reported theirs); a request that gives no
+    temperature is sampled at the run's."""
+    context = ctx.context_length
+    if context is None:
+        raise ContextLengthUnknown()
+    room = context - len(prompt_ids)
+    if room <= 0:
+        raise PromptTooLong(
+            f"The prompt has {len(prompt_ids)} tokens; the model's context is {context}.",
+            param="messages",
+        )
+    max_tokens = limit if limit is not None else room
+    if max_tokens > room:
+        raise PromptTooLong(
+            f"This model's maximum context length is {context} tokens; the prompt has "
+            f"{len(prompt_ids)} and {max_tokens} were asked for the completion.",
+            param="max_tokens",
+        )
+    temperature = default_temperature if body.temperature is None else body.temperature
+    return SamplingRequest(
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        temperature=float(temperature),
+        stop=body.stops,
+        seed=body.seed,
+        top_logprobs=top_logprobs,
+    )
+
+
+async def run_temperature(ctx: ServerContext, state: SessionState) -> float:
+    """The temperature of the session's run (kept in memory for a moment: ``ctx.run_configs``)."""
+    config = await ctx.run_configs.get(state.run_id)
+    if config is None:  # the run of a live session is never deleted
+        raise RunNotFound(state.run_id)
+    return config.temperature
