@@ -200,6 +200,13 @@ def test_every_server_module_belongs_to_a_layer():
     assert not unplaced, f"modules in no layer of LAYERS (place them first): {unplaced}"
 
 
+def test_the_top_level_is_the_app_shell_only():
+    """server/ keeps at most 10 modules beside its folders: the shell (the layers hold the rest)."""
+    top = sorted(p.stem for p in (ROOT / "server").glob("*.py") if p.stem != "__init__")
+    assert len(top) <= 10, top
+    assert {f"server.{name}" for name in top} <= {*SHELL, "server.errors"}
+
+
 def test_the_table_names_only_layers():
     named = {layer for allowed in LAYERS.values() for layer in allowed}
     assert named <= {*LAYERS, "server"}, named - set(LAYERS)
