@@ -18,7 +18,8 @@ from server.errors import (
     NoEngineToUpdate,
     SessionNotOpen,
 )
-from server.proxy.streaming import api_error, guarded
+from server.proxy.outputs import OpenAIRenderer
+from server.proxy.streaming import api_error, guarded, sse
 
 # (the exception, the status, type and code the client gets for it)
 CASES = [
@@ -60,7 +61,11 @@ def _events_until(exc: Exception) -> list:
 
     async def run() -> list:
         work = asyncio.create_task(asyncio.sleep(60))
-        out = [event async for event in guarded(events(), work)]
+        def on_error(error: Exception) -> str:
+            return "".join(sse(event) for event in OpenAIRenderer.error(error))
+
+        done = "".join(sse(event) for event in OpenAIRenderer.closing())
+        out = [event async for event in guarded(events(), work, on_error, done)]
         assert work.cancelled() or work.cancelling()
         return out
 
