@@ -40,7 +40,7 @@ test-slow: venv system-deps
 # The pure unit tests and the in-process API tier (the app over ASGI, real SQLite, the real
 # engine in threads): no process started, under a minute on two cores.
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow" --durations=10 tests/unit tests/api
+	$(PY) -m pytest -q -m "not slow" -n 2 --durations=10 tests/unit tests/api
 
 lint: venv
 	$(VENV)/bin/ruff format --check .
