@@ -61,6 +61,10 @@ class Turn(TypedDict):
 
     completion_id: str
     request_id: str
+    surface: str
+    """The API the request came in on: chat, completions, responses or messages."""
+    model: str | None
+    """The model name the request asked for."""
     turn_index: int
     row_index: int
     extends_previous: bool

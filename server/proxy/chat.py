@@ -42,6 +42,8 @@ async def plan_chat(ctx: ServerContext, state: SessionState, body: ChatCompletio
         prompt,
         sampling,
         body.n,
+        surface="chat",
+        model=body.model,
         messages=messages,
         tools=tools,
         logprobs=body.logprobs,

@@ -42,6 +42,8 @@ async def plan_completion(ctx: ServerContext, state: SessionState, body: Complet
         prompt,
         sampling,
         body.n,
+        surface="completions",
+        model=body.model,
         logprobs=body.logprobs is not None,
         echo=echo if body.echo else "",
     )

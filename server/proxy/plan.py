@@ -43,6 +43,8 @@ def new_plan(
     sampling: SamplingRequest,
     n: int,
     *,
+    surface: str,
+    model: str | None,
     messages: list[Any] | None = None,
     tools: list[Any] | None = None,
     logprobs: bool = False,
@@ -55,6 +57,8 @@ def new_plan(
     ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
     log = RequestLog(
         request_id=request_id,
+        surface=surface,
+        model=model,
         messages=messages,
         tools=tools,
         sampling={

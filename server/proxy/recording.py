@@ -30,6 +30,8 @@ class Served:
 @dataclass(frozen=True)
 class RequestLog:
     request_id: str
+    surface: str  # chat, completions, responses, messages
+    model: str | None  # the model name the request asked for
     messages: list[Any] | None
     tools: list[Any] | None
     sampling: dict[str, Any]
@@ -86,6 +88,8 @@ def _record(
         run_id=state.run_id,
         completion_id=item.completion_id,
         request_id=log.request_id,
+        surface=log.surface,
+        model=log.model,
         turn_index=turn_index,
         row_index=row,
         extends_previous=not new_row,

@@ -109,6 +109,8 @@ class Turn(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
     completion_id: Mapped[str] = mapped_column(String(100), unique=True)
     request_id: Mapped[str] = mapped_column(String(100))
+    surface: Mapped[str] = mapped_column(String(16), default="chat")
+    model: Mapped[str | None] = mapped_column(String(200))
     turn_index: Mapped[int] = mapped_column(Integer)
     row_index: Mapped[int] = mapped_column(Integer)
     extends_previous: Mapped[bool] = mapped_column(default=False)

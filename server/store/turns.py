@@ -25,10 +25,19 @@ class TurnFields:
 
     completion_id: str
     request_id: str  # the choices of one request (n > 1) share it
+    surface: Annotated[
+        str,
+        Field(
+            description="The API the request came in on: chat (Chat Completions), completions, "
+            "responses (the Responses API) or messages (Anthropic Messages); ``messages`` holds "
+            "its conversation in that API's own form."
+        ),
+    ]
+    model: Annotated[str | None, Field(description="The model name the request asked for.")]
     turn_index: int
     row_index: int
     extends_previous: bool  # it continues a turn of the previous request in that turn's row
-    messages: list[Any] | None  # what its request asked (chat; None: a prompt of token ids)
+    messages: list[Any] | None  # its request's conversation, as sent (None: a text prompt)
     tools: list[Any] | None
     response: dict[str, Any]
     prompt_ids: list[int]

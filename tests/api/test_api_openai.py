@@ -29,6 +29,7 @@ def test_a_chat_completion_is_answered_and_stored_token_for_token(api: Api):
     assert choice["message"]["role"] == "assistant"
     turn = only_turn(api, session)
     assert turn["completion_id"] == answer["id"]
+    assert (turn["surface"], turn["model"]) == ("chat", MODEL)
     assert turn["messages"] == [user("Tell me about numbers.")]
     assert turn["response"]["content"] == choice["message"]["content"]
     assert turn["finish_reason"] == choice["finish_reason"]
@@ -79,6 +80,7 @@ def test_a_text_completion_is_answered_and_stored(api: Api):
     (choice,) = answer["choices"]
     turn = only_turn(api, session)
     assert turn["completion_id"] == answer["id"]
+    assert (turn["surface"], turn["model"]) == ("completions", MODEL)
     assert turn["response"] == {"text": choice["text"]}
     assert answer["usage"]["completion_tokens"] == len(turn["completion_ids"]) <= 5
     assert answer["usage"]["prompt_tokens"] == len(turn["prompt_ids"])

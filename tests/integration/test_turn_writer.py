@@ -53,6 +53,8 @@ def record(index: int, prompt_tokens: int = 40, text: str = "") -> TurnRecord:
         run_id=RUN_ID,
         completion_id=f"chatcmpl-{index}",
         request_id=f"chatcmpl-{index}",
+        surface="chat" if index % 3 else "completions",
+        model="gpt-4o-mini" if index % 2 else None,
         turn_index=index,
         row_index=index // 2,
         extends_previous=index % 2 == 1,

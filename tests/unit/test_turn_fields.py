@@ -25,6 +25,8 @@ def record() -> TurnRecord:
         run_id="r",
         completion_id="chatcmpl-1",
         request_id="chatcmpl-1",
+        surface="chat",
+        model="gpt-4o-mini",
         turn_index=1,
         row_index=0,
         extends_previous=True,
