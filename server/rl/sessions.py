@@ -7,6 +7,7 @@ from typing import Any
 from server.context import ServerContext
 from server.errors import RunNotFound, SessionNotFound
 from server.rl import runs as run_views
+from server.rl.admission import admits
 from server.rl.schemas import RewardOut, RowOut, SessionCreated, SessionOut, SessionSummary, TurnOut
 from server.store import claims, rewards, runs
 from server.store import sessions as store
@@ -33,8 +34,8 @@ async def create_session(
                 if run is None:
                     raise RunNotFound(run_id)
                 config = RunConfig.model_validate(run.config)
-                limit = config.admission_limit(run.policy_version)
-                room = limit is None or await store.admitted_count(db, run_id) < limit
+                admitted = await store.admitted_count(db, run_id)
+                room = admits(admitted, config, run.policy_version)
             if room:
                 async with ctx.sessionmaker() as db, db.begin():
                     created.append(
