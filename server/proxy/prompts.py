@@ -2,17 +2,40 @@
 
 The agent sends back, as history, text the model generated. Re-tokenizing that text could give
 other tokens than the ones sampled, which would break the training row. So when the rendered
-prompt begins with the exact text of a previous turn (its prompt + completion), the prompt is
-built as that turn's token ids followed by the tokens of the new text only. Otherwise it is
+prompt begins with the text of a previous turn (its prompt + completion), the prompt is built
+as that turn's exact token ids followed by the tokens of the new text only. Otherwise it is
 tokenized from scratch, and the turn starts a new row.
+
+"Begins with the text of a previous turn" allows for what the agent never saw or what the chat
+template drops when it renders history (the splice rule, :func:`aligned_end`):
+
+- **special tokens** (those decoding leaves out: an ``<|endoftext|>`` that ended an answer, an
+  ``<|im_start|>`` sampled inside one) may be missing from the rendered text;
+- **reasoning**: a ``<think>...</think>`` block (through the end of the turn when it never
+  closed, as when the answer ran out of tokens), with the whitespace after it, may be missing.
+  Reasoning models' templates (Qwen3, DeepSeek-R1) render earlier assistant turns without it.
+  The block may open in the template's generation prompt (DeepSeek-R1 writes ``<think>\\n``
+  there) and close in the completion.
+
+Everything else must match character for character: a break only ever means that the agent
+changed its history. The rule reads the previous turn greedily: an optional part the rendered
+text does hold at that point is taken as present. The spliced prompt keeps the exact earlier
+tokens, thinking and special tokens included, so it extends the previous prompt + completion
+token for token and the row goes on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
+from functools import lru_cache
 
 from server.proxy.session_cache import LastTurn
 from server.text.tokenization import Tokenizer
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
 
 
 @dataclass(frozen=True)
@@ -21,11 +44,29 @@ class Prompt:
     continues: LastTurn | None  # the turn this prompt extends token for token, if any
 
 
+class Kind(Enum):
+    TEXT = "text"  # must be in the rendered text as is
+    SPECIAL = "special"  # a special token's text: may be missing
+    OPEN = "open"  # <think>: with its block, up to the matching </think>, may be missing
+    CLOSE = "close"  # </think>
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of a turn's text as the splice rule reads it."""
+
+    text: str
+    kind: Kind
+
+
 def splice(tokenizer: Tokenizer, text: str, last: list[LastTurn]) -> Prompt:
     """Token ids of the prompt ``text``, reusing the tokens of the turn it extends."""
     for turn in last:
-        if len(text) > len(turn.text) and text.startswith(turn.text):
-            suffix = tokenizer.encode(text[len(turn.text) :])
+        end = len(turn.text) if text.startswith(turn.text) else None
+        if end is None:
+            end = aligned_end(units_of(tokenizer, turn.prompt_ids + turn.completion_ids), text)
+        if end is not None and end < len(text):
+            suffix = tokenizer.encode(text[end:])
             return Prompt(turn.prompt_ids + turn.completion_ids + suffix, turn)
     return Prompt(tokenizer.encode(text), None)
 
@@ -37,3 +78,76 @@ def from_ids(ids: list[int], last: list[LastTurn]) -> Prompt:
         if len(ids) > len(prefix) and ids[: len(prefix)] == prefix:
             return Prompt(ids, turn)
     return Prompt(ids, None)
+
+
+def aligned_end(units: Sequence[Unit], text: str) -> int | None:
+    """Where in ``text`` the turn made of ``units`` ends, reading it by the splice rule (module
+    docstring): None when ``text`` does not begin with the turn."""
+    pos, index, after_drop = 0, 0, False
+    while index < len(units):
+        unit = units[index]
+        index += 1
+        if after_drop:  # the whitespace after dropped reasoning, on either side
+            pos += len(text[pos:]) - len(text[pos:].lstrip())
+        if unit.kind is not Kind.TEXT and text.startswith(unit.text, pos):
+            pos += len(unit.text)
+            after_drop = False
+        elif unit.kind is Kind.SPECIAL:
+            continue
+        elif unit.kind is Kind.OPEN:
+            index = _block_end(units, index)
+            after_drop = True
+        elif unit.kind is Kind.CLOSE:
+            return None
+        else:
+            piece = unit.text.lstrip() if after_drop else unit.text
+            after_drop = after_drop and not piece
+            if not text.startswith(piece, pos):
+                return None
+            pos += len(piece)
+    return pos
+
+
+def _block_end(units: Sequence[Unit], index: int) -> int:
+    """The index after the ``</think>`` that closes a block whose body starts at ``index`` (the
+    end of the units when it never closes)."""
+    for at in range(index, len(units)):
+        if units[at].kind is Kind.CLOSE:
+            return at + 1
+    return len(units)
+
+
+def units_of(tokenizer: Tokenizer, ids: Sequence[int]) -> list[Unit]:
+    """The text of ``ids`` as units: special tokens apart, each run of other tokens decoded
+    together and cut at its ``<think>``/``</think>`` markers."""
+    units: list[Unit] = []
+    run: list[int] = []
+    for token in ids:
+        if _is_special(tokenizer, token):
+            units += _text_units(tokenizer.decode(run, skip_special_tokens=False))
+            units.append(Unit(tokenizer.token_text(token), Kind.SPECIAL))
+            run = []
+        else:
+            run.append(token)
+    return units + _text_units(tokenizer.decode(run, skip_special_tokens=False))
+
+
+def _text_units(text: str) -> list[Unit]:
+    units = []
+    while text:
+        marks = [(text.find(m), m) for m in (THINK_OPEN, THINK_CLOSE) if m in text]
+        if not marks:
+            units.append(Unit(text, Kind.TEXT))
+            break
+        at, mark = min(marks)
+        if at:
+            units.append(Unit(text[:at], Kind.TEXT))
+        units.append(Unit(mark, Kind.OPEN if mark == THINK_OPEN else Kind.CLOSE))
+        text = text[at + len(mark) :]
+    return units
+
+
+@lru_cache(maxsize=65536)
+def _is_special(tokenizer: Tokenizer, token: int) -> bool:
+    """A token that decoding leaves out (what a client is served never holds it)."""
+    return tokenizer.decode([token]) == "" and tokenizer.token_text(token) != ""
