@@ -136,8 +136,9 @@ class CompletionNotFound(ResourceNotFound):
 
 
 class ModelNotFound(ResourceNotFound):
-    def __init__(self, model: str, served: str) -> None:
-        message = f"The model '{model}' does not exist; this server serves '{served}'."
+    def __init__(self, model: str, served: list[str]) -> None:
+        names = ", ".join(f"'{name}'" for name in served)
+        message = f"The model '{model}' does not exist; this run serves {names}."
         super().__init__(message, param="model")
 
 

@@ -59,16 +59,17 @@ def run_framework_agent(
     max_tokens: int = 8,
     temperature: float = 1.0,
     run_id: str | None = None,
+    model: str | None = None,
 ) -> list[FrameworkEpisode]:
-    """One proxrl session per problem: ask through LangChain, reward the session, end it."""
+    """One proxrl session per problem: ask through LangChain, reward the session, end it.
+    ``model`` is the name the agent asks for (any name is served; default: the run's model)."""
     episodes = []
     for problem in arithmetic.generate(sessions, seed):
         with client.session(run_id=run_id, task_id=problem.task_id) as session:
-            model = client.get_run(session.run_id)["model"]
             llm = chat_model(
                 session.base_url,
                 session.api_key,
-                model,
+                model or client.get_run(session.run_id)["model"],
                 max_tokens=max_tokens,
                 temperature=temperature,
             )
@@ -90,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--run-id", default=None, help="default: the server's default run")
+    parser.add_argument(
+        "--model", default=None, help="the model name to ask for (default: the served one's)"
+    )
     args = parser.parse_args(argv)
 
     with Client(args.base_url, args.admin_key) as client:
@@ -100,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             run_id=args.run_id,
+            model=args.model,
         )
     for episode in episodes:
         print(

@@ -25,7 +25,7 @@ from server.text.tokenization import TemplateError
 
 async def plan_chat(ctx: ServerContext, state: SessionState, body: ChatCompletionRequest) -> Plan:
     default_temperature = await run_temperature(ctx, state)
-    check_model(ctx, body.model)
+    await check_model(ctx, state, body.model)
     body.refuse_untrainable()
     messages = [message.for_template() for message in body.messages]
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None

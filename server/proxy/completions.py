@@ -24,7 +24,7 @@ from server.proxy.tool_calls import ContentDelta, StreamEvent
 
 async def plan_completion(ctx: ServerContext, state: SessionState, body: CompletionRequest) -> Plan:
     default_temperature = await run_temperature(ctx, state)
-    check_model(ctx, body.model)
+    await check_model(ctx, state, body.model)
     body.refuse_untrainable()
     (given,) = _single(body)
     if isinstance(given, str):

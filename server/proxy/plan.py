@@ -20,6 +20,7 @@ from server.proxy.generation import SamplingRequest
 from server.proxy.prompts import Prompt
 from server.proxy.recording import RequestLog
 from server.proxy.session_cache import SessionState
+from server.store.run_config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -72,9 +73,16 @@ def new_plan(
     return Plan(request_id, prompt, sampling, ids, log, logprobs, tool_names, echo)
 
 
-def check_model(ctx: ServerContext, model: str) -> None:
-    if model != ctx.model_name:
-        raise ModelNotFound(model, ctx.model_name)
+async def check_model(ctx: ServerContext, state: SessionState, model: str) -> None:
+    """Any model name is served (the turn records it), unless the session's run has
+    ``strict_model_names``: then only the served model's name and the run's ``model_aliases``."""
+    config = await _run_config(ctx, state)
+    if config.strict_model_names and not answers_to(config, ctx.model_name, model):
+        raise ModelNotFound(model, [ctx.model_name, *config.model_aliases])
+
+
+def answers_to(config: RunConfig, served: str, model: str) -> bool:
+    return model == served or model in config.model_aliases
 
 
 def sampling_request(
@@ -117,7 +125,11 @@ def sampling_request(
 
 async def run_temperature(ctx: ServerContext, state: SessionState) -> float:
     """The temperature of the session's run (kept in memory for a moment: ``ctx.run_configs``)."""
+    return (await _run_config(ctx, state)).temperature
+
+
+async def _run_config(ctx: ServerContext, state: SessionState) -> RunConfig:
     config = await ctx.run_configs.get(state.run_id)
     if config is None:  # the run of a live session is never deleted
         raise RunNotFound(state.run_id)
-    return config.temperature
+    return config

@@ -115,22 +115,30 @@ async def session_text_completions(
     return await _completion(ctx, await _open_session(ctx, caller, session_id, None), body)
 
 
-def _models(ctx: Ctx) -> dict:
-    card = {
-        "id": ctx.model_name,
-        "object": "model",
-        "created": int(ctx.started_at),
-        "owned_by": "proxrl",
-        "max_model_len": ctx.context_length,
-    }
-    return {"object": "list", "data": [card]}
+async def _models(ctx: Ctx, run_id: str) -> dict:
+    """The served model, then the run's aliases: cards alike but for their ids."""
+    config = await ctx.run_configs.get(run_id)
+    aliases = [] if config is None else config.model_aliases
+    cards = [
+        {
+            "id": name,
+            "object": "model",
+            "created": int(ctx.started_at),
+            "owned_by": "proxrl",
+            "max_model_len": ctx.context_length,
+        }
+        for name in dict.fromkeys([ctx.model_name, *aliases])
+    ]
+    return {"object": "list", "data": cards}
 
 
-@router.get("/v1/models", summary="The served model", responses=documented(400, 401))
+@router.get(
+    "/v1/models", summary="The served model and the run's aliases", responses=documented(400, 401)
+)
 async def list_models(ctx: Ctx, caller: CallerDep) -> dict:
     if caller.kind == "anonymous":
         raise AuthenticationRequired("Missing API key.", code="invalid_api_key")
-    return _models(ctx)
+    return await _models(ctx, caller.run_id or ctx.default_run_id)  # the admin: the default run
 
 
 @router.get(
@@ -139,5 +147,5 @@ async def list_models(ctx: Ctx, caller: CallerDep) -> dict:
     responses=documented(400, 403, 404),
 )
 async def session_models(session_id: SessionPath, ctx: Ctx, caller: PathCallerDep) -> dict:
-    await auth.session_for_generation(ctx, caller, session_id, None)
-    return _models(ctx)
+    state = await auth.session_for_generation(ctx, caller, session_id, None)
+    return await _models(ctx, state.run_id)

@@ -1,5 +1,5 @@
 """A run's configuration: sampling temperature, admission (staleness bound), reward deadlines,
-groups and claims.
+groups and claims, the model names it answers to.
 
 Plain data validated by pydantic; the server and the trainer read the same fields. Keys it does
 not know are kept (the trainer's own settings may live here) but never acted on by the server.
@@ -19,6 +19,8 @@ REWARD_BOUND = 1e9
 # Counts and durations no run reaches, so that none overflows SQL's integers or a timedelta.
 MAX_COUNT = 2**31 - 1
 MAX_SECONDS = 10 * 365 * 24 * 3600.0
+MODEL_NAME_LENGTH = 1000  # a model name's longest, as requests bound it
+MAX_ALIASES = 64
 Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
 
 
@@ -93,6 +95,17 @@ class RunConfig(BaseModel):
         "train",
         description="What happens to a group still short of group_size at group_timeout_s, and "
         "to a session without group_id and task_id: train it as it is, or drop it.",
+    )
+    model_aliases: list[Annotated[str, Field(min_length=1, max_length=MODEL_NAME_LENGTH)]] = Field(
+        default_factory=list,
+        max_length=MAX_ALIASES,
+        description="Model names GET /v1/models lists besides the served model's; with "
+        "strict_model_names, the only other names a request may ask for.",
+    )
+    strict_model_names: bool = Field(
+        False,
+        description="Refuse (OpenAI's 404 model_not_found) a request for a model name other "
+        "than the served model's and model_aliases (false: any name is served, and recorded).",
     )
     claim_lease_s: Seconds = Field(
         300.0,

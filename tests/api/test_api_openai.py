@@ -177,11 +177,6 @@ BAD_BODIES = {
         400,
         "top_p",
     ),
-    "unknown-model": (
-        b'{"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}',
-        404,
-        "model",
-    ),
 }
 
 

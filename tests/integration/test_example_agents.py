@@ -174,6 +174,19 @@ def test_the_langchain_agent_ends_every_session_trainable(framework_agent, clien
     assert client.run_metrics(run["id"])["sessions"] == {"trainable": 2}
 
 
+def test_langchain_asking_for_gpt_4o_mini_is_served_unchanged(framework_agent, client):
+    """ChatOpenAI(model="gpt-4o-mini") as an agent ships: served, and the name recorded."""
+    run = client.create_run(name="langchain-any-name")
+    (episode,) = framework_agent.run_framework_agent(
+        client, sessions=1, seed=4, run_id=run["id"], model="gpt-4o-mini"
+    )
+    detail = client.get_session(episode.session_id)
+    assert detail["status"] == "trainable" and detail["reward"] == episode.reward
+    (turn,) = detail["turns"]
+    assert (turn["completion_id"], turn["model"]) == (episode.completion_id, "gpt-4o-mini")
+    assert turn["surface"] == "chat" and len(turn["completion_ids"]) >= 1
+
+
 def test_the_math_agent_runs_whole_grpo_groups_from_its_command_line(client, proxy):
     run = client.create_run(name="math-agent")
     command = [
