@@ -24,12 +24,20 @@ class ModelInit(BaseModel):
     size: Literal["tiny", "small"] = Field(
         "tiny", description="tiny: ~1.7M parameters; small: ~13M parameters."
     )
+    template: Literal["default", "reasoning"] = Field(
+        "default",
+        description="The chat template. reasoning: Qwen3-style, answers open with "
+        "<think>...</think> (tokens of their own), history renders without it.",
+    )
 
     def cli_cmd(self) -> None:
         from server.common.tiny_model import create_tiny_model, parameter_count
 
-        out = create_tiny_model(self.out_dir, self.size)
-        print(f"wrote the {self.size} model ({parameter_count(out):,} parameters) to {out}")
+        out = create_tiny_model(self.out_dir, self.size, self.template)
+        print(
+            f"wrote the {self.size} model ({parameter_count(out):,} parameters, "
+            f"{self.template} chat template) to {out}"
+        )
 
 
 class ModelCommands(BaseModel):

@@ -25,10 +25,24 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 # Tool markup is kept in decoded text (not "special"), as in Qwen2.5, so a tool-call parser sees it.
 MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# A reasoning model's markers: added tokens kept in decoded text, as Qwen3 has them.
+THINK_TOKENS = ["<think>", "</think>"]
 VOCAB_SIZE = 1024
 SEED = 1234
 
-CHAT_TEMPLATE = resources.files("server.common").joinpath("chat_template.jinja").read_text()
+# The chat templates ``proxrl model init --template`` offers: the default (Hermes/Qwen2.5-style),
+# and a reasoning one (Qwen3-style: answers open with <think>...</think>; history drops it).
+TEMPLATE_FILES = {"default": "chat_template.jinja", "reasoning": "chat_template_reasoning.jinja"}
+
+
+def chat_template(name: str = "default") -> str:
+    """The source of the chat template ``name`` (one of ``TEMPLATE_FILES``)."""
+    if name not in TEMPLATE_FILES:
+        raise ValueError(f"unknown chat template {name!r}; choose one of {sorted(TEMPLATE_FILES)}")
+    return resources.files("server.common").joinpath(TEMPLATE_FILES[name]).read_text()
+
+
+CHAT_TEMPLATE = chat_template()
 
 
 @dataclass(frozen=True)
@@ -83,8 +97,9 @@ def _training_corpus(rng: random.Random, lines: int = 6000) -> list[str]:
     return corpus
 
 
-def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
-    """A byte-level BPE (every string encodes) with digits split one by one."""
+def build_tokenizer(vocab_size: int = VOCAB_SIZE, reasoning: bool = False) -> Tokenizer:
+    """A byte-level BPE (every string encodes) with digits split one by one; ``reasoning`` adds
+    ``<think>`` and ``</think>`` as tokens of their own."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -100,12 +115,13 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_training_corpus(random.Random(SEED)), trainer=trainer)
-    tokenizer.add_tokens(MARKUP_TOKENS)
+    tokenizer.add_tokens(MARKUP_TOKENS + (THINK_TOKENS if reasoning else []))
     return tokenizer
 
 
-def create_tiny_model(out_dir: str | Path, size: str = "tiny") -> Path:
-    """Build the tokenizer and model of ``size`` and save them as a Hugging Face directory."""
+def create_tiny_model(out_dir: str | Path, size: str = "tiny", template: str = "default") -> Path:
+    """Build the tokenizer and model of ``size`` and save them as a Hugging Face directory, with
+    the chat template ``template`` (the reasoning one brings ``<think>`` tokens along)."""
     import torch
     from transformers import (
         GenerationConfig,
@@ -116,18 +132,19 @@ def create_tiny_model(out_dir: str | Path, size: str = "tiny") -> Path:
 
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
+    source = chat_template(template)
     shape = SIZES[size]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
     hf_tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer(),
+        tokenizer_object=build_tokenizer(reasoning=template == "reasoning"),
         eos_token=IM_END,
         pad_token=PAD_TOKEN,
         model_max_length=shape.max_position_embeddings,
         clean_up_tokenization_spaces=False,
     )
-    hf_tokenizer.chat_template = CHAT_TEMPLATE
+    hf_tokenizer.chat_template = source
     hf_tokenizer.save_pretrained(out)
 
     eos_id, pad_id = hf_tokenizer.eos_token_id, hf_tokenizer.pad_token_id
