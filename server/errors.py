@@ -19,6 +19,7 @@ document (``documented``) and the error event a stream ends with
     │   ├── RunNotFound          404
     │   ├── SessionNotFound      404
     │   ├── CompletionNotFound   404  no turn with that completion_id in the session
+    │   ├── ResponseNotFound     404  no stored (Responses API) response with that id
     │   └── ModelNotFound        404  a model name this server does not serve
     ├── SessionNotOpen           409  the session takes no more turns
     ├── RewardsClosed            409  the session takes no more rewards (claimed, settled)
@@ -135,6 +136,12 @@ class CompletionNotFound(ResourceNotFound):
         super().__init__(message, param="completion_id")
 
 
+class ResponseNotFound(ResourceNotFound):
+    def __init__(self, response_id: str, param: str | None = None) -> None:
+        message = f"No response found with id {response_id!r}."
+        super().__init__(message, param=param)
+
+
 class ModelNotFound(ResourceNotFound):
     def __init__(self, model: str, served: list[str]) -> None:
         names = ", ".join(f"'{name}'" for name in served)
@@ -248,6 +255,7 @@ RENDERING: dict[type[ProxrlError], Rendering] = {
     RunNotFound: Rendering(404, "not_found_error", "run_not_found"),
     SessionNotFound: Rendering(404, "not_found_error", "session_not_found"),
     CompletionNotFound: Rendering(404, "not_found_error", "completion_not_found"),
+    ResponseNotFound: Rendering(404, "not_found_error", "response_not_found"),
     ModelNotFound: Rendering(404, "not_found_error", "model_not_found"),
     SessionNotOpen: Rendering(409, "conflict_error", "session_closed"),
     RewardsClosed: Rendering(409, "conflict_error", "rewards_closed"),

@@ -12,8 +12,9 @@ from server import auth
 from server.bounds import ID_LENGTH
 from server.deps import CallerDep, Ctx, PathCallerDep
 from server.errors import AuthenticationRequired, SessionNotOpen, documented
-from server.proxy import answer, chat, completions
+from server.proxy import answer, chat, completions, responses, responses_render
 from server.proxy.plan import Plan
+from server.proxy.responses_schema import ResponseRequest
 from server.proxy.schemas import ChatCompletionRequest, CompletionRequest
 from server.proxy.session_cache import SessionState
 from server.proxy.streaming import GuardedStream
@@ -149,3 +150,77 @@ async def list_models(ctx: Ctx, caller: CallerDep) -> dict:
 async def session_models(session_id: SessionPath, ctx: Ctx, caller: PathCallerDep) -> dict:
     state = await auth.session_for_generation(ctx, caller, session_id, None)
     return await _models(ctx, state.run_id)
+
+
+# ----- the Responses API ----------------------------------------------------------------------
+
+ResponseId = Annotated[str, Path(min_length=1, max_length=ID_LENGTH)]
+STORED = documented(400, 401, 403, 404)
+
+
+async def _response(ctx: Ctx, state: SessionState, body: ResponseRequest) -> Any:
+    plan = await responses.plan_response(ctx, state, body)
+    renderer = responses_render.ResponsesRenderer(ctx, plan, body)
+    return await _answer(ctx, state, plan, renderer, body.stream)
+
+
+@router.post("/v1/responses", summary="Create a response (Responses API)", responses=GENERATION)
+async def create_response(
+    body: ResponseRequest, ctx: Ctx, caller: CallerDep, x_session_id: SessionHeader = None
+):
+    return await _response(ctx, await _open_session(ctx, caller, None, x_session_id), body)
+
+
+@router.post(
+    "/sessions/{session_id}/v1/responses",
+    summary="Create a response, session in the path",
+    responses=GENERATION,
+)
+async def session_create_response(
+    session_id: SessionPath, body: ResponseRequest, ctx: Ctx, caller: PathCallerDep
+):
+    return await _response(ctx, await _open_session(ctx, caller, session_id, None), body)
+
+
+@router.get("/v1/responses/{response_id}", summary="A stored response", responses=STORED)
+async def get_response(
+    response_id: ResponseId, ctx: Ctx, caller: CallerDep, x_session_id: SessionHeader = None
+) -> dict:
+    state = await auth.session_for_generation(ctx, caller, None, x_session_id)
+    return await responses.stored_response(ctx, state, response_id)
+
+
+@router.get(
+    "/sessions/{session_id}/v1/responses/{response_id}",
+    summary="A stored response (session path)",
+    responses=STORED,
+)
+async def session_get_response(
+    session_id: SessionPath, response_id: ResponseId, ctx: Ctx, caller: PathCallerDep
+) -> dict:
+    state = await auth.session_for_generation(ctx, caller, session_id, None)
+    return await responses.stored_response(ctx, state, response_id)
+
+
+@router.delete(
+    "/v1/responses/{response_id}",
+    summary="Delete a stored response (its turn stays for training)",
+    responses=STORED,
+)
+async def delete_response(
+    response_id: ResponseId, ctx: Ctx, caller: CallerDep, x_session_id: SessionHeader = None
+) -> dict:
+    state = await auth.session_for_generation(ctx, caller, None, x_session_id)
+    return await responses.delete_response(ctx, state, response_id)
+
+
+@router.delete(
+    "/sessions/{session_id}/v1/responses/{response_id}",
+    summary="Delete a stored response (session path)",
+    responses=STORED,
+)
+async def session_delete_response(
+    session_id: SessionPath, response_id: ResponseId, ctx: Ctx, caller: PathCallerDep
+) -> dict:
+    state = await auth.session_for_generation(ctx, caller, session_id, None)
+    return await responses.delete_response(ctx, state, response_id)

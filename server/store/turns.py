@@ -246,3 +246,15 @@ def tokens_of(turn: Turn, reward: float | None = None) -> TurnTokens:
         temperature=sampled_temperature(turn),
         reward=reward,
     )
+
+
+async def session_turn(db: AsyncSession, session_id: str, completion_id: str) -> Turn | None:
+    """The session's turn with that completion id (a Responses API response id), if any."""
+    query = select(Turn).where(Turn.session_id == session_id, Turn.completion_id == completion_id)
+    return await db.scalar(query)
+
+
+async def replace_response(db: AsyncSession, turn_id: int, response: dict[str, Any]) -> None:
+    """Set what a turn records of its answer (a deleted Responses API response is marked so;
+    its tokens stay for training). The caller commits."""
+    await db.execute(update(Turn).where(Turn.id == turn_id).values(response=response))

@@ -1,0 +1,118 @@
+"""``/v1/responses`` (OpenAI's Responses API): a request into a plan; stored responses.
+
+A response is a turn: its ``completion_id`` is the response id (``resp_...``), its ``messages``
+the request's input items as received, its ``response`` the Response object the client got
+(output items, usage, ``previous_response_id``, ``store``). So a stored response lives as long
+as the trajectory store, across restarts of the proxy, and ``previous_response_id`` rebuilds the
+conversation from the chain of turns (each one's input items then its output items, oldest
+first) before the request's own items; rendered with the chat template, that prompt extends
+the previous turn token for token, so the chain is one training row.
+
+A response created with ``store: false``, or deleted, is not retrievable or chainable (404); its
+turn stays in the store for training. Sampling, recording and streaming are ``answer``'s; what
+the answer and its events look like is ``responses_render``'s.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from server.context import ServerContext
+from server.errors import InvalidRequest, ResponseNotFound
+from server.proxy import prompts
+from server.proxy.plan import Plan, check_model, new_plan, run_temperature, sampling_request
+from server.proxy.responses_schema import ResponseRequest, to_messages
+from server.proxy.session_cache import SessionState
+from server.store import turns as store_turns
+from server.store.tables import Turn
+from server.text.tokenization import TemplateError
+
+MAX_CHAIN = 10_000  # responses one previous_response_id chain may reach back through
+
+
+async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseRequest) -> Plan:
+    default_temperature = await run_temperature(ctx, state)
+    await check_model(ctx, state, body.model)
+    body.refuse_unsupported()
+    items = body.items()
+    history = await _chain(ctx, state, body.previous_response_id)
+    messages = to_messages([*history, *items])
+    if body.instructions:
+        messages.insert(0, {"role": "system", "content": body.instructions})
+    tools = body.template_tools()
+    try:
+        text = ctx.tokenizer.render(messages, tools=tools, add_generation_prompt=True)
+    except TemplateError as exc:
+        raise InvalidRequest(f"The chat template refused the input: {exc}", "input") from exc
+    prompt = prompts.splice(ctx.tokenizer, text, state.last)
+    limit = body.max_output_tokens
+    sampling = sampling_request(ctx, prompt.ids, limit, body, 0, default_temperature)
+    parse_tools = tools is not None and body.tool_choice != "none"
+    plan = new_plan(
+        "resp",
+        prompt,
+        sampling,
+        1,
+        surface="responses",
+        model=body.model,
+        messages=items,
+        tools=tools,
+        tool_names={t["function"]["name"] for t in tools} if parse_tools and tools else None,
+    )
+    response_id = f"resp_{uuid.uuid4().hex}"  # OpenAI's form of id
+    log = replace(plan.log, request_id=response_id)
+    return replace(plan, request_id=response_id, completion_ids=[response_id], log=log)
+
+
+async def _chain(
+    ctx: ServerContext, state: SessionState, response_id: str | None
+) -> list[dict[str, Any]]:
+    """The items of the conversation ``response_id`` ends: every response's input items and
+    output items along its chain, oldest first."""
+    items: list[dict[str, Any]] = []
+    seen = 0
+    async with ctx.sessionmaker() as db:
+        while response_id is not None:
+            turn = await store_turns.session_turn(db, state.id, response_id)
+            stored = _retrievable(turn)
+            if stored is None or seen >= MAX_CHAIN:
+                raise ResponseNotFound(response_id, param="previous_response_id")
+            assert turn is not None
+            items = [*(turn.messages or []), *stored.get("output", []), *items]
+            response_id = stored.get("previous_response_id")
+            seen += 1
+    return items
+
+
+def _retrievable(turn: Turn | None) -> dict[str, Any] | None:
+    """The stored Response of a responses turn that was stored and not deleted."""
+    if turn is None or turn.surface != "responses":
+        return None
+    response = turn.response or {}
+    if response.get("store") is False or response.get("deleted"):
+        return None
+    return response
+
+
+async def stored_response(ctx: ServerContext, state: SessionState, response_id: str) -> dict:
+    """The Response object as the client got it (``GET /v1/responses/{id}``)."""
+    async with ctx.sessionmaker() as db:
+        stored = _retrievable(await store_turns.session_turn(db, state.id, response_id))
+    if stored is None:
+        raise ResponseNotFound(response_id)
+    return stored
+
+
+async def delete_response(ctx: ServerContext, state: SessionState, response_id: str) -> dict:
+    """Make a response unretrievable and unchainable; its turn and tokens stay for training
+    (the turn's ``response`` gains ``"deleted": true``)."""
+    async with ctx.sessionmaker() as db:
+        turn = await store_turns.session_turn(db, state.id, response_id)
+        stored = _retrievable(turn)
+        if stored is None or turn is None:
+            raise ResponseNotFound(response_id)
+        await store_turns.replace_response(db, turn.id, {**stored, "deleted": True})
+        await db.commit()
+    return {"id": response_id, "object": "response", "deleted": True}
