@@ -47,7 +47,11 @@ def bearer(authorization: str | None) -> str | None:
 
 async def identify(ctx: ServerContext, authorization: str | None) -> Caller:
     """The caller behind an Authorization header (anonymous without one; 401 if unknown)."""
-    token = bearer(authorization)
+    return await identify_key(ctx, bearer(authorization))
+
+
+async def identify_key(ctx: ServerContext, token: str | None) -> Caller:
+    """The caller behind a key (anonymous without one; 401 if unknown)."""
     if token is None:
         return Caller("anonymous")
     key_hash = hash_key(token)

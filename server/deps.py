@@ -44,6 +44,38 @@ async def get_path_caller(ctx: Ctx, authorization: Authorization = None) -> auth
 
 PathCallerDep = Annotated[auth.Caller, Depends(get_path_caller)]
 
+# Anthropic's clients send their key as ``x-api-key``; ``Authorization: Bearer`` wins when given.
+ApiKey = Annotated[
+    str | None,
+    Header(
+        alias="x-api-key",
+        max_length=CREDENTIAL_MAX_CHARS,
+        description="The key, as Anthropic's clients send it (or Authorization: Bearer <key>).",
+    ),
+]
+
+
+async def get_anthropic_caller(
+    ctx: Ctx, authorization: Authorization = None, x_api_key: ApiKey = None
+) -> auth.Caller:
+    return await auth.identify_key(ctx, auth.bearer(authorization) or x_api_key or None)
+
+
+AnthropicCallerDep = Annotated[auth.Caller, Depends(get_anthropic_caller)]
+
+
+async def get_anthropic_path_caller(
+    ctx: Ctx, authorization: Authorization = None, x_api_key: ApiKey = None
+) -> auth.Caller:
+    """``get_path_caller`` for Anthropic's clients: a key proxrl did not issue counts as none."""
+    try:
+        return await get_anthropic_caller(ctx, authorization, x_api_key)
+    except InvalidKey:
+        return auth.Caller("anonymous")
+
+
+AnthropicPathCallerDep = Annotated[auth.Caller, Depends(get_anthropic_path_caller)]
+
 
 async def get_keyed(caller: CallerDep) -> auth.Caller:
     """Any valid key (checked before anything is looked up, so no key learns nothing)."""

@@ -1,6 +1,9 @@
 """Every error the server answers with: one tree of domain exceptions, rendered in one place in
 OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
+Anthropic's Messages API routes get every error in Anthropic's shape instead (``anthropic_body``:
+the same status, Anthropic's error type for it).
+
 Domain modules raise these, named for what went wrong (never HTTPException, never a status);
 ``RENDERING`` says once, per class, which HTTP status, error type and default code the client
 gets, and whether it says when to retry. The exception handlers (``install``), the OpenAPI
@@ -44,9 +47,9 @@ built).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -315,6 +318,40 @@ def body_of(exc: ProxrlError) -> dict[str, Any]:
     return error_body(exc.message, exc.type, exc.param, exc.code)
 
 
+# Anthropic's error type of each status: the routes of its Messages API (``/v1/messages``...)
+# answer every error in its shape ``{"type": "error", "error": {"type", "message"}}``.
+ANTHROPIC_TYPE_OF_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """Anthropic's shape has no ``param``: the message names it, where it does not already."""
+    kind = ANTHROPIC_TYPE_OF_STATUS.get(status, "api_error" if status >= 500 else _INVALID)
+    if param and param not in message:
+        message = f"{message} (at {param})"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """``/v1/messages...`` and ``/sessions/{id}/v1/messages...``."""
+    if path.startswith("/sessions/"):
+        parts = path.split("/", 3)  # "", "sessions", the id, the rest
+        path = "/" + parts[3] if len(parts) == 4 else ""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 # ----- rendering in the app (FastAPI is imported when the app is built, not here) -----------
 
 
@@ -322,16 +359,27 @@ def _is_openai_path(path: str) -> bool:
     return path.startswith("/v1/") or path.startswith("/sessions/")
 
 
-async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
+def _answer(
+    request: Request,
+    status: int,
+    body: dict[str, Any],
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    """The error ``body`` (OpenAI's shape), in Anthropic's on its Messages API routes."""
     from fastapi.responses import JSONResponse
 
+    if is_anthropic_path(request.url.path):
+        body = anthropic_body(body["error"]["message"], status, body["error"]["param"])
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ProxrlError)
-    return JSONResponse(body_of(exc), status_code=exc.status, headers=exc.headers)
+    return _answer(request, exc.status, body_of(exc), exc.headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
 
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
@@ -348,19 +396,18 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     # OpenAI answers bad parameters with 400; the REST API follows FastAPI's 422.
     openai = _is_openai_path(request.url.path)
     status = 400 if openai or first.get("type") == "json_invalid" else 422
-    return JSONResponse(error_body(message, _INVALID, param), status_code=status)
+    return _answer(request, status, error_body(message, _INVALID, param))
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     """Starlette's and FastAPI's own refusals (an unknown path, a method no route has, a body
     that cannot be decoded) in our shape rather than ``{"detail": ...}``."""
-    from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
     assert isinstance(exc, HTTPException)
     kind = TYPE_OF_STATUS.get(exc.status_code, _INVALID)
     body = error_body(str(exc.detail), kind)
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    return _answer(request, exc.status_code, body, exc.headers)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -398,7 +445,8 @@ def _documenting_validation(app: FastAPI) -> Callable[[], dict[str, Any]]:
                     continue
                 del responses["422"]
                 status = "400" if _is_openai_path(path) else "422"
-                responses.setdefault(status, _error_response(status, document))
+                shape = AnthropicErrorBody if is_anthropic_path(path) else ErrorBody
+                responses.setdefault(status, _error_response(status, document, shape))
         schemas = document.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
@@ -408,16 +456,18 @@ def _documenting_validation(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return openapi
 
 
-def _error_response(status: str, document: dict[str, Any]) -> dict[str, Any]:
+def _error_response(
+    status: str, document: dict[str, Any], shape: type[BaseModel]
+) -> dict[str, Any]:
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
-    for name, schema in ErrorBody.model_json_schema(ref_template=REF).get("$defs", {}).items():
+    for name, schema in shape.model_json_schema(ref_template=REF).get("$defs", {}).items():
         schemas.setdefault(name, schema)
-    body = ErrorBody.model_json_schema(ref_template=REF)
+    body = shape.model_json_schema(ref_template=REF)
     body.pop("$defs", None)
-    schemas.setdefault("ErrorBody", body)
+    schemas.setdefault(shape.__name__, body)
     return {
         "description": MEANINGS[int(status)],
-        "content": {"application/json": {"schema": {"$ref": REF.format(model="ErrorBody")}}},
+        "content": {"application/json": {"schema": {"$ref": REF.format(model=shape.__name__)}}},
     }
 
 
@@ -432,9 +482,22 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    """Every error answer's body, on every route (also request-validation errors)."""
+    """Every error answer's body, on every route but Anthropic's (also request-validation
+    errors)."""
 
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(description="Anthropic's error type, e.g. invalid_request_error.")
+    message: str = Field(description="What went wrong, and what to change.")
+
+
+class AnthropicErrorBody(BaseModel):
+    """Every error answer's body on the routes of Anthropic's Messages API."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
 
 
 # What each status means to a client reading the API document.
@@ -459,12 +522,15 @@ _RETRY_AFTER = {
 _RETRIED = {r.status for r in RENDERING.values() if r.retry_after_s is not None}
 
 
-def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """The ``responses=`` of a route that can answer ``statuses`` in the error shape (with the
-    Retry-After header where an error of that status carries one)."""
+def documented(
+    *statuses: int, shape: type[BaseModel] | None = None
+) -> dict[int | str, dict[str, Any]]:
+    """The ``responses=`` of a route that can answer ``statuses`` in the error shape (``shape``:
+    ``ErrorBody`` unless told; with the Retry-After header where an error of that status
+    carries one)."""
     responses: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
-        entry: dict[str, Any] = {"model": ErrorBody, "description": MEANINGS[status]}
+        entry: dict[str, Any] = {"model": shape or ErrorBody, "description": MEANINGS[status]}
         if status in _RETRIED:
             entry["headers"] = _RETRY_AFTER
         responses[status] = entry

@@ -10,9 +10,10 @@ from starlette.types import Receive, Scope, Send
 
 from server import auth
 from server.bounds import ID_LENGTH
-from server.deps import CallerDep, Ctx, PathCallerDep
-from server.errors import AuthenticationRequired, SessionNotOpen, documented
-from server.proxy import answer, chat, completions, responses, responses_render
+from server.deps import AnthropicCallerDep, AnthropicPathCallerDep, CallerDep, Ctx, PathCallerDep
+from server.errors import AnthropicErrorBody, AuthenticationRequired, SessionNotOpen, documented
+from server.proxy import answer, anthropic, chat, completions, responses, responses_render
+from server.proxy.anthropic_schemas import CountTokensRequest, MessagesRequest
 from server.proxy.plan import Plan
 from server.proxy.responses_schema import ResponseRequest
 from server.proxy.schemas import ChatCompletionRequest, CompletionRequest
@@ -224,3 +225,75 @@ async def session_delete_response(
 ) -> dict:
     state = await auth.session_for_generation(ctx, caller, session_id, None)
     return await responses.delete_response(ctx, state, response_id)
+
+
+# ----- Anthropic's Messages API ---------------------------------------------------------------
+
+# Errors on these routes are in Anthropic's shape (server.errors renders them by path).
+MESSAGES = {
+    200: {"content": {"application/json": {}, SSE: {}}},
+    **documented(400, 401, 403, 404, 409, 503, shape=AnthropicErrorBody),
+}
+COUNTED = documented(400, 401, 403, 404, shape=AnthropicErrorBody)
+
+
+async def _messages(ctx: Ctx, state: SessionState, body: MessagesRequest) -> Any:
+    plan = await anthropic.plan_messages(ctx, state, body)
+    renderer = anthropic.MessagesRenderer(ctx, plan, body)
+    return await _answer(ctx, state, plan, renderer, body.stream)
+
+
+@router.post(
+    "/v1/messages",
+    summary="A message in the caller's session (Anthropic Messages API)",
+    responses=MESSAGES,
+    tags=["Anthropic-compatible"],
+)
+async def messages(
+    body: MessagesRequest,
+    ctx: Ctx,
+    caller: AnthropicCallerDep,
+    x_session_id: SessionHeader = None,
+):
+    return await _messages(ctx, await _open_session(ctx, caller, None, x_session_id), body)
+
+
+@router.post(
+    "/sessions/{session_id}/v1/messages",
+    summary="A message, session in the path (Anthropic Messages API)",
+    responses=MESSAGES,
+    tags=["Anthropic-compatible"],
+)
+async def session_messages(
+    session_id: SessionPath, body: MessagesRequest, ctx: Ctx, caller: AnthropicPathCallerDep
+):
+    return await _messages(ctx, await _open_session(ctx, caller, session_id, None), body)
+
+
+@router.post(
+    "/v1/messages/count_tokens",
+    summary="The prompt's token count (Anthropic Messages API)",
+    responses=COUNTED,
+    tags=["Anthropic-compatible"],
+)
+async def count_message_tokens(
+    body: CountTokensRequest,
+    ctx: Ctx,
+    caller: AnthropicCallerDep,
+    x_session_id: SessionHeader = None,
+) -> dict:
+    state = await auth.session_for_generation(ctx, caller, None, x_session_id)
+    return await anthropic.count_tokens(ctx, state, body)
+
+
+@router.post(
+    "/sessions/{session_id}/v1/messages/count_tokens",
+    summary="The prompt's token count, session in the path (Anthropic Messages API)",
+    responses=COUNTED,
+    tags=["Anthropic-compatible"],
+)
+async def session_count_message_tokens(
+    session_id: SessionPath, body: CountTokensRequest, ctx: Ctx, caller: AnthropicPathCallerDep
+) -> dict:
+    state = await auth.session_for_generation(ctx, caller, session_id, None)
+    return await anthropic.count_tokens(ctx, state, body)

@@ -1,0 +1,353 @@
+"""``/v1/messages`` (Anthropic's Messages API): its conversation into a plan; its message and
+event stream.
+
+The request's ``system``, messages and content blocks become the chat template's messages:
+``text`` blocks its content, an assistant's ``tool_use`` blocks its ``tool_calls``, a user's
+``tool_result`` blocks ``tool`` messages (rendered the way the model was trained to read tool
+results), ``thinking`` blocks sent back the assistant's reasoning. A final assistant message is
+a prefill: the answer continues its text. Other blocks (images, documents, ...) are refused by
+name. Sampling, recording and streaming are ``answer``'s; this module says what an Anthropic
+message and its events look like: text blocks, ``tool_use`` blocks for the model's
+``<tool_call>`` output (malformed tool-call text stays text), stop reasons and usage in
+Anthropic's words. A turn records the request's messages as received (``system`` first, as a
+message of role ``system``), its tools as received, and the message the client got.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from server.context import ServerContext
+from server.engine_client.client import Piece
+from server.errors import InvalidRequest, ProxrlError, anthropic_body
+from server.proxy import outputs, prompts
+from server.proxy.anthropic_schemas import (
+    Conversation,
+    CountTokensRequest,
+    Message,
+    MessagesRequest,
+    OtherBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from server.proxy.generation import Completion
+from server.proxy.plan import Plan, check_model, new_plan, run_temperature, sampling_request
+from server.proxy.recording import Served
+from server.proxy.session_cache import SessionState
+from server.proxy.tool_calls import (
+    ContentDelta,
+    StreamEvent,
+    ToolCallDelta,
+    ToolCallStream,
+    parse_tool_calls,
+)
+from server.text.tokenization import TemplateError
+
+
+async def plan_messages(ctx: ServerContext, state: SessionState, body: MessagesRequest) -> Plan:
+    default_temperature = await run_temperature(ctx, state)
+    await check_model(ctx, state, body.model)
+    body.refuse_unsupported()
+    messages, tools, prefill = conversation(body)
+    text = _render(ctx, messages, tools) + prefill
+    prompt = prompts.splice(ctx.tokenizer, text, state.last)
+    sampling = sampling_request(ctx, prompt.ids, body.max_tokens, body, 0, default_temperature)
+    return new_plan(
+        "msg",
+        prompt,
+        sampling,
+        1,
+        surface="messages",
+        model=body.model,
+        messages=_as_received(body),
+        tools=[tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
+        tool_names={tool.name for tool in body.tools or []} if body.parses_tools else None,
+    )
+
+
+async def count_tokens(ctx: ServerContext, state: SessionState, body: CountTokensRequest) -> dict:
+    """The prompt's token count, as ``/v1/messages`` would tokenize it in a fresh session."""
+    await check_model(ctx, state, body.model)
+    body.refuse_unsupported()
+    messages, tools, prefill = conversation(body)
+    return {"input_tokens": len(ctx.tokenizer.encode(_render(ctx, messages, tools) + prefill))}
+
+
+def _render(ctx: ServerContext, messages: list[dict], tools: list[dict] | None) -> str:
+    try:
+        return ctx.tokenizer.render(messages, tools=tools, add_generation_prompt=True)
+    except TemplateError as exc:
+        raise InvalidRequest(f"The chat template refused the messages: {exc}", "messages") from exc
+
+
+def _as_received(body: MessagesRequest) -> list[dict]:
+    received = [m.model_dump(mode="json", exclude_unset=True) for m in body.messages]
+    if body.system is None:
+        return received
+    system = body.system if isinstance(body.system, str) else [b.model_dump() for b in body.system]
+    return [{"role": "system", "content": system}, *received]
+
+
+# ----- the conversation, for the chat template -------------------------------------------------
+
+
+def conversation(body: Conversation) -> tuple[list[dict], list[dict] | None, str]:
+    """The chat template's messages and tools, and the prefill: the text of a final assistant
+    message, which the answer continues."""
+    out: list[dict] = []
+    if body.system:
+        system = body.system if isinstance(body.system, str) else _joined(body.system)
+        out.append({"role": "system", "content": system})
+    for index, message in enumerate(body.messages):
+        out += _for_template(message, f"messages.{index}")
+    prefill = ""
+    if body.messages[-1].role == "assistant":
+        final = out.pop()
+        if final.get("tool_calls"):
+            raise InvalidRequest(
+                "The last message is the assistant's tool_use: send its tool_result blocks in a "
+                "user message after it.",
+                param="messages",
+            )
+        prefill = final.get("content") or ""
+    tools = [_tool(tool) for tool in body.tools] if body.tools else None
+    return out, tools, prefill
+
+
+def _tool(tool: Any) -> dict:
+    function = {"name": tool.name, "description": tool.description, "parameters": tool.input_schema}
+    return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+
+
+def _for_template(message: Message, where: str) -> list[dict]:
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    blocks = message.content
+    for index, block in enumerate(blocks):
+        _check_block(message.role, block, f"{where}.content.{index}")
+    if message.role == "assistant":
+        return [_assistant(blocks)]
+    out: list[dict] = []
+    for block in blocks:
+        if isinstance(block, ToolResultBlock):
+            out.append(
+                {"role": "tool", "tool_call_id": block.tool_use_id, "content": _result(block)}
+            )
+        elif out and out[-1]["role"] == "user":
+            out[-1]["content"] += block.text  # type: ignore[union-attr]
+        else:
+            out.append({"role": "user", "content": block.text})  # type: ignore[union-attr]
+    return out
+
+
+def _check_block(role: str, block: Any, where: str) -> None:
+    kind = block.type
+    allowed: dict[str, tuple[type, ...]] = {
+        "user": (TextBlock, ToolResultBlock),
+        "assistant": (TextBlock, ToolUseBlock),
+    }
+    if isinstance(block, OtherBlock):
+        raise InvalidRequest(
+            f"Content blocks of type {kind!r} are not supported: proxrl serves a text model and "
+            "takes text, tool_use, tool_result and thinking blocks.",
+            param=where,
+        )
+    if not isinstance(block, allowed[role]) and not (
+        role == "assistant" and isinstance(block, ThinkingBlock)
+    ):
+        raise InvalidRequest(f"A {role} message cannot hold a {kind} block.", param=where)
+
+
+def _assistant(blocks: list) -> dict:
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": "".join(b.text for b in blocks if isinstance(b, TextBlock)),
+    }
+    calls = [
+        {
+            "id": b.id,
+            "type": "function",
+            "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)},
+        }
+        for b in blocks
+        if isinstance(b, ToolUseBlock)
+    ]
+    if calls:
+        message["tool_calls"] = calls
+    thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
+    if thinking:
+        message["reasoning_content"] = thinking
+    return message
+
+
+def _result(block: ToolResultBlock) -> str:
+    if isinstance(block.content, str):
+        return block.content
+    for part in block.content:
+        if isinstance(part, OtherBlock):
+            raise InvalidRequest(
+                f"tool_result content of type {part.type!r} is not supported; give text.",
+                param="messages",
+            )
+    return _joined(block.content)  # type: ignore[arg-type]
+
+
+def _joined(blocks: list[TextBlock]) -> str:
+    return "".join(block.text for block in blocks)
+
+
+# ----- the answer --------------------------------------------------------------------------------
+
+
+def usage(counts: dict) -> dict:
+    """OpenAI's usage counts (``outputs.usage``) in Anthropic's words."""
+    return {
+        "input_tokens": counts["prompt_tokens"],
+        "output_tokens": counts["completion_tokens"],
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
+class _Blocks:
+    """An answer's content blocks built from its text and tool-call events, and the stream
+    events that build them: one text block per run of text, a ``tool_use`` block per call."""
+
+    def __init__(self) -> None:
+        self.content: list[dict] = []
+        self.open = False  # the last block is a text block still taking text
+
+    def push(self, events: list[StreamEvent]) -> list[dict]:
+        out: list[dict] = []
+        for event in events:
+            if isinstance(event, ContentDelta):
+                if not self.open:
+                    out.append(self._start({"type": "text", "text": ""}))
+                    self.open = True
+                self.content[-1]["text"] += event.text
+                delta = {"type": "text_delta", "text": event.text}
+                out.append(self._delta(delta))
+            elif isinstance(event, ToolCallDelta):
+                out += self.close()
+                call = event.call
+                tool_id = "toolu_" + call.id.removeprefix("call_")
+                block = {"type": "tool_use", "id": tool_id, "name": call.name, "input": {}}
+                out.append(self._start(block))
+                self.content[-1]["input"] = json.loads(call.arguments)
+                out.append(
+                    self._delta({"type": "input_json_delta", "partial_json": call.arguments})
+                )
+                out.append({"type": "content_block_stop", "index": len(self.content) - 1})
+        return out
+
+    def close(self) -> list[dict]:
+        if not self.open:
+            return []
+        self.open = False
+        return [{"type": "content_block_stop", "index": len(self.content) - 1}]
+
+    def _start(self, block: dict) -> dict:
+        self.content.append(block)
+        start = {"type": "content_block_start", "index": len(self.content) - 1}
+        return start | {"content_block": dict(block)}
+
+    def _delta(self, delta: dict) -> dict:
+        return {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}
+
+
+class MessagesRenderer:
+    """An Anthropic message and its event stream (``answer.Renderer``; one choice).
+
+    Streamed, the turn records the blocks as they were streamed (tool_use ids included): the
+    content list ``served`` returns is the one the stream builds, which ``finish`` completes
+    before ``answer`` records the turn."""
+
+    named_events = True
+
+    def __init__(self, ctx: ServerContext, plan: Plan, body: MessagesRequest) -> None:
+        self.tokenizer, self.plan = ctx.tokenizer, plan
+        self.model, self.stops, self.streamed = body.model, body.stops, body.stream
+        self.blocks = _Blocks()
+        self.message: dict[str, Any] = {}
+
+    def served(self, completion_id: str, completion: Completion) -> Served:
+        text = outputs.final_text(self.tokenizer, completion)
+        names = self.plan.tool_names
+        called = names is not None and bool(parse_tool_calls(text, names).tool_calls)
+        if self.streamed:
+            content = self.blocks.content
+        else:
+            blocks = _Blocks()
+            blocks.push(_events(text, names))
+            content = blocks.content
+        reason, sequence = self._stop(completion, called)
+        self.message = {
+            "role": "assistant",
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+        }
+        return Served(
+            completion_id, completion, self.message, outputs.finish_reason(completion, called)
+        )
+
+    def _stop(self, completion: Completion, called: bool) -> tuple[str, str | None]:
+        if called:
+            return "tool_use", None
+        if completion.finish_reason.get("type") == "length":
+            return "max_tokens", None
+        matched = completion.finish_reason.get("matched")
+        if isinstance(matched, str) and matched in self.stops:
+            return "stop_sequence", matched
+        return "end_turn", None
+
+    def response(self, served: list[Served], counts: dict) -> dict:
+        (item,) = served
+        head = {"id": self.plan.request_id, "type": "message", "model": self.model}
+        return head | item.response | {"usage": usage(counts)}
+
+    def start(self) -> list[dict]:
+        message: dict[str, Any] = {
+            "id": self.plan.request_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage({"prompt_tokens": len(self.plan.prompt.ids), "completion_tokens": 0}),
+        }
+        return [{"type": "message_start", "message": message}, {"type": "ping"}]
+
+    def delta(self, index: int, deltas: list[StreamEvent], piece: Piece) -> list[dict]:
+        return self.blocks.push(deltas)
+
+    def finish(self, index: int, deltas: list[StreamEvent], finish_reason: str) -> list[dict]:
+        return self.blocks.push(deltas) + self.blocks.close()
+
+    def end(self, counts: dict) -> list[dict]:
+        stop = {k: self.message.get(k) for k in ("stop_reason", "stop_sequence")}
+        delta_usage = {"output_tokens": counts["completion_tokens"]}
+        return [
+            {"type": "message_delta", "delta": stop, "usage": delta_usage},
+            {"type": "message_stop"},
+        ]
+
+    @staticmethod
+    def error(error: ProxrlError) -> list[dict]:
+        return [anthropic_body(error.message, error.status, error.param)]
+
+    @staticmethod
+    def closing() -> list[dict]:
+        return []
+
+
+def _events(text: str, tool_names: set[str] | None) -> list[StreamEvent]:
+    """A finished text as the events a stream of it gives (same blocks, streamed or not)."""
+    if tool_names is None:
+        return [ContentDelta(text)] if text else []
+    calls = ToolCallStream(tool_names)
+    return calls.feed(text) + calls.finish()

@@ -1,0 +1,173 @@
+"""Request bodies of Anthropic's Messages API (``POST /v1/messages`` and its ``count_tokens``),
+validated; answers are built as plain dicts by ``server.proxy.anthropic``.
+
+Content blocks proxrl can put in a text model's prompt are ``text``, ``tool_use``,
+``tool_result`` and (sent back by the client) ``thinking``; any other block (``image``,
+``document``, ``search_result``, server tools' blocks...) validates as an ``OtherBlock`` so that
+the refusal can name it. Sampling fields that would change what is sampled in a way the trainer
+cannot account for (``top_p`` < 1, ``top_k``) are refused; ``metadata``, ``thinking``,
+``service_tier`` and unknown fields are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from server.errors import InvalidRequest
+from server.proxy.schemas import MAX_ITEMS, MAX_STOP, Label, StopString, Text, TokenLimit
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextBlock(_Lenient):
+    type: Literal["text"]
+    text: Text
+
+
+class ThinkingBlock(_Lenient):
+    type: Literal["thinking"]
+    thinking: Text
+    signature: Text | None = None
+
+
+class ToolUseBlock(_Lenient):
+    type: Literal["tool_use"]
+    id: Label
+    name: Label
+    input: dict[str, Any]
+
+
+class OtherBlock(_Lenient):
+    """A block of a type proxrl does not take: refused by name when the prompt is built."""
+
+    type: Label
+
+
+def _text_or_other(block: Any) -> str:
+    kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+    return "text" if kind == "text" else "other"
+
+
+ResultBlock = Annotated[
+    Annotated[TextBlock, Tag("text")] | Annotated[OtherBlock, Tag("other")],
+    Discriminator(_text_or_other),
+]
+
+
+class ToolResultBlock(_Lenient):
+    type: Literal["tool_result"]
+    tool_use_id: Label
+    content: Text | Annotated[list[ResultBlock], Field(max_length=MAX_ITEMS)] = ""
+    is_error: bool | None = None
+
+
+_KNOWN = {"text", "thinking", "tool_use", "tool_result"}
+
+
+def _block_kind(block: Any) -> str:
+    kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+    return kind if kind in _KNOWN else "other"
+
+
+Block = Annotated[
+    Annotated[TextBlock, Tag("text")]
+    | Annotated[ThinkingBlock, Tag("thinking")]
+    | Annotated[ToolUseBlock, Tag("tool_use")]
+    | Annotated[ToolResultBlock, Tag("tool_result")]
+    | Annotated[OtherBlock, Tag("other")],
+    Discriminator(_block_kind),
+]
+Blocks = Annotated[list[Block], Field(max_length=MAX_ITEMS)]
+
+
+class Message(_Lenient):
+    role: Literal["user", "assistant"]
+    content: Text | Blocks
+
+
+class Tool(_Lenient):
+    """A client tool (``type`` absent or ``custom``); Anthropic's server tools are refused."""
+
+    name: Label
+    description: Text | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    type: Label | None = None
+
+
+class ToolChoice(_Lenient):
+    type: Literal["auto", "any", "none", "tool"]
+    name: Label | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Conversation(_Lenient):
+    """What ``/v1/messages`` and ``/v1/messages/count_tokens`` share: the prompt."""
+
+    model: Label
+    messages: list[Message] = Field(min_length=1, max_length=MAX_ITEMS)
+    system: Text | Annotated[list[TextBlock], Field(max_length=MAX_ITEMS)] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_ITEMS)
+    tool_choice: ToolChoice | None = None
+
+    def refuse_unsupported(self) -> None:
+        for index, tool in enumerate(self.tools or []):
+            if tool.type not in (None, "custom"):
+                raise InvalidRequest(
+                    f"Tool {tool.name!r} is of type {tool.type!r}, one of Anthropic's server "
+                    "tools, which proxrl does not run; give client tools (name, input_schema).",
+                    param=f"tools.{index}",
+                )
+        choice = self.tool_choice
+        if choice is not None and choice.type in ("any", "tool"):
+            wanted = "a call of tool " + repr(choice.name) if choice.type == "tool" else "any"
+            raise InvalidRequest(
+                f"tool_choice {wanted!r} would force a tool call, which needs constrained "
+                "decoding; proxrl samples the model unconstrained so that the logprobs it "
+                "records are the behaviour policy's. Use 'auto' or 'none'.",
+                param="tool_choice",
+            )
+
+    @property
+    def parses_tools(self) -> bool:
+        return bool(self.tools) and not (self.tool_choice and self.tool_choice.type == "none")
+
+
+class MessagesRequest(Conversation):
+    max_tokens: TokenLimit
+    stop_sequences: Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, le=1_000_000)
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.top_p is not None and self.top_p < 1:
+            raise InvalidRequest(
+                "top_p < 1 truncates the sampling distribution, so the logprobs proxrl records "
+                "would not be the behaviour policy's; leave top_p unset or 1.",
+                param="top_p",
+            )
+        if self.top_k:
+            raise InvalidRequest(
+                "top_k truncates the sampling distribution, so the logprobs proxrl records "
+                "would not be the behaviour policy's; leave top_k unset.",
+                param="top_k",
+            )
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return tuple(self.stop_sequences or ())
+
+    @property
+    def seed(self) -> None:  # Anthropic has no seed
+        return None
+
+
+class CountTokensRequest(Conversation):
+    pass
