@@ -124,8 +124,9 @@ async def stream(
 ) -> GuardedStream:
     """Start sampling; once the first tokens came (or sampling failed: raised here, so the
     client gets a status code), the events."""
+    reasoning = plan.log.surface != "completions"  # text completions answer raw text
     choices = [
-        outputs.ChoiceText(ctx.tokenizer, plan.sampling.stop, plan.tool_names)
+        outputs.ChoiceText(ctx.tokenizer, plan.sampling.stop, plan.tool_names, reasoning)
         for _ in plan.completion_ids
     ]
     queue: asyncio.Queue[Sequence[Event]] = asyncio.Queue()

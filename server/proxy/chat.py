@@ -16,10 +16,11 @@ from server.errors import InvalidRequest
 from server.proxy import outputs, prompts
 from server.proxy.generation import Completion
 from server.proxy.plan import Plan, check_model, new_plan, run_temperature, sampling_request
+from server.proxy.reasoning import reasoning_style, split_reasoning
 from server.proxy.recording import Served
 from server.proxy.schemas import ChatCompletionRequest
 from server.proxy.session_cache import SessionState
-from server.proxy.tool_calls import ContentDelta, StreamEvent, parse_tool_calls
+from server.proxy.tool_calls import ContentDelta, ReasoningDelta, StreamEvent, parse_tool_calls
 from server.text.tokenization import TemplateError
 
 
@@ -62,9 +63,13 @@ class ChatRenderer(outputs.OpenAIRenderer):
         self.tokenizer = ctx.tokenizer
 
     def served(self, completion_id: str, completion: Completion) -> Served:
-        """The assistant message: the text, or its tool calls and the rest of the text."""
-        text = outputs.final_text(self.tokenizer, completion)
+        """The assistant message: the text, or its tool calls and the rest of the text; a
+        reasoning model's reasoning as ``reasoning_content`` (the text then is the answer)."""
+        full = outputs.final_text(self.tokenizer, completion)
+        reasoning, text = split_reasoning(full, reasoning_style(self.tokenizer))
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         calls = []
         if self.plan.tool_names is not None:
             parsed = parse_tool_calls(text, self.plan.tool_names)
@@ -140,4 +145,6 @@ class ChatRenderer(outputs.OpenAIRenderer):
 def _delta(event: StreamEvent) -> dict:
     if isinstance(event, ContentDelta):
         return {"content": event.text}
+    if isinstance(event, ReasoningDelta):
+        return {"reasoning_content": event.text}
     return {"tool_calls": [event.call.to_openai(event.index)]}

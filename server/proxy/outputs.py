@@ -14,7 +14,14 @@ from typing import Any
 from server.errors import ProxrlError, body_of
 from server.proxy.generation import Completion
 from server.proxy.plan import Plan
-from server.proxy.tool_calls import ContentDelta, StreamEvent, ToolCallDelta, ToolCallStream
+from server.proxy.reasoning import NO_REASONING, ReasoningStream, reasoning_style
+from server.proxy.tool_calls import (
+    ContentDelta,
+    ReasoningDelta,
+    StreamEvent,
+    ToolCallDelta,
+    ToolCallStream,
+)
 from server.text.detokenize import IncrementalDecoder
 from server.text.stop_strings import held_back
 from server.text.tokenization import Tokenizer
@@ -67,14 +74,23 @@ class TextStreamer:
 
 
 class ChoiceText:
-    """The streamed text of one choice, as text and tool-call deltas that can be sent now:
-    stop strings held back (``TextStreamer``) and, when ``tool_names`` is given, tool calls
-    split out of the text (``ToolCallStream``). ``called``: a tool call was sent."""
+    """The streamed text of one choice, as the deltas that can be sent now: stop strings held
+    back (``TextStreamer``); when ``reasoning`` is on (every surface but text completions), a
+    reasoning model's ``<think>`` block split off as ``ReasoningDelta``s, all before the rest
+    (``reasoning.ReasoningStream``; the model's chat template says whether it reasons); when
+    ``tool_names`` is given, tool calls split out of the rest (``ToolCallStream``); the rest as
+    ``ContentDelta``s. ``called``: a tool call was sent. A surface's renderer handles all three
+    kinds of ``StreamEvent`` (Responses: a reasoning item; Anthropic: a ``thinking`` block)."""
 
     def __init__(
-        self, tokenizer: Tokenizer, stops: tuple[str, ...], tool_names: set[str] | None
+        self,
+        tokenizer: Tokenizer,
+        stops: tuple[str, ...],
+        tool_names: set[str] | None,
+        reasoning: bool = False,
     ) -> None:
         self._text = TextStreamer(tokenizer, stops)
+        self._reasoning = ReasoningStream(reasoning_style(tokenizer) if reasoning else NO_REASONING)
         self._tools = ToolCallStream(tool_names) if tool_names is not None else None
         self.called = False
 
@@ -85,9 +101,12 @@ class ChoiceText:
         return self._deltas(self._text.finish(completion), final=True)
 
     def _deltas(self, text: str, final: bool) -> list[StreamEvent]:
+        parts = self._reasoning.feed(text) + (self._reasoning.finish() if final else [])
+        events: list[StreamEvent] = [ReasoningDelta(t) for kind, t in parts if kind == "reasoning"]
+        content = "".join(t for kind, t in parts if kind == "content")
         if self._tools is None:
-            return [ContentDelta(text)] if text else []
-        events = self._tools.feed(text) + (self._tools.finish() if final else [])
+            return events + ([ContentDelta(content)] if content else [])
+        events += self._tools.feed(content) + (self._tools.finish() if final else [])
         self.called = self.called or any(isinstance(e, ToolCallDelta) for e in events)
         return events
 

@@ -15,13 +15,14 @@ template drops when it renders history (the splice rule, :func:`aligned_end`):
   closed, as when the answer ran out of tokens), with the whitespace after it, may be missing.
   Reasoning models' templates (Qwen3, DeepSeek-R1) render earlier assistant turns without it.
   The block may open in the template's generation prompt (DeepSeek-R1 writes ``<think>\\n``
-  there) and close in the completion.
+  there) and close in the completion. Where the rendered text holds a ``<think>`` block in its
+  place (the agent sent the reasoning back), it must be the block as sampled.
 
 Everything else must match character for character: a break only ever means that the agent
-changed its history. The rule reads the previous turn greedily: an optional part the rendered
-text does hold at that point is taken as present. The spliced prompt keeps the exact earlier
-tokens, thinking and special tokens included, so it extends the previous prompt + completion
-token for token and the row goes on.
+changed its history. The spliced prompt keeps the exact earlier tokens, thinking and special
+tokens included, so it extends the previous prompt + completion token for token and the row
+goes on. The proxy's own tool-call rendering is not allowed for: a tool call the template
+re-renders differently from how the model wrote it (other JSON spacing) still breaks the row.
 """
 
 from __future__ import annotations
@@ -82,29 +83,53 @@ def from_ids(ids: list[int], last: list[LastTurn]) -> Prompt:
 
 def aligned_end(units: Sequence[Unit], text: str) -> int | None:
     """Where in ``text`` the turn made of ``units`` ends, reading it by the splice rule (module
-    docstring): None when ``text`` does not begin with the turn."""
-    pos, index, after_drop = 0, 0, False
+    docstring): None when ``text`` does not begin with the turn. An optional part that ``text``
+    holds is first taken as present; when the rest then fails to match, as absent."""
+    choices: list[State] = [(0, 0, False)]
+    tried: set[State] = set()
+    while choices:
+        state = choices.pop()
+        if state not in tried:
+            tried.add(state)
+            end = _follow(units, text, state, choices)
+            if end is not None:
+                return end
+    return None
+
+
+State = tuple[int, int, bool]  # the next unit, the place in the text, after dropped reasoning
+
+
+def _follow(units: Sequence[Unit], text: str, state: State, choices: list[State]) -> int | None:
+    """Match ``units`` from ``state`` on, taking optional parts as present where ``text`` holds
+    them (and noting the other way in ``choices``); the end in ``text``, or None."""
+    index, pos, after_drop = state
     while index < len(units):
         unit = units[index]
         index += 1
         if after_drop:  # the whitespace after dropped reasoning, on either side
             pos += len(text[pos:]) - len(text[pos:].lstrip())
-        if unit.kind is not Kind.TEXT and text.startswith(unit.text, pos):
-            pos += len(unit.text)
-            after_drop = False
-        elif unit.kind is Kind.SPECIAL:
-            continue
-        elif unit.kind is Kind.OPEN:
-            index = _block_end(units, index)
-            after_drop = True
-        elif unit.kind is Kind.CLOSE:
-            return None
-        else:
+        if unit.kind is Kind.TEXT:
             piece = unit.text.lstrip() if after_drop else unit.text
-            after_drop = after_drop and not piece
             if not text.startswith(piece, pos):
                 return None
-            pos += len(piece)
+            pos, after_drop = pos + len(piece), after_drop and not piece
+            continue
+        present = text.startswith(unit.text, pos)
+        if unit.kind is Kind.CLOSE and not present:
+            return None
+        absent: State | None = (index, pos, after_drop)
+        if unit.kind is Kind.OPEN:  # reasoning the text holds, edited, is no dropped block
+            edited = text[pos:].lstrip().startswith(THINK_OPEN)
+            absent = None if edited else (_block_end(units, index), pos, True)
+        if not present:
+            if absent is None:
+                return None
+            index, pos, after_drop = absent
+            continue
+        if unit.kind is not Kind.CLOSE and absent is not None:
+            choices.append(absent)
+        pos, after_drop = pos + len(unit.text), False
     return pos
 
 

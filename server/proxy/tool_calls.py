@@ -44,6 +44,7 @@ __all__ = [
     "OPEN",
     "ContentDelta",
     "ParsedOutput",
+    "ReasoningDelta",
     "StreamEvent",
     "ToolCall",
     "ToolCallDelta",
@@ -86,7 +87,19 @@ class ToolCallDelta:
     index: int  # 0, 1, 2... in the order of calls in this completion
 
 
-StreamEvent = ContentDelta | ToolCallDelta
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """A piece of the model's reasoning (the inside of ``<think>...</think>``, see
+    ``server.proxy.reasoning``), streamed before the content. Chat sends it as
+    ``delta.reasoning_content``; the Responses API as a reasoning item's text, Anthropic Messages
+    as a ``thinking`` block's ``thinking_delta``. Only reasoning models' answers have any."""
+
+    text: str
+
+
+# What a choice's stream yields (``outputs.ChoiceText``): every surface's renderer handles all
+# three kinds; reasoning deltas all come before the first content or tool-call delta.
+StreamEvent = ContentDelta | ToolCallDelta | ReasoningDelta
 
 
 def new_call_id() -> str:

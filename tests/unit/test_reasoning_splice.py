@@ -1,0 +1,204 @@
+"""The splice rule (reasoning and special tokens the client never saw) and the reasoning split:
+property tests on plain units, then the real tiny tokenizers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server.common.tiny_model import create_tiny_model
+from server.proxy.prompts import Kind, Unit, aligned_end, splice, units_of
+from server.proxy.reasoning import (
+    NO_REASONING,
+    ReasoningStream,
+    ReasoningStyle,
+    reasoning_style,
+    split_reasoning,
+)
+from server.proxy.session_cache import last_turn
+from server.text.tokenization import Tokenizer
+
+SPECIAL = "<s>"
+SUFFIX = "Q<s>next"  # what the new request adds after the history: never whitespace first
+
+text_units = st.text(alphabet="ab \n", min_size=1, max_size=6).map(lambda t: Unit(t, Kind.TEXT))
+special_units = st.just(Unit(SPECIAL, Kind.SPECIAL))
+think_blocks = st.tuples(st.lists(text_units, max_size=3), st.booleans(), st.booleans())
+
+
+@st.composite
+def turns(draw) -> tuple[list[Unit], str]:
+    """A turn's units, and the history as a template renders it: special tokens gone where the
+    client never saw them, each reasoning block dropped (with the whitespace after it) or kept."""
+    units: list[Unit] = []
+    view = ""
+    strip_next = False
+    for _ in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(["text", "special", "think"]))
+        if kind == "text":
+            unit = draw(text_units)
+            piece = unit.text.lstrip() if strip_next else unit.text
+            strip_next = strip_next and not piece
+            units.append(unit)
+            view += piece
+        elif kind == "special":
+            units.append(Unit(SPECIAL, Kind.SPECIAL))
+            if draw(st.booleans()):  # glue the template renders too
+                view += SPECIAL
+                strip_next = False
+        else:
+            body, closed, kept = draw(think_blocks)
+            units.append(Unit("a", Kind.TEXT))  # answers lie between blocks
+            view += "a"
+            strip_next = False
+            block = [Unit("<think>", Kind.OPEN), *body]
+            if closed:
+                block.append(Unit("</think>", Kind.CLOSE))
+            units += block
+            if kept:
+                view += "".join(u.text for u in block)
+                strip_next = False
+            else:
+                strip_next = True
+            if not closed:
+                break  # a block that never closes ends the turn
+    return units, view
+
+
+@settings(max_examples=400, deadline=None)
+@given(turns())
+def test_a_history_the_template_rendered_continues_the_turn(turn):
+    units, view = turn
+    end = aligned_end(units, view + SUFFIX)
+    assert end is not None
+    assert (view + SUFFIX)[end:].lstrip() == SUFFIX
+
+
+@settings(max_examples=400, deadline=None)
+@given(turns(), st.data())
+def test_a_changed_history_never_continues_the_turn(turn, data):
+    units, view = turn
+    letters = [i for i, char in enumerate(view) if char in "ab"]
+    if not letters:
+        return
+    at = data.draw(st.sampled_from(letters))
+    changed = view[:at] + "Z" + view[at + 1 :]
+    assert aligned_end(units, changed + SUFFIX) is None
+
+
+def test_special_tokens_and_reasoning_by_example():
+    units = [
+        Unit("assistant\n", Kind.TEXT),
+        Unit("<think>", Kind.OPEN),
+        Unit("\nhm\n", Kind.TEXT),
+        Unit("</think>", Kind.CLOSE),
+        Unit("\n\nfi", Kind.TEXT),
+        Unit("<|im_start|>", Kind.SPECIAL),
+        Unit("ve", Kind.TEXT),
+        Unit("<|endoftext|>", Kind.SPECIAL),
+    ]
+    rendered = "assistant\nfive<|im_end|>\nuser"
+    assert aligned_end(units, rendered) == len("assistant\nfive")
+    kept = "assistant\n<think>\nhm\n</think>\n\nfive<|im_end|>"
+    assert aligned_end(units, kept) == kept.index("<|im_end|>")
+    assert aligned_end(units, "assistant\nfiv<|im_end|>") is None
+    assert aligned_end(units, "assistant\nhm five<|im_end|>") is None
+
+
+# --- The reasoning split --------------------------------------------------------------------
+
+STYLES = [ReasoningStyle(True, False), ReasoningStyle(True, True), NO_REASONING]
+pieces = st.sampled_from(["<think>", "</think>", "<th", "</", "\n", "\n\n", " ", "a", "b c"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(pieces, max_size=12), st.sampled_from(STYLES), st.data())
+def test_the_stream_says_what_the_split_says_however_chunked(parts, style, data):
+    text = "".join(parts)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    stream = ReasoningStream(style)
+    out = [part for chunk in chunks for part in stream.feed(chunk)] + stream.finish()
+    reasoning, content = split_reasoning(text, style)
+    assert all(piece for _, piece in out)
+    assert "".join(t for kind, t in out if kind == "reasoning") == (reasoning or "")
+    assert "".join(t for kind, t in out if kind == "content") == content
+    kinds = [kind for kind, _ in out]
+    assert kinds == sorted(kinds, key=lambda kind: kind == "content")  # reasoning first
+
+
+def test_split_reasoning_by_example():
+    style = ReasoningStyle(True, False)
+    assert split_reasoning("<think>\n2 + 3 = 5\n</think>\n\nFive.", style) == ("2 + 3 = 5", "Five.")
+    assert split_reasoning("<think>\nrunning out", style) == ("running out", "")
+    assert split_reasoning("Five.", style) == (None, "Five.")
+    assert split_reasoning("x\n</think>\n\nFive.", ReasoningStyle(True, True)) == ("x", "Five.")
+    assert split_reasoning("<think>a</think>b", NO_REASONING) == (None, "<think>a</think>b")
+
+
+# --- The real tokenizers ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reasoning_tokenizer(tmp_path_factory) -> Tokenizer:
+    path: Path = tmp_path_factory.mktemp("reasoning") / "tiny"
+    return Tokenizer.from_pretrained(create_tiny_model(path, "tiny", template="reasoning"))
+
+
+def test_the_reasoning_template_is_read_as_reasoning(reasoning_tokenizer, tiny_model_dir):
+    assert reasoning_style(reasoning_tokenizer) == ReasoningStyle(True, False)
+    assert reasoning_style(Tokenizer.from_pretrained(tiny_model_dir)) == NO_REASONING
+    assert len(reasoning_tokenizer.encode("<think></think>")) == 2
+
+
+def _next_prompt(tokenizer: Tokenizer, completion: str, special_inside: bool = False):
+    """Turn one's prompt and completion ids, and turn two's prompt spliced from what the
+    client was served (content only)."""
+    first = [{"role": "user", "content": "What is 2 + 3?"}]
+    prompt_ids = tokenizer.encode(tokenizer.render(first))
+    answer = tokenizer.encode(completion)
+    im_start, eos = tokenizer.encode("<|im_start|><|endoftext|>")
+    if special_inside:
+        answer = [*answer[:-2], im_start, *answer[-2:]]
+    completion_ids = [*answer, eos]
+    served = tokenizer.decode(completion_ids)
+    _, content = split_reasoning(served, reasoning_style(tokenizer))
+    history = [*first, {"role": "assistant", "content": content}]
+    text = tokenizer.render([*history, {"role": "user", "content": "And times 4?"}])
+    turn = last_turn(tokenizer, "c1", 0, prompt_ids, completion_ids)
+    return turn, splice(tokenizer, text, [turn]), text
+
+
+@pytest.mark.parametrize("special_inside", [False, True])
+def test_the_splice_keeps_the_sampled_reasoning(reasoning_tokenizer, special_inside):
+    tokenizer = reasoning_tokenizer
+    completion = "<think>\n2 + 3 = 5\n</think>\n\nThe answer is 5."
+    turn, prompt, text = _next_prompt(tokenizer, completion, special_inside)
+    assert "<think>" not in text  # the template dropped it
+    exact = turn.prompt_ids + turn.completion_ids
+    assert prompt.continues is turn and prompt.ids[: len(exact)] == exact
+    assert tokenizer.decode(prompt.ids[len(exact) :], skip_special_tokens=False).startswith(
+        "<|im_end|>\n<|im_start|>user\nAnd times 4?"
+    )
+
+
+def test_the_splice_keeps_an_unclosed_block(reasoning_tokenizer):
+    turn, prompt, _ = _next_prompt(reasoning_tokenizer, "<think>\n2 + 3 is")
+    assert prompt.continues is turn
+
+
+def test_the_splice_still_breaks_on_a_changed_answer(reasoning_tokenizer, tiny_model_dir):
+    for tokenizer in (reasoning_tokenizer, Tokenizer.from_pretrained(tiny_model_dir)):
+        turn, _, text = _next_prompt(tokenizer, "The answer is 5.", special_inside=True)
+        edited = text.replace("answer is 5", "answer is 6")
+        assert splice(tokenizer, edited, [turn]).continues is None
+        assert splice(tokenizer, text, [turn]).continues is turn
+
+
+def test_units_split_special_tokens_and_markers(reasoning_tokenizer):
+    ids = reasoning_tokenizer.encode("a<think>b</think><|im_start|>c")
+    kinds = [unit.kind for unit in units_of(reasoning_tokenizer, ids)]
+    assert kinds == [Kind.TEXT, Kind.OPEN, Kind.TEXT, Kind.CLOSE, Kind.SPECIAL, Kind.TEXT]
