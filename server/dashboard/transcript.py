@@ -3,11 +3,14 @@
 An agent resends its whole history with every call, so a turn whose messages begin with the
 previous turn's messages and reply shows just the messages after them; any other turn (the
 agent rewrote its history: a multi-turn break) shows all of its messages. Choices of one request
-(n > 1) share their prompt. Pure: plain data in, plain data out.
+(n > 1) share their prompt. Messages are shown in chat's form (role, text content, tool calls):
+a surface whose turns record another form converts them (``AS_SHOWN``, by the turn's surface).
+Pure: plain data in, plain data out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,21 +23,23 @@ class TranscriptTurn:
     messages: list[Any] = field(default_factory=list)  # what the prompt adds
     hidden: int = 0  # earlier messages not repeated
     same_request: bool = False  # another choice of the request above
+    reply: dict = field(default_factory=dict)  # the turn's response, as shown
 
 
 def transcript(turns: list[TurnOut]) -> list[TranscriptTurn]:
     out: list[TranscriptTurn] = []
     previous: TurnOut | None = None
     for turn in turns:
+        reply = _reply(turn)
         if previous is not None and turn.request_id == previous.request_id:
-            out.append(TranscriptTurn(turn, same_request=True))
+            out.append(TranscriptTurn(turn, same_request=True, reply=reply))
             continue
-        messages = list(turn.messages or [])
+        messages = _shown(turn, turn.messages or [])
         seen = _history(previous)
         if seen and [_key(m) for m in messages[: len(seen)]] == [_key(m) for m in seen]:
-            out.append(TranscriptTurn(turn, messages[len(seen) :], hidden=len(seen)))
+            out.append(TranscriptTurn(turn, messages[len(seen) :], len(seen), reply=reply))
         else:
-            out.append(TranscriptTurn(turn, messages))
+            out.append(TranscriptTurn(turn, messages, reply=reply))
         previous = turn
     return out
 
@@ -43,7 +48,54 @@ def _history(turn: TurnOut | None) -> list[Any]:
     """The messages a continuation of ``turn`` starts with: its prompt, then its reply."""
     if turn is None or turn.messages is None:
         return []
-    return [*turn.messages, turn.response]
+    return [*_shown(turn, turn.messages), _reply(turn)]
+
+
+def _shown(turn: TurnOut, messages: list[Any]) -> list[Any]:
+    convert = AS_SHOWN.get(turn.surface)
+    return [shown for m in messages for shown in convert(m)] if convert else list(messages)
+
+
+def _reply(turn: TurnOut) -> dict:
+    convert = AS_SHOWN.get(turn.surface)
+    if convert is None or not isinstance(turn.response, dict):
+        return turn.response if isinstance(turn.response, dict) else {}
+    shown = convert(turn.response)
+    return shown[-1] if shown else {}
+
+
+def _anthropic(message: Any) -> list[Any]:
+    """An Anthropic message (blocks or text) as chat messages: its text, its ``tool_use``
+    blocks as tool calls, its ``tool_result`` blocks as tool messages before it."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return [message]
+    out: list[Any] = []
+    texts, calls = [], []
+    for block in message["content"]:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            texts.append(str(block.get("text", "")))
+        elif kind == "thinking":
+            texts.append(f"(thinking) {block.get('thinking', '')}\n")
+        elif kind == "tool_use":
+            calls.append({"name": block.get("name"), "input": block.get("input")})
+        elif kind == "tool_result":
+            result = block.get("content")
+            if isinstance(result, list):
+                result = "".join(str(part.get("text", "")) for part in result)
+            out.append({"role": "tool", "content": result})
+        else:
+            texts.append(f"[{kind} block]")
+    if texts or calls or not out:
+        shown: dict[str, Any] = {"role": message.get("role"), "content": "".join(texts)}
+        if calls:
+            shown["tool_calls"] = calls
+        out.append(shown)
+    return out
+
+
+# How a surface's recorded messages are shown: one stored message to chat-form messages.
+AS_SHOWN: dict[str, Callable[[Any], list[Any]]] = {"messages": _anthropic}
 
 
 def _key(message: Any) -> tuple[Any, str]:

@@ -180,6 +180,9 @@ def test_tool_use_and_tool_result_blocks_render_into_the_models_template(api: Ap
     assert "<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n" in prompt
     assert '"name": "calculator", "description": "Add."' in prompt
     assert turn["tools"] == [tool] and turn["messages"] == messages
+    page = api.call("GET", f"/admin/sessions/{session['session_id']}")  # the transcript
+    assert page.status_code == 200 and "Let me add." in page.text and "calculator" in page.text
+    assert "Go on." in page.text and "[{" not in page.text  # blocks shown as chat, not raw
 
 
 def test_a_final_assistant_message_is_continued(api: Api):
