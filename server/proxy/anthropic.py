@@ -16,7 +16,7 @@ message of role ``system``), its tools as received, and the message the client g
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from server.context import ServerContext
 from server.engine_client.client import Piece
@@ -35,10 +35,12 @@ from server.proxy.anthropic_schemas import (
 )
 from server.proxy.generation import Completion
 from server.proxy.plan import Plan, check_model, new_plan, run_temperature, sampling_request
+from server.proxy.reasoning import reasoning_style, split_reasoning
 from server.proxy.recording import Served
 from server.proxy.session_cache import SessionState
 from server.proxy.tool_calls import (
     ContentDelta,
+    ReasoningDelta,
     StreamEvent,
     ToolCallDelta,
     ToolCallStream,
@@ -213,23 +215,21 @@ def usage(counts: dict) -> dict:
 
 
 class _Blocks:
-    """An answer's content blocks built from its text and tool-call events, and the stream
-    events that build them: one text block per run of text, a ``tool_use`` block per call."""
+    """An answer's content blocks built from its reasoning, text and tool-call events, and the
+    stream events that build them: a ``thinking`` block for the reasoning, one text block per
+    run of text, a ``tool_use`` block per call."""
 
     def __init__(self) -> None:
         self.content: list[dict] = []
-        self.open = False  # the last block is a text block still taking text
+        self.open: str | None = None  # the kind of the last block while it takes more text
 
     def push(self, events: list[StreamEvent]) -> list[dict]:
         out: list[dict] = []
         for event in events:
-            if isinstance(event, ContentDelta):
-                if not self.open:
-                    out.append(self._start({"type": "text", "text": ""}))
-                    self.open = True
-                self.content[-1]["text"] += event.text
-                delta = {"type": "text_delta", "text": event.text}
-                out.append(self._delta(delta))
+            if isinstance(event, ReasoningDelta):
+                out += self._text("thinking", event.text)
+            elif isinstance(event, ContentDelta):
+                out += self._text("text", event.text)
             elif isinstance(event, ToolCallDelta):
                 out += self.close()
                 call = event.call
@@ -244,10 +244,21 @@ class _Blocks:
         return out
 
     def close(self) -> list[dict]:
-        if not self.open:
+        if self.open is None:
             return []
-        self.open = False
+        self.open = None
         return [{"type": "content_block_stop", "index": len(self.content) - 1}]
+
+    def _text(self, kind: Literal["text", "thinking"], text: str) -> list[dict]:
+        out = []
+        if self.open != kind:
+            out += self.close()
+            block = {"type": "text", "text": ""} if kind == "text" else _THINKING
+            out.append(self._start(dict(block)))
+            self.open = kind
+        self.content[-1][kind] += text
+        out.append(self._delta({"type": f"{kind}_delta", kind: text}))
+        return out
 
     def _start(self, block: dict) -> dict:
         self.content.append(block)
@@ -256,6 +267,10 @@ class _Blocks:
 
     def _delta(self, delta: dict) -> dict:
         return {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}
+
+
+# A thinking block's signature proves to Anthropic that Claude wrote it; proxrl has none to give.
+_THINKING = {"type": "thinking", "thinking": "", "signature": ""}
 
 
 class MessagesRenderer:
@@ -269,19 +284,21 @@ class MessagesRenderer:
 
     def __init__(self, ctx: ServerContext, plan: Plan, body: MessagesRequest) -> None:
         self.tokenizer, self.plan = ctx.tokenizer, plan
+        self.reasoning = reasoning_style(ctx.tokenizer)
         self.model, self.stops, self.streamed = body.model, body.stops, body.stream
         self.blocks = _Blocks()
         self.message: dict[str, Any] = {}
 
     def served(self, completion_id: str, completion: Completion) -> Served:
-        text = outputs.final_text(self.tokenizer, completion)
+        full = outputs.final_text(self.tokenizer, completion)
+        reasoning, text = split_reasoning(full, self.reasoning)
         names = self.plan.tool_names
         called = names is not None and bool(parse_tool_calls(text, names).tool_calls)
         if self.streamed:
             content = self.blocks.content
         else:
             blocks = _Blocks()
-            blocks.push(_events(text, names))
+            blocks.push(_events(reasoning, text, names))
             content = blocks.content
         reason, sequence = self._stop(completion, called)
         self.message = {
@@ -345,9 +362,10 @@ class MessagesRenderer:
         return []
 
 
-def _events(text: str, tool_names: set[str] | None) -> list[StreamEvent]:
-    """A finished text as the events a stream of it gives (same blocks, streamed or not)."""
+def _events(reasoning: str | None, text: str, tool_names: set[str] | None) -> list[StreamEvent]:
+    """A finished answer as the events a stream of it gives (same blocks, streamed or not)."""
+    events: list[StreamEvent] = [ReasoningDelta(reasoning)] if reasoning else []
     if tool_names is None:
-        return [ContentDelta(text)] if text else []
+        return events + ([ContentDelta(text)] if text else [])
     calls = ToolCallStream(tool_names)
-    return calls.feed(text) + calls.finish()
+    return events + calls.feed(text) + calls.finish()

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 from server.dashboard.transcript import transcript
 from server.proxy.anthropic import _Blocks, _events, conversation
 from server.proxy.anthropic_schemas import MessagesRequest
-from server.proxy.tool_calls import ToolCallStream
+from server.proxy.tool_calls import ReasoningDelta, ToolCallStream
 from server.rl.schemas import TurnOut
 
 EVENT = TypeAdapter(RawMessageStreamEvent)
@@ -32,8 +32,10 @@ def _chunks(text: str, cuts: list[int]) -> list[str]:
 
 
 def _streamed(text: str, cuts: list[int]) -> tuple[list[dict], list[dict]]:
-    """The blocks and events of ``text`` streamed in pieces cut at ``cuts``."""
-    blocks, calls, events = _Blocks(), ToolCallStream(NAMES), []
+    """The blocks and events of a reasoning ("Think." in two pieces) and ``text`` streamed in
+    pieces cut at ``cuts``."""
+    blocks, calls = _Blocks(), ToolCallStream(NAMES)
+    events = blocks.push([ReasoningDelta("Thi"), ReasoningDelta("nk.")])
     for piece in _chunks(text, cuts):
         events += blocks.push(calls.feed(piece))
     events += blocks.push(calls.finish()) + blocks.close()
@@ -43,15 +45,16 @@ def _streamed(text: str, cuts: list[int]) -> tuple[list[dict], list[dict]]:
 @given(st.lists(st.integers(min_value=0, max_value=400), max_size=12))
 def test_streamed_blocks_are_the_blocks_of_the_whole_text_however_it_is_cut(cuts):
     whole = _Blocks()
-    whole.push(_events(TEXT, NAMES))
+    whole.push(_events("Think.", TEXT, NAMES))
     streamed, _ = _streamed(TEXT, cuts)
     assert [{k: v for k, v in b.items() if k != "id"} for b in streamed] == [
         {k: v for k, v in b.items() if k != "id"} for b in whole.content
     ]
     kinds = [block["type"] for block in whole.content]
-    assert kinds == ["text", "tool_use", "text", "tool_use"]
-    assert whole.content[1]["input"] == {"expression": "2+2"}
-    assert whole.content[1]["id"].startswith("toolu_")
+    assert kinds == ["thinking", "text", "tool_use", "text", "tool_use"]
+    assert whole.content[0] == {"type": "thinking", "thinking": "Think.", "signature": ""}
+    assert whole.content[2]["input"] == {"expression": "2+2"}
+    assert whole.content[2]["id"].startswith("toolu_")
 
 
 @given(st.lists(st.integers(min_value=0, max_value=400), max_size=12))
@@ -70,7 +73,7 @@ def test_the_sdk_accumulates_the_events_into_the_served_blocks(cuts):
 def test_malformed_tool_call_text_stays_text():
     broken = '<tool_call>\n{"name": "calculator", "arguments": {oops}\n</tool_call>'
     blocks = _Blocks()
-    blocks.push(_events(broken, NAMES))
+    blocks.push(_events(None, broken, NAMES))
     assert blocks.content == [{"type": "text", "text": broken}]
 
 
