@@ -115,6 +115,8 @@ class SessionDetail(TypedDict):
     breaks: int
     drop_reason: str | None
     """Why it was dropped ("code: a sentence", e.g. "no_reward: ..."); None unless dropped."""
+    retries: int
+    """Requests sent again whose answer the session did not go on from (alternatives)."""
     reward: float | None
     rewards: dict[str, float]
     """By target: "session" or a completion_id."""

@@ -3,7 +3,13 @@
 The first completion of a request continues the row of the turn its prompt extends, if that
 turn is still the row's last; every other completion opens a row (parallel samples of n > 1
 share a prompt but not a row). A request that extends no previous turn in a session that has
-turns is a break. State moves on only once the store has committed.
+turns is a break, unless it is a retry: the same prompt token ids as the previous request (a
+timeout, an error, a framework's retry), whose turns ``rows`` then marks as alternatives unless
+the session goes on from one of them. State moves on only once the store has committed.
+
+What the next prompt may continue (``state.last``): the request's turns, then the attempts it
+retried (the agent may go on from an earlier answer that came late), then the turn it continued
+(so that a retry splices onto the same tokens and asks with the very same prompt ids).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from typing import Any
 
 from server.proxy.generation import Completion
 from server.proxy.prompts import Prompt
-from server.proxy.session_cache import SessionState, last_turn
+from server.proxy.session_cache import LastTurn, SessionState, last_turn
 from server.store.turns import TurnRecord
 from server.store.writer import TurnWriter
 from server.text.tokenization import Tokenizer
@@ -65,12 +71,32 @@ async def record(
                 last_turn(tokenizer, item.completion_id, row, prompt.ids, item.completion.ids)
             )
             next_turn += 1
-        if continued_row is None and state.has_turns:
+        retried = retried_turns(state.last, prompt.ids)
+        if continued_row is None and state.has_turns and not retried:
             records[0].is_break = True
         await writer.write(records)
         state.next_turn, state.next_row = next_turn, next_row
-        state.row_tails, state.last = tails, lasts
+        state.row_tails, state.last = tails, next_last(lasts, retried, continued)
         state.engine = served[0].completion.engine
+
+
+def retried_turns(last: list[LastTurn], prompt_ids: list[int]) -> list[LastTurn]:
+    """The previous request's turns (and its earlier attempts) when this request asks with the
+    very same prompt ids: a retry. ``last[0]`` is the previous request's first choice."""
+    if not last or last[0].prompt_ids != prompt_ids:
+        return []
+    return [turn for turn in last if turn.prompt_ids == prompt_ids]
+
+
+def next_last(
+    turns: list[LastTurn], retried: list[LastTurn], continued: LastTurn | None
+) -> list[LastTurn]:
+    """What the session's next prompt may continue, in the order tried (``prompts.splice`` takes
+    the first match, and a turn's text begins with the text of the turn it continued)."""
+    kept = turns + retried
+    if continued is not None and continued not in kept:
+        kept.append(continued)
+    return kept
 
 
 def _record(

@@ -174,6 +174,10 @@ class SessionOut(BaseModel):
     row_count: int
     breaks: int
     drop_reason: str | None = Field(description=DROP_REASON)
+    retries: int = Field(
+        description="Requests the agent sent again (the same prompt) whose answer the session "
+        "did not go on from: their turns are alternatives."
+    )
     reward: float | None
     rewards: dict[str, float]
     turns: list[TurnOut]

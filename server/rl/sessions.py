@@ -110,6 +110,7 @@ async def session_view(ctx: ServerContext, session: Session) -> SessionOut:
             for t in turns
         ],
         rows=[RowOut(**vars(row)) for row in claimed.rows],
+        retries=claimed.retries,
     )
 
 

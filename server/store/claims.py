@@ -31,7 +31,7 @@ from server.store import drop_reasons, groups
 from server.store import sessions as status
 from server.store.keys import new_id
 from server.store.rewards import SESSION_TARGET, rewards_of
-from server.store.rows import Row, assemble_rows
+from server.store.rows import Row, assemble_rows, retries
 from server.store.tables import Session, Turn, utcnow
 from server.store.turns import tokens_of
 
@@ -47,6 +47,7 @@ class ClaimedSession:
     metadata: dict[str, Any]
     reward: float | None  # the session's reward (turn rewards are on the rows' turns)
     rows: list[Row] = field(default_factory=list)
+    retries: int = 0  # requests retried: attempts the session did not go on from
 
 
 @dataclass
@@ -215,6 +216,7 @@ async def sessions_with_rows(db: AsyncSession, claimed: list[Session]) -> list[C
                 metadata=session.meta,
                 reward=targets.get(SESSION_TARGET),
                 rows=assemble_rows(tokens),
+                retries=retries(tokens),
             )
         )
     return out

@@ -5,10 +5,13 @@ that turn's row: its new prompt tokens (tool results, the next user message, tem
 loss mask 0 and its completion tokens loss mask 1. Any other turn starts a new row (a "break":
 the agent edited or dropped history). This module knows nothing about SQL or HTTP.
 
-A turn is an *alternative* when the session did not go on from it: every choice of a request
-that was retried (the next request asks the same again), and every choice but the one the next
-request continues (choice 0 when the next request continues none, or there is none). The rows
-keep alternatives; each row's turns say which they are, and the trainer decides.
+A turn is an *alternative* when the session did not go on from it. Requests that ask the same
+one after another (a retry: a timeout, an error, a framework's retry) are one *attempt group*:
+its kept turns are those a later turn continues (normally one: the answer the agent used), else
+choice 0 of its last attempt; every other turn of the group is an alternative, and each attempt
+none of whose turns is kept counts as a retry. A lone request keeps the choice the session
+continued, else choice 0. The rows keep alternatives; each row's turns say which they are, and
+the trainer decides.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class TurnTokens:
     versions: list[int]
     temperature: float | None = None  # the temperature it was sampled at (None: unknown)
     reward: float | None = None
+    surface: str = "chat"  # the API its request came through (chat, completions, ...)
 
 
 @dataclass
@@ -61,13 +65,17 @@ def continues(prev_prompt: list[int], prev_completion: list[int], prompt: list[i
 
 
 def asks_the_same(turn: TurnTokens, other: TurnTokens) -> bool:
-    """Did the two turns' requests ask the same, i.e. is one a retry of the other? Chat requests
-    by their messages and tools, others by their prompt token ids. The whole history is only
-    compared when the message counts match, and equality stops at the first difference."""
-    if turn.messages is None or other.messages is None:
-        return turn.messages is other.messages and turn.prompt_ids == other.prompt_ids
+    """Did the two turns' requests ask the same, i.e. is one a retry of the other? The same
+    prompt token ids, on any surface; chat requests also by their messages and tools (the same
+    conversation may tokenize otherwise once its history is no longer spliced). Equality stops
+    at the first difference."""
+    if turn.prompt_ids == other.prompt_ids:
+        return True
     return (
-        len(turn.messages) == len(other.messages)
+        turn.surface == other.surface == "chat"
+        and turn.messages is not None
+        and other.messages is not None
+        and len(turn.messages) == len(other.messages)
         and turn.messages == other.messages
         and turn.tools == other.tools
     )
@@ -81,30 +89,63 @@ def requests_of(turns: Sequence[TurnTokens]) -> list[list[TurnTokens]]:
     return list(by_request.values())
 
 
-def path_turn(request: list[TurnTokens], following: list[TurnTokens] | None) -> TurnTokens | None:
-    """The turn of ``request`` the session went on from, given the request after it: none when
-    that one is a retry, the turn it continues, else choice 0."""
-    if following is None:
-        return request[0]
-    first = following[0]
-    if asks_the_same(first, request[0]):
-        return None
-    if first.extends_previous:
-        for turn in request:
-            if turn.row_index == first.row_index:
-                return turn
-    return request[0]
+def attempt_groups(requests: list[list[TurnTokens]]) -> list[list[list[TurnTokens]]]:
+    """The requests in runs of consecutive ones that ask the same (a request and its retries)."""
+    groups: list[list[list[TurnTokens]]] = []
+    for request in requests:
+        if groups and asks_the_same(request[0], groups[-1][-1][0]):
+            groups[-1].append(request)
+        else:
+            groups.append([request])
+    return groups
+
+
+def continued(turns: Sequence[TurnTokens]) -> set[str]:
+    """The completion ids of turns that a later turn of their row extends."""
+    by_row: dict[int, list[TurnTokens]] = {}
+    for turn in turns:
+        by_row.setdefault(turn.row_index, []).append(turn)
+    found: set[str] = set()
+    for row in by_row.values():
+        row.sort(key=lambda t: t.turn_index)
+        found.update(turn.completion_id for turn in row[:-1])
+    return found
+
+
+@dataclass(frozen=True)
+class Path:
+    """Which turns the session went on from, and which requests were retried."""
+
+    kept: set[str]  # completion ids
+    retried: set[str]  # request ids of attempts none of whose turns is kept
+
+
+def session_path(turns: Sequence[TurnTokens]) -> Path:
+    """The kept turns and the retried requests of a session (the rule above)."""
+    went_on = continued(turns)
+    kept: set[str] = set()
+    retried: set[str] = set()
+    for group in attempt_groups(requests_of(turns)):
+        chosen = {t.completion_id for request in group for t in request} & went_on
+        kept |= chosen or {group[-1][0].completion_id}
+        retried.update(
+            request[0].request_id
+            for request in group
+            if not any(t.completion_id in kept for t in request)
+        )
+    return Path(kept, retried)
 
 
 def alternatives(turns: Sequence[TurnTokens]) -> set[str]:
     """The completion ids of the session's turns that are alternatives (the rule above)."""
-    requests = requests_of(turns)
-    found: set[str] = set()
-    for index, request in enumerate(requests):
-        following = requests[index + 1] if index + 1 < len(requests) else None
-        kept = path_turn(request, following)
-        found.update(turn.completion_id for turn in request if turn is not kept)
-    return found
+    kept = session_path(turns).kept
+    return {turn.completion_id for turn in turns} - kept
+
+
+def retries(turns: Sequence[TurnTokens]) -> int:
+    """How many of the session's requests were retried: attempts the session did not go on from,
+    every one of their turns an alternative."""
+    return len(session_path(turns).retried)
 
 
 def assemble_rows(turns: list[TurnTokens]) -> list[Row]:

@@ -245,6 +245,7 @@ def tokens_of(turn: Turn, reward: float | None = None) -> TurnTokens:
         versions=unpack_ints(turn.versions),
         temperature=sampled_temperature(turn),
         reward=reward,
+        surface=turn.surface,
     )
 
 

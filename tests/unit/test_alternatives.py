@@ -1,9 +1,12 @@
-"""Alternatives: which turns of a session the session did not go on from (server.store.rows).
+"""Alternatives: which turns of a session the session did not go on from, and how many requests
+were retried (server.store.rows).
 
 Sessions are built the way ``server.proxy.recording`` records them: a request's choices get
-consecutive turn indexes; the first choice of a request that continues a choice of the previous
-request shares that choice's row and extends it; every other choice opens a row. Examples first,
-then properties over random sessions of requests with 1 to 4 choices, retries and breaks.
+consecutive turn indexes; the first choice of a request that continues a choice of an earlier
+request shares that choice's row and extends it (its prompt is that choice's prompt + completion
++ new tokens); every other choice opens a row. A retry asks again with the same prompt. Examples
+first, then properties over random sessions of requests with 1 to 4 choices, retries (the agent
+going on from the last attempt or an earlier one) and breaks.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.store.rows import TurnTokens, alternatives, asks_the_same, assemble_rows
+from server.store.rows import TurnTokens, alternatives, asks_the_same, assemble_rows, retries
 
 
 @dataclass
@@ -26,14 +29,20 @@ class Recorder:
     requests: list[list[TurnTokens]] = field(default_factory=list)
     next_row: int = 0
 
-    def request(self, ask: str, n: int = 1, continues: int | None = None) -> list[str]:
+    def request(
+        self, ask: str, n: int = 1, continues: int | None = None, of: int = -1
+    ) -> list[str]:
         """A chat request with the user message ``ask`` and ``n`` choices; ``continues`` is the
-        choice of the previous request it continues. Returns the completion ids."""
+        choice of request ``of`` (the previous one unless told) it continues. Returns the
+        completion ids."""
         request_id = f"req{len(self.requests)}"
         messages = [{"role": "user", "content": ask}]
         continued_row = None
+        prompt_ids = [1000 + ord(letter) for letter in ask]
         if continues is not None:
-            continued_row = self.requests[-1][continues].row_index
+            went_on = self.requests[of][continues]
+            continued_row = went_on.row_index
+            prompt_ids = went_on.prompt_ids + went_on.completion_ids + prompt_ids
         made = []
         for choice in range(n):
             if choice == 0 and continued_row is not None:
@@ -50,8 +59,8 @@ class Recorder:
                     extends_previous=extends,
                     messages=messages,
                     tools=None,
-                    prompt_ids=[1, 2],
-                    completion_ids=[3],
+                    prompt_ids=prompt_ids,
+                    completion_ids=[len(self.turns) + choice],
                     logprobs=[-0.1],
                     versions=[0],
                     temperature=1.0,
@@ -76,8 +85,8 @@ class Recorder:
                     extends_previous=False,
                     messages=list(previous.messages or []),  # equal, not the same object
                     tools=previous.tools,
-                    prompt_ids=[1, 2],
-                    completion_ids=[4],
+                    prompt_ids=list(previous.prompt_ids),
+                    completion_ids=[len(self.turns) + choice],
                     logprobs=[-0.2],
                     versions=[0],
                 )
@@ -150,7 +159,7 @@ def test_a_retried_continuation_leaves_the_path_through_the_retry():
     assert first not in alternatives(session.turns) and retried not in alternatives(session.turns)
 
 
-def asked(messages=None, tools=None, prompt_ids=(1,)) -> TurnTokens:
+def asked(messages=None, tools=None, prompt_ids=(1,), surface="chat") -> TurnTokens:
     """A turn of a request that asked ``messages`` and ``tools`` (None: a prompt of ids)."""
     return TurnTokens(
         completion_id="c",
@@ -164,27 +173,40 @@ def asked(messages=None, tools=None, prompt_ids=(1,)) -> TurnTokens:
         completion_ids=[3],
         logprobs=[-0.1],
         versions=[0],
+        surface=surface,
     )
 
 
-def test_chat_and_token_prompts_are_compared_by_what_they_asked():
+def test_requests_ask_the_same_by_prompt_ids_and_chat_by_its_messages_too():
     messages = [{"role": "user", "content": "hi"}]
     longer = [*messages, {"role": "assistant", "content": "hello"}]
     tools = [{"type": "function", "function": {"name": "f"}}]
     assert asks_the_same(asked(messages, prompt_ids=[1]), asked(messages, prompt_ids=[2]))
-    assert not asks_the_same(asked(messages), asked(messages, tools))
-    assert not asks_the_same(asked(messages), asked(longer))
+    assert not asks_the_same(asked(messages, prompt_ids=[1]), asked(messages, tools, [2]))
+    assert not asks_the_same(asked(messages, prompt_ids=[1]), asked(longer, prompt_ids=[2]))
     assert asks_the_same(asked(prompt_ids=[1, 2]), asked(prompt_ids=[1, 2]))
     assert not asks_the_same(asked(prompt_ids=[1, 2]), asked(prompt_ids=[1, 3]))
-    assert not asks_the_same(asked(messages, prompt_ids=[1]), asked(None, prompt_ids=[1]))
-    assert not asks_the_same(asked([], prompt_ids=[1]), asked(None, prompt_ids=[1]))
+    # The same prompt through another surface is the same request.
+    assert asks_the_same(asked(messages, prompt_ids=[1]), asked(None, prompt_ids=[1]))
+    # Messages of other surfaces need not hold the whole conversation (the Responses API's
+    # previous_response_id): only their prompt ids count.
+    new_input = [{"type": "message", "role": "user", "content": "go on"}]
+    assert not asks_the_same(
+        asked(new_input, prompt_ids=[1, 5], surface="responses"),
+        asked(new_input, prompt_ids=[2, 5], surface="responses"),
+    )
 
 
-def signature(turn: TurnTokens) -> str:
-    """The reference: what the request asked, as canonical JSON (the rule's definition)."""
-    if turn.messages is not None:
-        return json.dumps(["chat", turn.messages, turn.tools], sort_keys=True)
-    return json.dumps(["ids", turn.prompt_ids])
+def reference_same(first: TurnTokens, other: TurnTokens) -> bool:
+    """The reference: equal prompt ids, or two chat requests with equal messages and tools
+    (compared as canonical JSON)."""
+    if first.prompt_ids == other.prompt_ids:
+        return True
+    chats = [t for t in (first, other) if t.surface == "chat" and t.messages is not None]
+    return (
+        len(chats) == 2
+        and len({json.dumps([t.messages, t.tools], sort_keys=True) for t in chats}) == 1
+    )
 
 
 TEXT = st.text(alphabet="ab", max_size=2)
@@ -197,16 +219,47 @@ ASKED = st.builds(
     asked,
     st.none() | MESSAGES,
     TOOLS,
-    st.lists(st.integers(0, 2), max_size=3),
+    st.lists(st.integers(0, 2), min_size=1, max_size=3),
+    st.sampled_from(["chat", "completions", "responses", "messages"]),
 )
 
 
 @settings(max_examples=500, deadline=None)
 @given(ASKED, ASKED)
-def test_asking_the_same_is_having_the_same_canonical_request(first, other):
-    assert asks_the_same(first, other) == (signature(first) == signature(other))
+def test_asking_the_same_follows_the_reference(first, other):
+    assert asks_the_same(first, other) == reference_same(first, other)
     assert asks_the_same(first, other) == asks_the_same(other, first)
     assert asks_the_same(first, first)
+
+
+def test_the_agent_going_on_from_an_earlier_attempt_keeps_that_one():
+    session = Recorder()
+    session.request("q")
+    (again,) = session.retry()  # the first answer came late, and the agent used it
+    session.request("next", continues=0, of=0)
+    assert alternatives(session.turns) == {again}
+    assert retries(session.turns) == 1
+
+
+def test_asking_again_after_going_on_is_no_retry():
+    session = Recorder()
+    session.request("q")
+    session.request("next", continues=0)
+    session.request("q")  # the same prompt as the first request: the agent started over
+    assert alternatives(session.turns) == set()
+    assert retries(session.turns) == 0
+
+
+def test_retries_count_the_attempts_the_session_did_not_go_on_from():
+    session = Recorder()
+    session.request("q", n=2)
+    session.retry()
+    session.retry(n=3)
+    session.request("next", continues=2)
+    (last,) = session.request("more", continues=0)
+    session.retry()
+    assert retries(session.turns) == 3
+    assert last in alternatives(session.turns)
 
 
 def test_rows_flag_their_alternatives():
@@ -315,3 +368,57 @@ def test_rows_carry_every_turn_once_with_its_flag(drawn):
     )
     assert all(t["alternative"] == (t["completion_id"] in off) for t in carried)
     assert all(t["temperature"] in (1.0, None) for t in carried)
+
+
+@dataclass
+class Group:
+    """A request and its retries: their indexes in the session, and the turn the next group goes
+    on from (None: it breaks, or there is none)."""
+
+    requests: list[int]
+    went_on: tuple[int, int] | None = None  # (request index, choice)
+
+
+@st.composite
+def retried_sessions(draw) -> tuple[Recorder, list[Group]]:
+    """A random session of attempt groups: each a request (a break, or a continuation of a turn
+    of any attempt of the group before) then 0 to 2 retries."""
+    session, groups = Recorder(), []
+    previous_ask = None
+    for _ in range(draw(st.integers(1, 5))):
+        ask = draw(st.sampled_from([a for a in ASKS if a != previous_ask]))
+        n = draw(st.integers(1, 3))
+        if groups and draw(st.booleans()):
+            attempt = draw(st.sampled_from(groups[-1].requests))
+            choice = draw(st.integers(0, len(session.requests[attempt]) - 1))
+            groups[-1].went_on = (attempt, choice)
+            session.request(ask, n=n, continues=choice, of=attempt)
+        else:
+            session.request(ask, n=n)
+        group = Group([len(session.requests) - 1])
+        for _ in range(draw(st.integers(0, 2))):
+            session.retry(draw(st.integers(1, 3)))
+            group.requests.append(len(session.requests) - 1)
+        groups.append(group)
+        previous_ask = ask
+    return session, groups
+
+
+@settings(max_examples=300, deadline=None)
+@given(retried_sessions())
+def test_each_attempt_group_keeps_the_turn_gone_on_from_else_its_last_attempts_choice_0(drawn):
+    session, groups = drawn
+    off = alternatives(session.turns)
+    for group in groups:
+        turns = [t.completion_id for index in group.requests for t in session.requests[index]]
+        attempt, choice = group.went_on or (group.requests[-1], 0)
+        assert [t for t in turns if t not in off] == [
+            session.requests[attempt][choice].completion_id
+        ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(retried_sessions())
+def test_retries_count_every_attempt_but_the_one_gone_on_from(drawn):
+    session, groups = drawn
+    assert retries(session.turns) == sum(len(group.requests) - 1 for group in groups)
