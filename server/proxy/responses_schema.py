@@ -164,7 +164,9 @@ class ResponseRequest(_Lenient):
         return [
             {
                 "type": "function",
-                "function": tool.model_dump(include={"name", "description", "parameters"}),
+                "function": tool.model_dump(
+                    include={"name", "description", "parameters"}, exclude_none=True
+                ),
             }
             for tool in self.tools
         ]

@@ -172,7 +172,6 @@ def test_function_call_items_render_into_the_template_as_a_tool_exchange(api: Ap
             "type": "function",
             "function": {
                 "name": "calculator",
-                "description": None,
                 "parameters": {"type": "object"},
             },
         }
