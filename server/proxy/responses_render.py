@@ -1,9 +1,12 @@
 """What a Responses API answer looks like: the Response object and its stream of events.
 
-Output items are a ``message`` (its text as one ``output_text`` part) and one ``function_call``
-item per tool call the model made (``<tool_call>`` blocks that parse; malformed ones stay text).
+Output items are a ``reasoning`` item (a reasoning model's ``<think>`` block, as one
+``reasoning_text`` part), a ``message`` (its text as one ``output_text`` part) and one
+``function_call`` item per tool call the model made (``<tool_call>`` blocks that parse;
+malformed ones stay text).
 Streamed, the events follow OpenAI's sequence: ``response.created``, ``response.in_progress``,
-then per item ``response.output_item.added``, (for a message) ``response.content_part.added``,
+then per item ``response.output_item.added``, (for reasoning) ``response.reasoning_text.delta``...
+``.done``, (for a message) ``response.content_part.added``,
 ``response.output_text.delta``... ``response.output_text.done``, ``response.content_part.done``,
 (for a call) ``response.function_call_arguments.delta`` / ``.done``, then
 ``response.output_item.done``; last ``response.completed`` (``response.incomplete`` when the
@@ -26,36 +29,61 @@ from server.errors import ProxrlError
 from server.proxy import outputs
 from server.proxy.generation import Completion
 from server.proxy.plan import Plan
+from server.proxy.reasoning import reasoning_style, split_reasoning
 from server.proxy.recording import Served
 from server.proxy.responses_schema import ResponseRequest
-from server.proxy.tool_calls import ContentDelta, ParsedOutput, StreamEvent, parse_tool_calls
+from server.proxy.tool_calls import (
+    ParsedOutput,
+    ReasoningDelta,
+    StreamEvent,
+    ToolCallDelta,
+    parse_tool_calls,
+)
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
 
 
-def _message(text: str = "", status: str = "in_progress") -> dict[str, Any]:
+def _message(text: str = "", status: str = "in_progress", id: str | None = None) -> dict:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    content = [part] if status != "in_progress" else []
     return {
-        "id": _id("msg"),
+        "id": id or _id("msg"),
         "type": "message",
         "role": "assistant",
         "status": status,
-        "content": content,
+        "content": [part] if status != "in_progress" else [],
     }
 
 
-def _call(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+def _reasoning(text: str = "", status: str = "in_progress", id: str | None = None) -> dict:
+    part = {"type": "reasoning_text", "text": text}
+    return {
+        "id": id or _id("rs"),
+        "type": "reasoning",
+        "summary": [],
+        "content": [part] if status != "in_progress" else [],
+        "status": status,
+    }
+
+
+def _call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     return {
         "id": _id("fc"),
         "type": "function_call",
         "call_id": call_id,
         "name": name,
         "arguments": arguments,
-        "status": status,
+        "status": "completed",
     }
+
+
+OPEN_ITEMS = {"message": _message, "reasoning": _reasoning}  # the items streamed as text
+# What each kind of text item's stream says, after output_item.added and before .done.
+TEXT_EVENTS = {
+    "message": ("content_part.added", "output_text.delta", "output_text.done", "content_part.done"),
+    "reasoning": (None, "reasoning_text.delta", "reasoning_text.done", None),
+}
 
 
 class ResponsesRenderer:
@@ -68,8 +96,9 @@ class ResponsesRenderer:
         self.plan, self.body = plan, body
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # the output items streamed so far
-        self.texts: list[str] = []  # the text streamed into each item (messages)
-        self.open: int | None = None  # the message item being streamed into
+        self.texts: dict[int, str] = {}  # the text streamed into each text item, by index
+        self.open: int | None = None  # the text item (message, reasoning) being streamed into
+        self.reasoning = reasoning_style(ctx.tokenizer)
         self.final: dict[str, Any] = {}
         # Numbered first, though sent once the first tokens came (and were given their events).
         head = self.head("in_progress", [], None)
@@ -110,15 +139,17 @@ class ResponsesRenderer:
     def served(self, completion_id: str, completion: Completion) -> Served:
         """The Response: the items streamed so far, then what is left of the parse (all of it
         when not streamed)."""
-        text = outputs.final_text(self.tokenizer, completion)
+        full = outputs.final_text(self.tokenizer, completion)
+        reasoning, text = split_reasoning(full, self.reasoning)
         names = self.plan.tool_names
         parsed = parse_tool_calls(text, names) if names is not None else ParsedOutput(text, [])
-        output = self._output(parsed)
+        output = self._output(reasoning, parsed)
         calls = any(item["type"] == "function_call" for item in output)
         finish = outputs.finish_reason(completion, calls)
-        status = "incomplete" if finish == "length" else "completed"
+        length = completion.finish_reason.get("type") == "length"
+        status = "incomplete" if length else "completed"  # calls or not
         for item in output:
-            if item["type"] == "message":
+            if item["type"] != "function_call":
                 item["status"] = status
         prompt = len(self.plan.prompt.ids)
         usage = {
@@ -131,19 +162,25 @@ class ResponsesRenderer:
         self.final = self.head(status, output, usage)
         return Served(completion_id, completion, self.final, finish)
 
-    def _output(self, parsed: ParsedOutput) -> list[dict[str, Any]]:
+    def _output(self, reasoning: str | None, parsed: ParsedOutput) -> list[dict[str, Any]]:
+        """The items streamed so far (the open one completed), then the rest. Reasoning comes
+        first in any stream, so an item not streamed yet goes after every streamed one."""
         output = copy.deepcopy(self.items)
-        content = parsed.content or ""
-        rest = content[len("".join(self.texts)) :]
-        if self.open is not None:
-            output[self.open] = _message(self.texts[self.open] + rest, "completed")
-        elif rest or (not parsed.tool_calls and not output):
+        kinds = [item["type"] for item in output]
+        for index, item in enumerate(output):
+            if item["type"] == "reasoning" and reasoning is not None:
+                output[index] = _reasoning(reasoning, "completed", item["id"])
+        if reasoning is not None and "reasoning" not in kinds:
+            output.append(_reasoning(reasoning, "completed"))
+        sent = "".join(self.texts[i] for i, kind in enumerate(kinds) if kind == "message")
+        rest = (parsed.content or "")[len(sent) :]
+        if self.open is not None and kinds[self.open] == "message":
+            item = output[self.open]
+            output[self.open] = _message(self.texts[self.open] + rest, "completed", item["id"])
+        elif rest or (not parsed.tool_calls and "message" not in kinds):
             output.append(_message(rest, "completed"))
-        sent = sum(item["type"] == "function_call" for item in self.items)
-        for call in parsed.tool_calls[sent:]:
+        for call in parsed.tool_calls[kinds.count("function_call") :]:
             output.append(_call(call.id, call.name, call.arguments))
-        for index, item in enumerate(self.items):  # streamed items keep their ids
-            output[index]["id"] = item["id"]
         return output
 
     def response(self, served: list[Served], usage: dict) -> dict:
@@ -161,30 +198,34 @@ class ResponsesRenderer:
     def delta(self, index: int, deltas: list[StreamEvent], piece: Piece) -> list[dict]:
         events: list[dict] = []
         for delta in deltas:
-            if isinstance(delta, ContentDelta):
-                events += self._text(delta.text)
-            else:
-                events += self._close()
+            if isinstance(delta, ToolCallDelta):
                 call = delta.call
                 events += self._whole(_call(call.id, call.name, call.arguments))
+            else:
+                kind = "reasoning" if isinstance(delta, ReasoningDelta) else "message"
+                events += self._text(kind, delta.text)
         return events
 
-    def _text(self, text: str, opening: dict[str, Any] | None = None) -> list[dict]:
-        """Stream ``text`` into the open message, opening one (with ``opening``'s id) if none."""
+    def _text(self, kind: str, text: str, opening: dict[str, Any] | None = None) -> list[dict]:
+        """Stream ``text`` into an open item of ``kind``, opening one (with ``opening``'s id)
+        after closing any other."""
         events = []
+        if self.open is not None and self.items[self.open]["type"] != kind:
+            events += self._close()
         if self.open is None:
             self.open = len(self.items)
-            self.items.append({**_message(), "id": (opening or _message())["id"]})
-            self.texts.append("")
-            item = self.items[self.open]
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            events += [
-                self.event("output_item.added", output_index=self.open, item=item),
-                self.event("content_part.added", part=part, **self._at()),
-            ]
+            item = OPEN_ITEMS[kind](id=opening["id"] if opening else None)
+            self.items.append(item)
+            self.texts[self.open] = ""
+            events.append(self.event("output_item.added", output_index=self.open, item=item))
+            part_added = TEXT_EVENTS[kind][0]
+            if part_added:
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                events.append(self.event(part_added, part=part, **self._at()))
         self.texts[self.open] += text
         if text:
-            events.append(self.event("output_text.delta", delta=text, logprobs=[], **self._at()))
+            extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+            events.append(self.event(TEXT_EVENTS[kind][1], delta=text, **extra, **self._at()))
         return events
 
     def _at(self) -> dict[str, Any]:
@@ -196,20 +237,21 @@ class ResponsesRenderer:
         }
 
     def _close(self, final: dict | None = None) -> list[dict]:
-        """Finish the open message (with the rest of its text, from ``final``)."""
+        """Finish the open text item (with the rest of its text, from ``final``)."""
         if self.open is None:
             return []
         events = []
-        item = final or _message(self.texts[self.open], "completed")
+        kind = self.items[self.open]["type"]
+        item = final or OPEN_ITEMS[kind](self.texts[self.open], "completed")
         text = item["content"][0]["text"]
         rest = text[len(self.texts[self.open]) :]
         if rest:
-            events += self._text(rest)
-        part = item["content"][0]
-        events += [
-            self.event("output_text.done", text=text, logprobs=[], **self._at()),
-            self.event("content_part.done", part=part, **self._at()),
-        ]
+            events += self._text(kind, rest)
+        _, _, text_done, part_done = TEXT_EVENTS[kind]
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        events.append(self.event(text_done, text=text, **extra, **self._at()))
+        if part_done:
+            events.append(self.event(part_done, part=item["content"][0], **self._at()))
         item = {**item, "id": self.items[self.open]["id"]}
         events.append(self.event("output_item.done", output_index=self.open, item=item))
         self.items[self.open] = item
@@ -218,15 +260,16 @@ class ResponsesRenderer:
 
     def _whole(self, item: dict[str, Any]) -> list[dict]:
         """All the events of an item not streamed yet."""
-        if item["type"] == "message":
-            events = self._text(item["content"][0]["text"], opening=item)
+        if item["type"] in OPEN_ITEMS:
+            events = self._text(item["type"], item["content"][0]["text"], opening=item)
             return events + self._close(item)
+        events = self._close()
         index = len(self.items)
         self.items.append(item)
-        self.texts.append("")
         at = {"item_id": item["id"], "output_index": index}
         added = {**item, "arguments": "", "status": "in_progress"}
         return [
+            *events,
             self.event("output_item.added", output_index=index, item=added),
             self.event("function_call_arguments.delta", delta=item["arguments"], **at),
             self.event("function_call_arguments.done", arguments=item["arguments"], **at),

@@ -193,8 +193,9 @@ def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             output = _text(item.output, f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         elif kind == "reasoning":
-            parts = (item.content or []) if isinstance(item.content, list) else []
-            reasoning += [p.as_text(where) for p in [*(item.summary or []), *parts]]
+            # Its full text where the client sent it back, else its summary.
+            parts = item.content if isinstance(item.content, list) and item.content else None
+            reasoning += [p.as_text(where) for p in parts or item.summary or []]
         else:
             raise InvalidRequest(
                 f"Input items of type {kind!r} are not supported: send messages, function_call, "
