@@ -22,7 +22,11 @@ user of the ``openai`` SDK sees (``AsyncOpenAI`` on the session's ``base_url``/`
 against the same httpx direct side, so the SDK's own cost is in the difference), streaming and
 not. And one calibrates the machine: a bare forwarder (bench/forwarder.py: uvicorn + aiohttp
 passing the /generate body through, no framework and no work) in the proxy's place, which is
-what any extra Python HTTP hop costs here. Reported per scenario:
+what any extra Python HTTP hop costs here. Four more send the same conversations through the
+other API surfaces (bench/surfaces.py: the Responses API and Anthropic Messages, streaming and
+not, with httpx): their proxy CPU per request is held to within 1.2x of Chat Completions' rows
+(those two surfaces take no seed, so their samples differ from the direct side's; their token
+counts are reported beside). Reported per scenario:
 completion tokens/s on both sides (median over rounds) and their ratio (target >= 0.95), median
 request latency on both sides (over every request of every round) and the difference (target
 < 2 ms at 1 client), and the store's write load: prompt + completion tokens stored during a
@@ -63,6 +67,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -73,6 +78,7 @@ import httpx  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 
 from bench.common import new_sessions, positive_int  # noqa: E402
+from bench.surfaces import SURFACES  # noqa: E402
 from server.common.processes import (  # noqa: E402
     EngineProcess,
     ProxyProcess,
@@ -91,6 +97,10 @@ REQUEST_TIMEOUT_S = 120.0
 TARGET_RATIO = 0.95
 TARGET_ADDED_MS = 2.0
 TARGET_ROWS = ("single", "concurrent", "single_stream")  # httpx on both sides
+# The other surfaces' rows: the proxy's CPU per request within this of Chat Completions' (the
+# same requests, through the same answer path).
+SURFACE_NAMES = {"responses": "Responses API", "messages": "Anthropic Messages"}
+TARGET_SURFACE_CPU = 1.2
 SYSTEM = "You are a careful assistant. Answer briefly."
 WORDS = "apple river stone cloud seven green lamp quiet number table window forty".split()
 
@@ -130,6 +140,7 @@ class Scenario:
     stream: bool = False
     sdk: bool = False  # the proxy side uses the openai SDK instead of httpx
     forwarder: bool = False  # the bare forwarder stands in for the proxy
+    surface: str = "chat"  # the proxy side's API (bench/surfaces.py), with httpx
     direct: list[PhaseResult] = field(default_factory=list)
     proxy: list[PhaseResult] = field(default_factory=list)
 
@@ -266,21 +277,24 @@ async def proxy_phase(
         for s in sessions
     ]
 
-    async def send_httpx(index: int, body: dict) -> int:
-        url = f"{sessions[index]['base_url']}/chat/completions"
-        headers = {"Authorization": f"Bearer {sessions[index]['api_key']}"}
+    surface = SURFACES[scenario.surface]
+
+    async def send_httpx(index: int, request: ChatRequest) -> int:
+        url = sessions[index]["base_url"] + surface.path
+        headers = surface.headers(sessions[index]["api_key"])
+        body = surface.body(
+            model, request.messages, max_tokens, TEMPERATURE, request.seed, scenario.stream
+        )
         if not scenario.stream:
             reply = await http.post(url, json=body, headers=headers)
             reply.raise_for_status()
-            return reply.json()["usage"]["completion_tokens"]
+            return surface.tokens(reply.json()) or 0
         tokens = 0
-        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         async with http.stream("POST", url, json=body, headers=headers) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
-                if line.startswith("data: {"):  # every chunk parsed, as on the direct side
-                    usage = json.loads(line[6:]).get("usage")
-                    tokens = usage["completion_tokens"] if usage else tokens
+                if line.startswith("data: {"):  # every event parsed, as on the direct side
+                    tokens = surface.tokens(json.loads(line[6:])) or tokens
         return tokens
 
     async def send_sdk(index: int, body: dict) -> int:
@@ -298,9 +312,11 @@ async def proxy_phase(
         return tokens
 
     async def send(index: int, request: ChatRequest) -> int:
+        if not scenario.sdk:
+            return await send_httpx(index, request)
         body = {"model": model, "messages": request.messages, "max_tokens": max_tokens}
         body |= {"temperature": TEMPERATURE, "seed": request.seed}
-        return await (send_sdk if scenario.sdk else send_httpx)(index, body)
+        return await send_sdk(index, body)
 
     try:
         result = await run_clients(scenario.clients, send, meter)
@@ -412,6 +428,7 @@ def summarize(scenario: Scenario) -> dict:
         "requests_per_client": len(scenario.clients[0]),
         "stream": scenario.stream,
         "client": "openai SDK" if scenario.sdk else "httpx",
+        "surface": scenario.surface,
         "hop": "bare forwarder" if scenario.forwarder else "proxrl serve",
         "completion_tokens_per_round": statistics.median(
             sum(r.completion_tokens) for r in scenario.proxy
@@ -475,6 +492,28 @@ def verdicts(rows: dict[str, dict]) -> list[str]:
         f"a bare forwarder adds {floor['added_ms']:+.2f} ms ({floor_cpu:.1f} ms CPU per request) "
         f"on this machine: the proxy's own work adds {own:+.2f} ms"
     )
+    return out + surface_verdicts(rows)
+
+
+def surface_verdicts(rows: dict[str, dict]) -> list[str]:
+    """Each other surface's proxy CPU per request against Chat Completions', streamed or not."""
+    out = []
+    for surface in SURFACE_NAMES:
+        for chat_key in ("single", "single_stream"):
+            key = f"{chat_key}_{surface}"
+            if key not in rows:
+                continue
+            chat, row = rows[chat_key], rows[key]
+            ratio = row["proxy_cpu_ms_per_request"] / chat["proxy_cpu_ms_per_request"]
+            ok = ratio <= TARGET_SURFACE_CPU
+            tokens = row["completion_tokens_per_round"]
+            chat_tokens = chat["completion_tokens_per_round"]
+            out.append(
+                f"{key}: proxy CPU {row['proxy_cpu_ms_per_request']:.2f} ms/req vs chat "
+                f"{chat['proxy_cpu_ms_per_request']:.2f} = {ratio:.2f}x "
+                f"{'meets' if ok else 'MISSES'} <= {TARGET_SURFACE_CPU}x "
+                f"({tokens:.0f} vs {chat_tokens:.0f} tokens per round)"
+            )
     return out
 
 
@@ -548,7 +587,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_pretrained(model_dir)
     rng = random.Random(SEED)
 
-    def one_client(key: str, label: str, **flags: bool) -> Scenario:
+    def one_client(key: str, label: str, **flags: Any) -> Scenario:
         return Scenario(key, label, [make_requests(tokenizer, rng, args.requests)], **flags)
 
     single = one_client("single", "1 client")  # requests drawn in this order, from one seed
@@ -560,6 +599,14 @@ def main() -> None:
         one_client("single_sdk", "1 client, openai SDK", sdk=True),
         one_client("single_stream_sdk", "1 client, streaming, openai SDK", stream=True, sdk=True),
         one_client("single_forwarder", "1 client, bare forwarder", forwarder=True),
+        *(
+            one_client(f"{key}_{surface}", f"{label}, {SURFACE_NAMES[surface]}", **flags)
+            for surface in SURFACE_NAMES
+            for key, label, flags in [
+                ("single", "1 client", {"surface": surface}),
+                ("single_stream", "1 client, streaming", {"surface": surface, "stream": True}),
+            ]
+        ),
     ]
     print(
         f"model: tiny; max_tokens {args.max_tokens}; 1 client x {args.requests} requests, "
