@@ -94,8 +94,42 @@ def _anthropic(message: Any) -> list[Any]:
     return out
 
 
+def _responses(item: Any) -> list[Any]:
+    """A Responses API input item, or a whole Response (its output items as one assistant
+    message), as chat messages: reasoning and text as text, function calls as tool calls,
+    call outputs as tool messages."""
+    if not isinstance(item, dict):
+        return [item]
+    if item.get("object") == "response":
+        shown = [_responses(output)[0] for output in item.get("output") or []]
+        calls = [call for message in shown for call in message.get("tool_calls", [])]
+        reply: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(str(message.get("content") or "") for message in shown),
+        }
+        return [reply | ({"tool_calls": calls} if calls else {})]
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        call = {"name": item.get("name"), "arguments": item.get("arguments")}
+        return [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    if kind == "function_call_output":
+        return [{"role": "tool", "content": _item_text(item.get("output"))}]
+    if kind == "reasoning":
+        parts = item.get("content") or item.get("summary")
+        return [{"role": "assistant", "content": f"(thinking) {_item_text(parts)}\n"}]
+    if kind != "message":
+        return [{"role": "?", "content": f"[{kind} item]"}]
+    return [{"role": item.get("role"), "content": _item_text(item.get("content"))}]
+
+
+def _item_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return "" if content is None else str(content)
+
+
 # How a surface's recorded messages are shown: one stored message to chat-form messages.
-AS_SHOWN: dict[str, Callable[[Any], list[Any]]] = {"messages": _anthropic}
+AS_SHOWN: dict[str, Callable[[Any], list[Any]]] = {"messages": _anthropic, "responses": _responses}
 
 
 def _key(message: Any) -> tuple[Any, str]:

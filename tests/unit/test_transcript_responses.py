@@ -1,0 +1,87 @@
+"""The dashboard's transcript shows Responses API turns in chat's form: input items as
+messages, the Response's output items as one assistant reply (reasoning, text, calls)."""
+
+from __future__ import annotations
+
+from server.dashboard.transcript import transcript
+from server.rl.schemas import TurnOut
+
+
+def _turn(index: int, items: list, output: list) -> TurnOut:
+    return TurnOut(
+        completion_id=f"resp_{index}",
+        request_id=f"resp_{index}",
+        surface="responses",
+        model="gpt-5.6-luna",
+        turn_index=index,
+        row_index=0,
+        extends_previous=index > 0,
+        messages=items,
+        tools=None,
+        response={"id": f"resp_{index}", "object": "response", "output": output},
+        prompt_ids=[1],
+        completion_ids=[2],
+        logprobs=[-0.1],
+        versions=[0],
+        finish_reason="stop",
+        sampling={},
+        engine=None,
+        resubmits=0,
+        reward=None,
+        created_at="2026-01-01T00:00:00Z",
+    )
+
+
+def test_the_transcript_shows_responses_turns_in_chat_form():
+    asked = [
+        {"type": "message", "role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "input_text", "text": "2+2?"}]},
+    ]
+    thought = {
+        "type": "reasoning",
+        "id": "rs",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "add"}],
+    }
+    call = {
+        "type": "function_call",
+        "id": "fc",
+        "call_id": "c",
+        "name": "calc",
+        "arguments": '{"e": "2+2"}',
+        "status": "completed",
+    }
+    result = {"type": "function_call_output", "call_id": "c", "output": "4"}
+    said = {
+        "type": "message",
+        "id": "m",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": "It is 4.", "annotations": []}],
+    }
+    # The agent resends its history: the call, its output; then a chained turn adds a question.
+    entries = transcript(
+        [
+            _turn(0, asked, [call]),
+            _turn(1, [*asked, call, result], [said]),
+            _turn(2, [{"role": "user", "content": "Sure?"}], [thought, said, call]),
+        ]
+    )
+    assert entries[0].messages == [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    assert entries[0].reply == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"name": "calc", "arguments": '{"e": "2+2"}'}],
+    }
+    assert entries[1].messages == [{"role": "tool", "content": "4"}]
+    assert entries[1].hidden == 3
+    assert entries[1].reply == {"role": "assistant", "content": "It is 4."}
+    assert entries[2].messages == [{"role": "user", "content": "Sure?"}]
+    assert entries[2].reply == {
+        "role": "assistant",
+        "content": "(thinking) add\nIt is 4.",
+        "tool_calls": [{"name": "calc", "arguments": '{"e": "2+2"}'}],
+    }
