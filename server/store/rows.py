@@ -113,14 +113,14 @@ def continued(turns: Sequence[TurnTokens]) -> set[str]:
 
 
 @dataclass(frozen=True)
-class Path:
+class OnPath:
     """Which turns the session went on from, and which requests were retried."""
 
     kept: set[str]  # completion ids
     retried: set[str]  # request ids of attempts none of whose turns is kept
 
 
-def session_path(turns: Sequence[TurnTokens]) -> Path:
+def session_path(turns: Sequence[TurnTokens]) -> OnPath:
     """The kept turns and the retried requests of a session (the rule above)."""
     went_on = continued(turns)
     kept: set[str] = set()
@@ -133,7 +133,7 @@ def session_path(turns: Sequence[TurnTokens]) -> Path:
             for request in group
             if not any(t.completion_id in kept for t in request)
         )
-    return Path(kept, retried)
+    return OnPath(kept, retried)
 
 
 def alternatives(turns: Sequence[TurnTokens]) -> set[str]:
