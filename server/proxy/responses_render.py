@@ -99,6 +99,7 @@ class ResponsesRenderer:
         self.texts: dict[int, str] = {}  # the text streamed into each text item, by index
         self.open: int | None = None  # the text item (message, reasoning) being streamed into
         self.reasoning = reasoning_style(ctx.tokenizer)
+        self.served_model = ctx.model_name
         self.final: dict[str, Any] = {}
         # Numbered first, though sent once the first tokens came (and were given their events).
         head = self.head("in_progress", [], None)
@@ -121,7 +122,7 @@ class ResponsesRenderer:
             "incomplete_details": {"reason": "max_output_tokens"} if length else None,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
-            "model": body.model,
+            "model": self.served_model,  # what produced the tokens (see README: Model names)
             "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
