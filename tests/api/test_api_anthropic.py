@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 
 from tests.api.api_support import ADMIN_KEY, NO_KEY, Api
 
-MODEL = "claude-sonnet-4-5"  # any name is served; the turn records it
+MODEL = "claude-haiku-4-5"  # any name is served; the turn records it
 VERSION = {"anthropic-version": "2023-06-01"}
 STREAM_EVENT = TypeAdapter(RawMessageStreamEvent)
 
