@@ -285,7 +285,8 @@ class MessagesRenderer:
     def __init__(self, ctx: ServerContext, plan: Plan, body: MessagesRequest) -> None:
         self.tokenizer, self.plan = ctx.tokenizer, plan
         self.reasoning = reasoning_style(ctx.tokenizer)
-        self.model, self.stops, self.streamed = body.model, body.stops, body.stream
+        # The answer names the served model, as every surface's does (README: Model names).
+        self.model, self.stops, self.streamed = ctx.model_name, body.stops, body.stream
         self.blocks = _Blocks()
         self.message: dict[str, Any] = {}
 

@@ -70,7 +70,7 @@ def test_a_message_is_answered_in_anthropics_shape_and_stored(api: Api):
     message = Message.model_validate(reply.json())
 
     (turn,) = turns(api, session)
-    assert message.id == turn["completion_id"] and message.model == MODEL
+    assert message.id == turn["completion_id"] and message.model == api.model_dir.name
     assert (turn["surface"], turn["model"]) == ("messages", MODEL)
     assert turn["messages"] == [
         {"role": "system", "content": "You count."},
