@@ -95,3 +95,42 @@ def test_strictness_follows_a_patch_of_the_run(api: Api):
 def test_bad_model_name_settings_are_a_422_naming_the_field(api: Api, config: dict):
     reply = api.call("POST", "/rl/runs", json={"name": "bad-names", "config": config})
     assert assert_error(reply, 422)["param"].startswith(f"config.{next(iter(config))}")
+
+
+def test_every_surface_serves_any_name_and_refuses_others_in_its_shape_when_strict(api: Api):
+    loose = api.new_session(task_id="any-name-surfaces")
+    strict_run = api.new_run(model_aliases=["claude-sonnet-4-5"], strict_model_names=True)
+    strict = api.new_session(strict_run["id"])
+    anthropic = {"anthropic-version": "2023-06-01"}
+    responses = {"input": "hi", "max_output_tokens": 3}
+    messages = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+    def responses_call(session: dict, model: str):
+        body = {"model": model, **responses}
+        return api.call("POST", "/v1/responses", key=session["api_key"], json=body)
+
+    def messages_call(session: dict, model: str):
+        return api.call(
+            "POST",
+            "/v1/messages",
+            key=None,
+            json={"model": model, **messages},
+            headers={"x-api-key": session["api_key"], **anthropic},
+        )
+
+    assert responses_call(loose, "gpt-4.1").status_code == 200
+    assert messages_call(loose, "claude-opus-4-1").status_code == 200
+    turns = api.session(loose["session_id"])["turns"]
+    assert [(t["surface"], t["model"]) for t in turns] == [
+        ("responses", "gpt-4.1"),
+        ("messages", "claude-opus-4-1"),
+    ]
+
+    error = assert_error(responses_call(strict, "gpt-4.1"), 404, code="model_not_found")
+    assert error["param"] == "model"
+    refused = messages_call(strict, "claude-opus-4-1")
+    assert refused.status_code == 404, refused.text
+    assert refused.json()["type"] == "error"
+    assert refused.json()["error"]["type"] == "not_found_error"
+    assert api.session(strict["session_id"])["turns"] == []
+    assert messages_call(strict, "claude-sonnet-4-5").status_code == 200
