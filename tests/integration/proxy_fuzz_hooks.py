@@ -66,6 +66,23 @@ def _trainable(body: dict[str, Any]) -> None:
         del body["echo"]
 
 
+def _responses_trainable(body: dict[str, Any]) -> None:
+    """The Responses API's body: the served model, at most MAX_TOKENS tokens, and none of what
+    it refuses for training (top_p < 1, forced tools, structured output, stored prompts,
+    conversations, background mode)."""
+    if isinstance(body.get("model"), str):
+        body["model"] = os.environ.get("PROXRL_FUZZ_MODEL", body["model"])
+    limit = body.setdefault("max_output_tokens", MAX_TOKENS)
+    if _is_count(limit) and limit > MAX_TOKENS:
+        body["max_output_tokens"] = MAX_TOKENS
+    if body.get("top_p") not in (None, 1):
+        del body["top_p"]
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        del body["tool_choice"]
+    for field in ("text", "prompt", "conversation", "background"):
+        body.pop(field, None)
+
+
 def _cap_admission_wait(config: dict[str, Any]) -> None:
     wait = config.get("admission_wait_s")
     if isinstance(wait, int | float) and not isinstance(wait, bool) and wait > MAX_ADMISSION_WAIT_S:
@@ -80,5 +97,7 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
     if path.endswith("/completions"):
         _trainable(body)
         _cap_tokens(body)
+    elif path.endswith("/v1/responses"):
+        _responses_trainable(body)
     elif path.startswith("/rl/runs") and isinstance(body.get("config"), dict):
         _cap_admission_wait(body["config"])

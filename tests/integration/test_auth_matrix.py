@@ -61,6 +61,12 @@ ACCESS: dict[tuple[str, str], str] = {
     ("GET", "/sessions/{session_id}/v1/models"): "path",
     ("POST", "/sessions/{session_id}/v1/chat/completions"): "path",
     ("POST", "/sessions/{session_id}/v1/completions"): "path",
+    ("POST", "/v1/responses"): "agent",
+    ("GET", "/v1/responses/{response_id}"): "agent",
+    ("DELETE", "/v1/responses/{response_id}"): "agent",
+    ("POST", "/sessions/{session_id}/v1/responses"): "path",
+    ("GET", "/sessions/{session_id}/v1/responses/{response_id}"): "path",
+    ("DELETE", "/sessions/{session_id}/v1/responses/{response_id}"): "path",
     # sessions
     ("POST", "/rl/sessions"): "run",
     ("GET", "/rl/sessions"): "admin",
@@ -104,6 +110,7 @@ ACCESS: dict[tuple[str, str], str] = {
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+RESPONSE = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
 # What each route is sent: enough that an allowed call is a real one. The admin-only calls that
 # would change the engines get bodies they refuse (422): allowed is any answer but 401/403.
 BODIES: dict[tuple[str, str], dict] = {
@@ -111,6 +118,8 @@ BODIES: dict[tuple[str, str], dict] = {
     ("POST", "/v1/completions"): COMPLETION,
     ("POST", "/sessions/{session_id}/v1/chat/completions"): CHAT,
     ("POST", "/sessions/{session_id}/v1/completions"): COMPLETION,
+    ("POST", "/v1/responses"): RESPONSE,
+    ("POST", "/sessions/{session_id}/v1/responses"): RESPONSE,
     ("POST", "/rl/sessions"): {"run_id": "{run_id}"},
     ("POST", "/rl/sessions/{session_id}/reward"): {"reward": 1.0},
     ("POST", "/rl/runs"): {"name": "matrix"},
@@ -188,6 +197,7 @@ def make_world(http: httpx.Client) -> World:
         "session_id": session["session_id"],
         "claim_id": claim["claim_id"],
         "name": "dashboard.js",
+        "response_id": "resp_matrix",  # none such: an allowed caller gets a 404
     }
     keys = {
         "none": None,
