@@ -94,8 +94,10 @@ def warm_start(
     seed: int = 0,
     threads: int = 1,
     log_every: int = 50,
+    template: str = "default",
 ) -> Path:
-    """Create the tiny model of ``size`` in ``out_dir`` and fine-tune it on ``examples``.
+    """Create the tiny model of ``size`` (chat template ``template``) in ``out_dir`` and
+    fine-tune it on ``examples``.
 
     ``steps`` AdamW updates of ``batch_size`` examples each, drawn by shuffled passes over
     ``examples`` (seeded). Logs a line every ``log_every`` steps with the loss, the rate and
@@ -111,7 +113,7 @@ def warm_start(
         )
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    out = create_tiny_model(out_dir, size)
+    out = create_tiny_model(out_dir, size, template)
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     encoded = [encode_example(tokenizer, example) for example in examples]
@@ -239,6 +241,7 @@ def cached_warm_start(
     seed: int = 0,
     threads: int = 1,
     log_every: int = 50,
+    template: str = "default",
 ) -> Path:
     """``warm_start`` into ``cache_dir/<key>``, or that directory at once when it is there.
 
@@ -246,7 +249,11 @@ def cached_warm_start(
     interrupted warm-up leaves nothing that looks finished, and two processes warming up the
     same key at once both end with the same, whole directory.
     """
-    settings = {"size": size, "steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed}
+    settings: dict[str, Any] = {
+        "size": size, "steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed,
+    }  # fmt: skip
+    if template != "default":  # so the default's cache keys stay as they were
+        settings["template"] = template
     key = warm_start_key(examples, **settings)
     final = Path(cache_dir) / f"warm-{size}-{key}"
     if (final / MARKER).is_file():

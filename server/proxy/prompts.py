@@ -15,8 +15,12 @@ template drops when it renders history (the splice rule, :func:`aligned_end`):
   closed, as when the answer ran out of tokens), with the whitespace after it, may be missing.
   Reasoning models' templates (Qwen3, DeepSeek-R1) render earlier assistant turns without it.
   The block may open in the template's generation prompt (DeepSeek-R1 writes ``<think>\\n``
-  there) and close in the completion. Where the rendered text holds a ``<think>`` block in its
-  place (the agent sent the reasoning back), it must be the block as sampled.
+  there) and close in the completion. So may text before a ``</think>`` that is in no block:
+  those templates keep only what follows an answer's last ``</think>``. Where the rendered
+  text holds a ``<think>`` block in its place (the agent sent the reasoning back), it must be
+  the block as sampled;
+- **whitespace** at the start of an answer (after the template's generation prompt) and after
+  dropped reasoning may differ (Qwen3's template strips an answer's leading newlines).
 
 Everything else must match character for character: a break only ever means that the agent
 changed its history. The spliced prompt keeps the exact earlier tokens, thinking and special
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
 
+from server.proxy.reasoning import generation_prompt
 from server.proxy.session_cache import LastTurn
 from server.text.tokenization import Tokenizer
 
@@ -48,6 +53,8 @@ class Prompt:
 class Kind(Enum):
     TEXT = "text"  # must be in the rendered text as is
     SPECIAL = "special"  # a special token's text: may be missing
+    END = "end"  # a special token that ends an answer (an eos token): may be missing
+    START = "start"  # where an answer starts (after the generation prompt): empty
     OPEN = "open"  # <think>: with its block, up to the matching </think>, may be missing
     CLOSE = "close"  # </think>
 
@@ -65,7 +72,8 @@ def splice(tokenizer: Tokenizer, text: str, last: list[LastTurn]) -> Prompt:
     for turn in last:
         end = len(turn.text) if text.startswith(turn.text) else None
         if end is None:
-            end = aligned_end(units_of(tokenizer, turn.prompt_ids + turn.completion_ids), text)
+            units = units_of(tokenizer, turn.prompt_ids + turn.completion_ids)
+            end = aligned_end(units, text, _end_texts(tokenizer))
         if end is not None and end < len(text):
             suffix = tokenizer.encode(text[end:])
             return Prompt(turn.prompt_ids + turn.completion_ids + suffix, turn)
@@ -81,76 +89,162 @@ def from_ids(ids: list[int], last: list[LastTurn]) -> Prompt:
     return Prompt(ids, None)
 
 
-def aligned_end(units: Sequence[Unit], text: str) -> int | None:
+def aligned_end(units: Sequence[Unit], text: str, end_texts: tuple[str, ...] = ()) -> int | None:
     """Where in ``text`` the turn made of ``units`` ends, reading it by the splice rule (module
     docstring): None when ``text`` does not begin with the turn. An optional part that ``text``
-    holds is first taken as present; when the rest then fails to match, as absent."""
-    choices: list[State] = [(0, 0, False)]
+    holds is first taken as present; when the rest then fails to match, as absent. A turn whose
+    last answer ends in dropped text is only read so when ``text`` then goes on with the end of
+    an answer (one of ``end_texts``, the eos tokens: what templates write after an answer), so
+    an edit of that answer cannot pass for new text."""
+    choices: list[State] = [(0, 0, False, False)]
     tried: set[State] = set()
     while choices:
         state = choices.pop()
         if state not in tried:
             tried.add(state)
-            end = _follow(units, text, state, choices)
-            if end is not None:
+            found = _follow(units, text, state, choices)
+            if found is None:
+                continue
+            end, dropped_last = found
+            if not dropped_last or not end_texts or text[end:].lstrip().startswith(end_texts):
                 return end
     return None
 
 
-State = tuple[int, int, bool]  # the next unit, the place in the text, after dropped reasoning
+# The next unit, the place in the text, whether reasoning was just dropped (the whitespace after
+# it may differ), whether inside a <think> block the text holds.
+State = tuple[int, int, bool, bool]
 
 
-def _follow(units: Sequence[Unit], text: str, state: State, choices: list[State]) -> int | None:
+def _follow(
+    units: Sequence[Unit], text: str, state: State, choices: list[State]
+) -> tuple[int, bool] | None:
     """Match ``units`` from ``state`` on, taking optional parts as present where ``text`` holds
-    them (and noting the other way in ``choices``); the end in ``text``, or None."""
-    index, pos, after_drop = state
+    them (and noting the other way in ``choices``); None, or the end in ``text`` and whether
+    the last answer ended in dropped text."""
+    index, pos, after_drop, in_block = state
     while index < len(units):
         unit = units[index]
         index += 1
         if after_drop:  # the whitespace after dropped reasoning, on either side
             pos += len(text[pos:]) - len(text[pos:].lstrip())
+        present = text.startswith(unit.text, pos)
         if unit.kind is Kind.TEXT:
             piece = unit.text.lstrip() if after_drop else unit.text
+            if not in_block and index < len(units) and units[index].kind is Kind.CLOSE:
+                choices += _cut_before_close(piece, text, pos, index + 1)
             if not text.startswith(piece, pos):
                 return None
             pos, after_drop = pos + len(piece), after_drop and not piece
-            continue
-        present = text.startswith(unit.text, pos)
-        if unit.kind is Kind.CLOSE and not present:
-            return None
-        absent: State | None = (index, pos, after_drop)
-        if unit.kind is Kind.OPEN:  # reasoning the text holds, edited, is no dropped block
-            edited = text[pos:].lstrip().startswith(THINK_OPEN)
-            absent = None if edited else (_block_end(units, index), pos, True)
-        if not present:
-            if absent is None:
+        elif unit.kind is Kind.CLOSE:
+            if in_block and not present:
                 return None
-            index, pos, after_drop = absent
-            continue
-        if unit.kind is not Kind.CLOSE and absent is not None:
-            choices.append(absent)
-        pos, after_drop = pos + len(unit.text), False
-    return pos
+            pos, after_drop, in_block = (
+                (pos + len(unit.text), False, False) if present else (pos, True, False)
+            )
+        elif unit.kind is Kind.START:  # templates strip an answer's leading newlines (Qwen3)
+            choices += [(close + 1, pos, True, False) for close in _answer_closes(units, index)]
+            after_drop = True
+        elif unit.kind is Kind.SPECIAL or unit.kind is Kind.END:
+            in_block = in_block and unit.kind is Kind.SPECIAL  # an answer's end ends its block
+            if present:
+                choices.append((index, pos, after_drop, in_block))
+                pos, after_drop = pos + len(unit.text), False
+        else:  # OPEN; reasoning that the text holds, edited, is no dropped block
+            edited = text[pos:].lstrip().startswith(THINK_OPEN)
+            absent = None if edited else (_block_end(units, index), pos, True, False)
+            if present:
+                choices += [absent] if absent else []
+                pos, after_drop, in_block = pos + len(unit.text), False, True
+            elif absent is None:
+                return None
+            else:
+                index, pos, after_drop, in_block = absent
+    return pos, after_drop
+
+
+def _end_texts(tokenizer: Tokenizer) -> tuple[str, ...]:
+    return tuple(sorted(tokenizer.token_text(token) for token in tokenizer.eos_token_ids))
+
+
+def _answer_closes(units: Sequence[Unit], index: int) -> list[int]:
+    """The ``</think>`` units of the answer starting at ``index``: templates that keep only what
+    follows an answer's last ``</think>`` drop everything from its start to one of them."""
+    closes = []
+    for at in range(index, len(units)):
+        if units[at].kind in (Kind.START, Kind.END):
+            break
+        if units[at].kind is Kind.CLOSE:
+            closes.append(at)
+    return closes
+
+
+def _cut_before_close(piece: str, text: str, pos: int, after_close: int) -> list[State]:
+    """Templates keep only what follows an answer's last ``</think>`` (Qwen3's and DeepSeek-R1's
+    split the content there): the ways ``piece``, the text before a ``</think>`` that is not
+    inside a block, may end early at ``pos`` in ``text``, the rest of it dropped with the
+    marker (the answer after the marker may begin as the dropped text did). Fewest dropped
+    characters last, so tried first."""
+    same = 0
+    limit = min(len(piece), len(text) - pos)
+    while same < limit and piece[same] == text[pos + same]:
+        same += 1
+    return [(after_close, pos + kept, True, False) for kept in range(min(same, len(piece) - 1) + 1)]
 
 
 def _block_end(units: Sequence[Unit], index: int) -> int:
-    """The index after the ``</think>`` that closes a block whose body starts at ``index`` (the
-    end of the units when it never closes)."""
+    """The index after the ``</think>`` that closes a block whose body starts at ``index``; a
+    block that never closes ends with its answer (at the eos token, or the end of the units)."""
     for at in range(index, len(units)):
         if units[at].kind is Kind.CLOSE:
             return at + 1
+        if units[at].kind is Kind.END:
+            return at
     return len(units)
 
 
 def units_of(tokenizer: Tokenizer, ids: Sequence[int]) -> list[Unit]:
     """The text of ``ids`` as units: special tokens apart, each run of other tokens decoded
-    together and cut at its ``<think>``/``</think>`` markers."""
+    together and cut at its ``<think>``/``</think>`` markers, a start marked after each of the
+    template's generation prompts."""
+    return _mark_starts(_token_units(tokenizer, ids), generation_prompt(tokenizer))
+
+
+def _mark_starts(units: list[Unit], opening: str) -> list[Unit]:
+    """``units`` with a START unit after each occurrence of ``opening`` in their text."""
+    text = "".join(unit.text for unit in units)
+    ends = []
+    at = text.find(opening) if opening else -1
+    while at >= 0:
+        ends.append(at + len(opening))
+        at = text.find(opening, at + 1)
+    marked: list[Unit] = []
+    offset = 0
+    for unit in units:
+        size = len(unit.text)
+        cuts = [end - offset for end in ends if offset < end <= offset + size]
+        done = 0
+        for cut in cuts:
+            if cut < size and unit.kind is not Kind.TEXT:
+                continue  # a special token is never cut
+            if cut > done:
+                marked.append(Unit(unit.text[done:cut], unit.kind))
+            marked.append(Unit("", Kind.START))
+            done = cut
+        if done < size:
+            marked.append(Unit(unit.text[done:], unit.kind))
+        offset += size
+    return marked
+
+
+def _token_units(tokenizer: Tokenizer, ids: Sequence[int]) -> list[Unit]:
     units: list[Unit] = []
     run: list[int] = []
     for token in ids:
         if _is_special(tokenizer, token):
             units += _text_units(tokenizer.decode(run, skip_special_tokens=False))
-            units.append(Unit(tokenizer.token_text(token), Kind.SPECIAL))
+            kind = Kind.END if token in tokenizer.eos_token_ids else Kind.SPECIAL
+            units.append(Unit(tokenizer.token_text(token), kind))
             run = []
         else:
             run.append(token)

@@ -45,14 +45,21 @@ def reasoning_style(tokenizer: Tokenizer) -> ReasoningStyle:
     """How the model of ``tokenizer`` writes reasoning, read off its chat template."""
     if OPEN not in tokenizer.chat_template:
         return NO_REASONING
+    opening = generation_prompt(tokenizer)
+    return ReasoningStyle(True, opening.rfind(OPEN) > opening.rfind(CLOSE))
+
+
+@lru_cache(maxsize=64)
+def generation_prompt(tokenizer: Tokenizer) -> str:
+    """What the chat template writes before every answer (``<|im_start|>assistant\\n``); empty
+    when it cannot be told."""
     probe = [{"role": "user", "content": "?"}]
     try:
         bare = tokenizer.render(probe, add_generation_prompt=False)
         opened = tokenizer.render(probe, add_generation_prompt=True)
     except TemplateError:
-        return ReasoningStyle(True, False)
-    generation_prompt = opened[len(bare) :] if opened.startswith(bare) else ""
-    return ReasoningStyle(True, generation_prompt.rfind(OPEN) > generation_prompt.rfind(CLOSE))
+        return ""
+    return opened[len(bare) :] if opened.startswith(bare) else ""
 
 
 def split_reasoning(text: str, style: ReasoningStyle) -> tuple[str | None, str]:

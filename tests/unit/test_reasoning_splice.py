@@ -22,49 +22,57 @@ from server.proxy.session_cache import last_turn
 from server.text.tokenization import Tokenizer
 
 SPECIAL = "<s>"
-SUFFIX = "Q<s>next"  # what the new request adds after the history: never whitespace first
+SUFFIX = "<e>Q<s>next"  # what the new request adds after the history: an answer's end first
 
-text_units = st.text(alphabet="ab \n", min_size=1, max_size=6).map(lambda t: Unit(t, Kind.TEXT))
-special_units = st.just(Unit(SPECIAL, Kind.SPECIAL))
-think_blocks = st.tuples(st.lists(text_units, max_size=3), st.booleans(), st.booleans())
+texts = st.text(alphabet="ab \n", min_size=1, max_size=6)
+letters = st.text(alphabet="ab", min_size=1, max_size=4)
+
+
+@st.composite
+def answers(draw) -> tuple[list[Unit], str]:
+    """One sampled answer's units after the generation prompt, and how a Qwen3-style template
+    renders it back: reasoning kept (sent back) or dropped with all before the last
+    ``</think>`` and the newlines after, special tokens the client never saw gone, the answer's
+    eos token rendered as the template's own end (or not at all, when the answer ran out)."""
+    units = [Unit("", Kind.START)]
+    block = draw(st.sampled_from(["none", "closed", "unclosed", "stray"]))
+    body = [Unit(t, Kind.TEXT) for t in draw(st.lists(texts, max_size=2))]
+    if block == "stray":  # text up to a </think> the model wrote with no <think>
+        units += [*body, Unit("</think>", Kind.CLOSE)]
+    elif block != "none":
+        units += [Unit("<think>", Kind.OPEN), *body]
+        units += [Unit("</think>", Kind.CLOSE)] if block == "closed" else []
+    kept = block == "closed" and draw(st.booleans())
+    view = "".join(unit.text for unit in units) if kept else ""
+    if block != "unclosed":
+        content = draw(letters)
+        special = draw(st.booleans())
+        lead = "\n" * draw(st.integers(0, 2))
+        units.append(Unit(lead + content[:1], Kind.TEXT))
+        units += [Unit(SPECIAL, Kind.SPECIAL)] if special else []
+        units += [Unit(content[1:], Kind.TEXT)] if content[1:] else []
+        view += (lead if kept else "") + content
+    ran_out = draw(st.booleans())
+    units += [] if ran_out else [Unit("<e>", Kind.END)]
+    return units, view
 
 
 @st.composite
 def turns(draw) -> tuple[list[Unit], str]:
-    """A turn's units, and the history as a template renders it: special tokens gone where the
-    client never saw them, each reasoning block dropped (with the whitespace after it) or kept."""
+    """A turn's units (prompts and answers) and the history as a template renders it."""
     units: list[Unit] = []
     view = ""
-    strip_next = False
-    for _ in range(draw(st.integers(1, 8))):
-        kind = draw(st.sampled_from(["text", "special", "think"]))
-        if kind == "text":
-            unit = draw(text_units)
-            piece = unit.text.lstrip() if strip_next else unit.text
-            strip_next = strip_next and not piece
-            units.append(unit)
-            view += piece
-        elif kind == "special":
-            units.append(Unit(SPECIAL, Kind.SPECIAL))
-            if draw(st.booleans()):  # glue the template renders too
-                view += SPECIAL
-                strip_next = False
-        else:
-            body, closed, kept = draw(think_blocks)
-            units.append(Unit("a", Kind.TEXT))  # answers lie between blocks
-            view += "a"
-            strip_next = False
-            block = [Unit("<think>", Kind.OPEN), *body]
-            if closed:
-                block.append(Unit("</think>", Kind.CLOSE))
-            units += block
-            if kept:
-                view += "".join(u.text for u in block)
-                strip_next = False
-            else:
-                strip_next = True
-            if not closed:
-                break  # a block that never closes ends the turn
+    count = draw(st.integers(1, 4))
+    for index in range(count):
+        glue = "u" + draw(letters) + "\n"
+        units += [Unit(glue, Kind.TEXT), Unit(SPECIAL, Kind.SPECIAL), Unit("asst\n", Kind.TEXT)]
+        answer, rendered = draw(answers())
+        units += answer
+        view += glue + SPECIAL + "asst\n" + rendered
+        if index < count - 1:
+            view += "<e>"  # the template's end of the answer; where the answer ran out, the
+            if answer[-1].kind is not Kind.END:  # next prompt's tokens brought it
+                units.append(Unit("<e>", Kind.END))
     return units, view
 
 
@@ -72,9 +80,10 @@ def turns(draw) -> tuple[list[Unit], str]:
 @given(turns())
 def test_a_history_the_template_rendered_continues_the_turn(turn):
     units, view = turn
-    end = aligned_end(units, view + SUFFIX)
+    end = aligned_end(units, view + SUFFIX, ("<e>",))
     assert end is not None
-    assert (view + SUFFIX)[end:].lstrip() == SUFFIX
+    # the new text, its answer end read as the turn's own eos token where the turn ends in one
+    assert (view + SUFFIX)[end:].lstrip() in (SUFFIX, SUFFIX.removeprefix("<e>"))
 
 
 @settings(max_examples=400, deadline=None)
@@ -86,7 +95,7 @@ def test_a_changed_history_never_continues_the_turn(turn, data):
         return
     at = data.draw(st.sampled_from(letters))
     changed = view[:at] + "Z" + view[at + 1 :]
-    assert aligned_end(units, changed + SUFFIX) is None
+    assert aligned_end(units, changed + SUFFIX, ("<e>",)) is None
 
 
 def test_special_tokens_and_reasoning_by_example():
@@ -98,7 +107,7 @@ def test_special_tokens_and_reasoning_by_example():
         Unit("\n\nfi", Kind.TEXT),
         Unit("<|im_start|>", Kind.SPECIAL),
         Unit("ve", Kind.TEXT),
-        Unit("<|endoftext|>", Kind.SPECIAL),
+        Unit("<|endoftext|>", Kind.END),
     ]
     rendered = "assistant\nfive<|im_end|>\nuser"
     assert aligned_end(units, rendered) == len("assistant\nfive")
@@ -106,6 +115,14 @@ def test_special_tokens_and_reasoning_by_example():
     assert aligned_end(units, kept) == kept.index("<|im_end|>")
     assert aligned_end(units, "assistant\nfiv<|im_end|>") is None
     assert aligned_end(units, "assistant\nhm five<|im_end|>") is None
+    stray = [Unit("assistant\nThe answer is 9\n", Kind.TEXT), Unit("</think>", Kind.CLOSE)]
+    stray.append(Unit("\nThe answer is 7.", Kind.TEXT))
+    rendered = "assistant\nThe answer is 7.<|im_end|>"
+    assert aligned_end(stray, rendered) == rendered.index("<|im_end|>")
+    answer = [Unit("assistant\n", Kind.TEXT), Unit("", Kind.START), Unit("1", Kind.TEXT)]
+    answer += [Unit("<think>", Kind.OPEN), Unit("x", Kind.TEXT), Unit("</think>", Kind.CLOSE)]
+    answer.append(Unit("\n\nThe answer is 7.", Kind.TEXT))
+    assert aligned_end(answer, rendered) == rendered.index("<|im_end|>")
 
 
 # --- The reasoning split --------------------------------------------------------------------
@@ -202,3 +219,6 @@ def test_units_split_special_tokens_and_markers(reasoning_tokenizer):
     ids = reasoning_tokenizer.encode("a<think>b</think><|im_start|>c")
     kinds = [unit.kind for unit in units_of(reasoning_tokenizer, ids)]
     assert kinds == [Kind.TEXT, Kind.OPEN, Kind.TEXT, Kind.CLOSE, Kind.SPECIAL, Kind.TEXT]
+    assert (
+        units_of(reasoning_tokenizer, reasoning_tokenizer.encode("<|im_end|>"))[0].kind is Kind.END
+    )
