@@ -13,6 +13,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from server.common.tiny_model import create_tiny_model
 from server.engine_client.client import Piece
+from server.errors import EngineUnavailable
 from server.proxy import outputs
 from server.proxy.generation import Completion, SamplingRequest
 from server.proxy.plan import new_plan
@@ -167,3 +168,12 @@ def test_reasoning_is_a_reasoning_item_streamed_first(reasoning_tokenizer, text)
     deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
     assert "".join(deltas) == thought
     assert all("<think>" not in str(item) for item in rest)
+
+
+def test_an_error_in_the_stream_is_openais_error_event_and_ends_it(tokenizer):
+    renderer = renderer_for(tokenizer, 4)
+    (event,) = renderer.error(EngineUnavailable("it broke off"))
+    EVENTS["error"].model_validate(event)
+    assert event["sequence_number"] == 2  # after response.created and response.in_progress
+    assert event["code"] == "engine_unavailable" and "it broke off" in event["message"]
+    assert renderer.closing() == []  # no [DONE] in a Responses stream
