@@ -1,0 +1,116 @@
+"""Reasoning, for real: the tiny model with the reasoning chat template, warmed up (a short,
+cached supervised warm-up) to answer ``<think>\\n...\\n</think>\\n\\n`` then the answer, served by a
+live ``proxrl serve``. A 5-turn chat conversation whose agent sends back only what it was
+served (``content``; ``reasoning_content`` dropped, as OpenAI clients drop it) keeps one row:
+no breaks, and the row is exactly what was sampled."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.proxy.reasoning import ReasoningStyle, split_reasoning
+from server.text.tokenization import Tokenizer
+from tests.support import ROOT, ProxyProcess
+
+pytestmark = pytest.mark.slow
+
+WARMUP = {"steps": 80, "lr": 3e-3, "batch_size": 8, "seed": 0}
+QUESTIONS = ["What is 3 + 4?", "What is 12 + 5?", "And 7 + 7?", "What is 1 + 19?", "And 6 + 2?"]
+
+
+def reasoning_examples(count: int, seed: int = 0) -> list:
+    """Sums to answer with reasoning first; half of them after an earlier exchange, rendered
+    as the template renders history (without its reasoning)."""
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(count):
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        messages = [{"role": "user", "content": f"What is {a} + {b}?"}]
+        if rng.random() < 0.5:
+            c, d = rng.randint(0, 20), rng.randint(0, 20)
+            messages = [
+                {"role": "user", "content": f"What is {c} + {d}?"},
+                {"role": "assistant", "content": f"The answer is {c + d}."},
+                *messages,
+            ]
+        examples.append(
+            (messages, f"<think>\n{a} + {b} = {a + b}\n</think>\n\nThe answer is {a + b}.")
+        )
+    return examples
+
+
+@pytest.fixture(scope="module")
+def reasoning_model() -> Path:
+    from trainer.warmup import cached_warm_start
+
+    examples = reasoning_examples(1000)
+    cache = ROOT / ".proxrl-cache"
+    return cached_warm_start(cache, examples, threads=2, template="reasoning", **WARMUP)
+
+
+@pytest.fixture(scope="module")
+def proxy(reasoning_model: Path, tmp_path_factory):
+    with ProxyProcess(reasoning_model, tmp_path_factory.mktemp("proxy")) as process:
+        yield process.wait_ready()
+
+
+def _streamed(client: httpx.Client, key: dict, body: dict) -> dict:
+    """A streamed answer's message, joined from its deltas."""
+    message = {"content": "", "reasoning_content": ""}
+    with client.stream("POST", "/v1/chat/completions", json=body, headers=key) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[len("data: ") :])["choices"]:
+                for field in message:
+                    message[field] += choice["delta"].get(field) or ""
+    return message
+
+
+def test_a_five_turn_reasoning_conversation_keeps_one_exact_row(proxy, reasoning_model):
+    tokenizer = Tokenizer.from_pretrained(reasoning_model)
+    served = []
+    session = proxy.session()
+    with httpx.Client(base_url=proxy.url, timeout=120) as client:
+        key = {"Authorization": f"Bearer {session['api_key']}"}
+        messages: list[dict] = []
+        for turn, question in enumerate(QUESTIONS):
+            messages.append({"role": "user", "content": question})
+            body = {"model": "any-name", "messages": messages, "max_tokens": 40}
+            if turn % 2:
+                message = _streamed(client, key, {**body, "stream": True})
+            else:
+                reply = client.post("/v1/chat/completions", json=body, headers=key)
+                assert reply.status_code == 200, reply.text
+                message = reply.json()["choices"][0]["message"]
+            served.append(message)
+            messages.append({"role": "assistant", "content": message["content"]})
+    view = proxy.get_session(session["session_id"])
+
+    assert view["breaks"] == 0 and view["row_count"] == 1
+    turns, (row,) = view["turns"], view["rows"]
+    assert [t["extends_previous"] for t in turns] == [False, True, True, True, True]
+    with_reasoning = 0
+    for turn, message, span in zip(turns, served, row["turns"], strict=True):
+        # The row holds each turn's prompt and completion exactly as sampled.
+        assert row["input_ids"][: span["start"]] == turn["prompt_ids"]
+        assert row["input_ids"][span["start"] : span["end"]] == turn["completion_ids"]
+        assert row["logprobs"][span["start"] : span["end"]] == turn["logprobs"]
+        # What the client was served is the sampled text, split into reasoning and answer.
+        text = tokenizer.decode(turn["completion_ids"])
+        reasoning, content = split_reasoning(text, ReasoningStyle(True, False))
+        assert message["content"] == content
+        assert (message.get("reasoning_content") or "") == (reasoning or "")
+        with_reasoning += bool(reasoning)
+    assert sum(row["loss_mask"]) == sum(len(t["completion_ids"]) for t in turns)
+    # The warmed-up model reasons, and the template drops that from the history it renders:
+    # the row goes on only because the proxy spliced the sampled reasoning back in.
+    assert with_reasoning >= 3
+    assert "<think>" not in tokenizer.render(messages)
+    assert "<think>" in tokenizer.decode(row["input_ids"], skip_special_tokens=False)
