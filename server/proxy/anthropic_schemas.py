@@ -70,7 +70,7 @@ _KNOWN = {"text", "thinking", "tool_use", "tool_result"}
 
 def _block_kind(block: Any) -> str:
     kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
-    return kind if kind in _KNOWN else "other"
+    return kind if isinstance(kind, str) and kind in _KNOWN else "other"
 
 
 Block = Annotated[

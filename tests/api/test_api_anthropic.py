@@ -207,6 +207,11 @@ BAD = {
     "empty messages": (ask(messages=[]), "messages"),
     "a system role": (ask(messages=[{"role": "system", "content": "x"}]), "role"),
     "content of a wrong type": (ask(messages=[{"role": "user", "content": 3}]), "content"),
+    "a block whose type is not a string": (
+        ask(messages=[{"role": "user", "content": [{"type": {}}]}]),
+        "content",
+    ),
+    "a block that is not an object": (ask(messages=[{"role": "user", "content": [3]}]), "content"),
     "an image": (ask(messages=[{"role": "user", "content": [image()]}]), "'image'"),
     "a document": (ask(messages=[{"role": "user", "content": [image("document")]}]), "'document'"),
     "an image in a tool result": (
