@@ -83,6 +83,22 @@ def _responses_trainable(body: dict[str, Any]) -> None:
         body.pop(field, None)
 
 
+def _messages_trainable(body: dict[str, Any]) -> None:
+    """Anthropic's Messages body: the served model, at most MAX_TOKENS tokens, and none of what
+    it refuses for training (top_p < 1, top_k, forced tools)."""
+    if isinstance(body.get("model"), str):
+        body["model"] = os.environ.get("PROXRL_FUZZ_MODEL", body["model"])
+    limit = body.get("max_tokens")
+    if _is_count(limit) and limit > MAX_TOKENS:
+        body["max_tokens"] = MAX_TOKENS
+    if body.get("top_p") not in (None, 1):
+        del body["top_p"]
+    body.pop("top_k", None)
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") not in ("auto", "none"):
+        del body["tool_choice"]
+
+
 def _cap_admission_wait(config: dict[str, Any]) -> None:
     wait = config.get("admission_wait_s")
     if isinstance(wait, int | float) and not isinstance(wait, bool) and wait > MAX_ADMISSION_WAIT_S:
@@ -99,5 +115,7 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
         _cap_tokens(body)
     elif path.endswith("/v1/responses"):
         _responses_trainable(body)
+    elif path.endswith("/v1/messages"):
+        _messages_trainable(body)
     elif path.startswith("/rl/runs") and isinstance(body.get("config"), dict):
         _cap_admission_wait(body["config"])

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from fastapi.routing import iter_route_contexts
 
+from server.errors import ANTHROPIC_TYPE_OF_STATUS, is_anthropic_path
 from server.main import create_app
 from server.settings import ServerSettings
 from tests.support import ProxyProcess
@@ -61,6 +62,11 @@ ACCESS: dict[tuple[str, str], str] = {
     ("GET", "/sessions/{session_id}/v1/models"): "path",
     ("POST", "/sessions/{session_id}/v1/chat/completions"): "path",
     ("POST", "/sessions/{session_id}/v1/completions"): "path",
+    # Anthropic Messages (errors in Anthropic's shape)
+    ("POST", "/v1/messages"): "agent",
+    ("POST", "/v1/messages/count_tokens"): "agent",
+    ("POST", "/sessions/{session_id}/v1/messages"): "path",
+    ("POST", "/sessions/{session_id}/v1/messages/count_tokens"): "path",
     ("POST", "/v1/responses"): "agent",
     ("GET", "/v1/responses/{response_id}"): "agent",
     ("DELETE", "/v1/responses/{response_id}"): "agent",
@@ -110,6 +116,7 @@ ACCESS: dict[tuple[str, str], str] = {
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+MESSAGE = {"model": "claude", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 RESPONSE = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
 # What each route is sent: enough that an allowed call is a real one. The admin-only calls that
 # would change the engines get bodies they refuse (422): allowed is any answer but 401/403.
@@ -118,6 +125,10 @@ BODIES: dict[tuple[str, str], dict] = {
     ("POST", "/v1/completions"): COMPLETION,
     ("POST", "/sessions/{session_id}/v1/chat/completions"): CHAT,
     ("POST", "/sessions/{session_id}/v1/completions"): COMPLETION,
+    ("POST", "/v1/messages"): MESSAGE,
+    ("POST", "/v1/messages/count_tokens"): MESSAGE,
+    ("POST", "/sessions/{session_id}/v1/messages"): MESSAGE,
+    ("POST", "/sessions/{session_id}/v1/messages/count_tokens"): MESSAGE,
     ("POST", "/v1/responses"): RESPONSE,
     ("POST", "/sessions/{session_id}/v1/responses"): RESPONSE,
     ("POST", "/rl/sessions"): {"run_id": "{run_id}"},
@@ -226,12 +237,27 @@ def judge(expected, reply: httpx.Response) -> str | None:
         return None
     if status != expected:
         return f"{expected}, got {status}: {reply.text[:200]}"
+    if is_anthropic_path(reply.request.url.path):
+        return _judge_anthropic(status, reply)
     try:
         error = reply.json()["error"]
     except (ValueError, KeyError, TypeError):
         return f"{status} without our error body: {reply.text[:200]}"
     if set(error) != {"message", "type", "param", "code"} or not error["message"]:
         return f"{status} with an error body of another shape: {error}"
+    return None
+
+
+def _judge_anthropic(status: int, reply: httpx.Response) -> str | None:
+    """Anthropic's routes refuse in Anthropic's shape: {"type": "error", "error": {...}}."""
+    try:
+        body = reply.json()
+        error = body["error"]
+    except (ValueError, KeyError, TypeError):
+        return f"{status} without Anthropic's error body: {reply.text[:200]}"
+    kind = ANTHROPIC_TYPE_OF_STATUS[status]
+    if body.get("type") != "error" or set(error) != {"type", "message"} or error["type"] != kind:
+        return f"{status} with an error body of another shape: {body}"
     return None
 
 
