@@ -171,3 +171,35 @@ def test_the_transcript_shows_anthropic_turns_in_chat_form():
     assert entries[1].hidden == 3
     assert entries[1].messages == [{"role": "tool", "content": "4"}]
     assert json.dumps(entries[1].reply)  # shown, even when empty
+
+
+def test_every_status_of_the_error_table_has_one_of_anthropics_error_types():
+    from typing import get_args
+
+    from anthropic.types.shared import ErrorObject
+
+    from server.errors import ANTHROPIC_TYPE_OF_STATUS, RENDERING, anthropic_body
+
+    union = get_args(get_args(ErrorObject)[0])
+    anthropic_types = {get_args(kind.model_fields["type"].annotation)[0] for kind in union}
+    for rendering in RENDERING.values():
+        assert ANTHROPIC_TYPE_OF_STATUS[rendering.status] in anthropic_types, rendering
+    body = anthropic_body("max_tokens: too many", 400, "max_tokens")
+    assert body == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "max_tokens: too many"},
+    }
+    assert anthropic_body("Too long.", 400, "messages")["error"]["message"] == (
+        "Too long. (at messages)"
+    )
+
+
+def test_anthropic_paths_are_the_messages_routes_under_v1_and_a_session():
+    from server.errors import is_anthropic_path
+
+    for path in ("/v1/messages", "/v1/messages/count_tokens", "/sessions/s-1/v1/messages"):
+        assert is_anthropic_path(path), path
+    assert is_anthropic_path("/sessions/s-1/v1/messages/count_tokens")
+    for path in ("/v1/messagesx", "/v1/chat/completions", "/sessions/s-1/v1/responses", "/"):
+        assert not is_anthropic_path(path), path
+    assert not is_anthropic_path("/sessions/v1/messages") and not is_anthropic_path("/sessions/")
