@@ -39,6 +39,7 @@ from server.proxy.reasoning import reasoning_style, split_reasoning
 from server.proxy.recording import Served
 from server.proxy.session_cache import SessionState
 from server.proxy.tool_calls import (
+    OPEN,
     ContentDelta,
     ReasoningDelta,
     StreamEvent,
@@ -46,16 +47,14 @@ from server.proxy.tool_calls import (
     ToolCallStream,
     parse_tool_calls,
 )
-from server.text.tokenization import TemplateError
+from server.text.tokenization import TemplateError, Tokenizer
 
 
 async def plan_messages(ctx: ServerContext, state: SessionState, body: MessagesRequest) -> Plan:
     default_temperature = await run_temperature(ctx, state)
     await check_model(ctx, state, body.model)
     body.refuse_unsupported()
-    messages, tools, prefill = conversation(body)
-    text = _render(ctx, messages, tools) + prefill
-    prompt = prompts.splice(ctx.tokenizer, text, state.last)
+    prompt = prompts.splice(ctx.tokenizer, prompt_text(ctx, body), state.last)
     sampling = sampling_request(ctx, prompt.ids, body.max_tokens, body, 0, default_temperature)
     return new_plan(
         "msg",
@@ -66,16 +65,56 @@ async def plan_messages(ctx: ServerContext, state: SessionState, body: MessagesR
         model=body.model,
         messages=_as_received(body),
         tools=[tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
-        tool_names={tool.name for tool in body.tools or []} if body.parses_tools else None,
+        # A forced call's answer is read for tool calls by the renderer, prefill first.
+        tool_names=_tool_names(body) if not forced_call(ctx.tokenizer, body) else None,
     )
+
+
+def _tool_names(body: Conversation) -> set[str] | None:
+    return {tool.name for tool in body.tools or []} if body.parses_tools else None
+
+
+def forced_call(tokenizer: Tokenizer, body: Conversation) -> str:
+    """How ``tool_choice`` ``any`` or a named tool is honoured: the answer starts inside a tool
+    call, the start of one written into the prompt (``<tool_call>``, then the tool's name when
+    it is named), so the model writes the rest and its tokens stay sampled, not forced. Possible
+    where the model's chat template writes calls as ``<tool_call>`` blocks (what proxrl reads
+    back) and answers do not start inside a ``<think>`` block; refused elsewhere. Empty for
+    ``auto`` and ``none``."""
+    choice = body.tool_choice
+    if choice is None or choice.type in ("auto", "none"):
+        return ""
+    if OPEN not in tokenizer.chat_template or reasoning_style(tokenizer).starts_open:
+        raise InvalidRequest(
+            f"tool_choice {choice.type!r} cannot be honoured for this model: proxrl forces a "
+            "call by starting the answer with <tool_call>, and this model's chat template does "
+            "not write tool calls that way (or starts answers inside <think>). Use 'auto'.",
+            param="tool_choice",
+        )
+    if choice.type == "any":
+        return OPEN + "\n"
+    return OPEN + '\n{"name": "' + str(choice.name) + '", "arguments": '
 
 
 async def count_tokens(ctx: ServerContext, state: SessionState, body: CountTokensRequest) -> dict:
     """The prompt's token count, as ``/v1/messages`` would tokenize it in a fresh session."""
     await check_model(ctx, state, body.model)
     body.refuse_unsupported()
+    return {"input_tokens": len(ctx.tokenizer.encode(prompt_text(ctx, body)))}
+
+
+def prompt_text(ctx: ServerContext, body: Conversation) -> str:
+    """The prompt: the conversation rendered, then a final assistant message's text or the
+    start of a forced tool call."""
     messages, tools, prefill = conversation(body)
-    return {"input_tokens": len(ctx.tokenizer.encode(_render(ctx, messages, tools) + prefill))}
+    forced = forced_call(ctx.tokenizer, body)
+    if forced and prefill:
+        raise InvalidRequest(
+            "tool_choice 'any' or a named tool starts the answer with a tool call, so the "
+            "answer cannot also continue a final assistant message.",
+            param="tool_choice",
+        )
+    return _render(ctx, messages, tools) + prefill + forced
 
 
 def _render(ctx: ServerContext, messages: list[dict], tools: list[dict] | None) -> str:
@@ -285,6 +324,13 @@ class MessagesRenderer:
     def __init__(self, ctx: ServerContext, plan: Plan, body: MessagesRequest) -> None:
         self.tokenizer, self.plan = ctx.tokenizer, plan
         self.reasoning = reasoning_style(ctx.tokenizer)
+        self.names = _tool_names(body)
+        # A forced call (tool_choice any or a named tool): its start is in the prompt, so the
+        # answer is read for tool calls here, from that start on (the plan leaves it as text).
+        self.forced = forced_call(ctx.tokenizer, body)
+        self.calls = ToolCallStream(self.names) if self.forced else None
+        if self.calls is not None:
+            self.calls.feed(self.forced)
         # The answer names the served model, as every surface's does (README: Model names).
         self.model, self.stops, self.streamed = ctx.model_name, body.stops, body.stream
         self.blocks = _Blocks()
@@ -293,7 +339,8 @@ class MessagesRenderer:
     def served(self, completion_id: str, completion: Completion) -> Served:
         full = outputs.final_text(self.tokenizer, completion)
         reasoning, text = split_reasoning(full, self.reasoning)
-        names = self.plan.tool_names
+        text = self.forced + text
+        names = self.names
         called = names is not None and bool(parse_tool_calls(text, names).tool_calls)
         if self.streamed:
             content = self.blocks.content
@@ -341,10 +388,18 @@ class MessagesRenderer:
         return [{"type": "message_start", "message": message}, {"type": "ping"}]
 
     def delta(self, index: int, deltas: list[StreamEvent], piece: Piece) -> list[dict]:
-        return self.blocks.push(deltas)
+        return self.blocks.push(self._read(deltas, final=False))
 
     def finish(self, index: int, deltas: list[StreamEvent], finish_reason: str) -> list[dict]:
-        return self.blocks.push(deltas) + self.blocks.close()
+        return self.blocks.push(self._read(deltas, final=True)) + self.blocks.close()
+
+    def _read(self, deltas: list[StreamEvent], final: bool) -> list[StreamEvent]:
+        """The deltas, with a forced call's text read for tool calls (``forced_call``)."""
+        if self.calls is None:
+            return deltas
+        events: list[StreamEvent] = [d for d in deltas if isinstance(d, ReasoningDelta)]
+        events += self.calls.feed("".join(d.text for d in deltas if isinstance(d, ContentDelta)))
+        return events + (self.calls.finish() if final else [])
 
     def end(self, counts: dict) -> list[dict]:
         stop = {k: self.message.get(k) for k in ("stop_reason", "stop_sequence")}

@@ -122,12 +122,14 @@ class Conversation(_Lenient):
                     param=f"tools.{index}",
                 )
         choice = self.tool_choice
-        if choice is not None and choice.type in ("any", "tool"):
-            wanted = "a call of tool " + repr(choice.name) if choice.type == "tool" else "any"
+        if choice is None or choice.type in ("auto", "none"):
+            return
+        names = [tool.name for tool in self.tools or []]
+        if not names:
+            raise InvalidRequest(f"tool_choice {choice.type!r} needs tools.", "tool_choice")
+        if choice.type == "tool" and choice.name not in names:
             raise InvalidRequest(
-                f"tool_choice {wanted!r} would force a tool call, which needs constrained "
-                "decoding; proxrl samples the model unconstrained so that the logprobs it "
-                "records are the behaviour policy's. Use 'auto' or 'none'.",
+                f"tool_choice names the tool {choice.name!r}, which is not among the tools.",
                 param="tool_choice",
             )
 

@@ -196,6 +196,44 @@ def test_a_final_assistant_message_is_continued(api: Api):
     assert prompt.endswith("<|im_start|>assistant\nOne, two,")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "calculator"}])
+def test_a_forced_tool_call_starts_the_answer_inside_a_call(api: Api, choice: dict, stream: bool):
+    """tool_choice any or a named tool: the prompt ends with the start of a call (sampled tokens
+    stay sampled); the answer is read for calls from that start, and what the tiny model writes
+    after it is served as a call, or as text when it is no call."""
+    session = api.new_session(task_id="anthropic-forced")
+    tool = {"name": "calculator", "input_schema": {"type": "object"}}
+    body = ask(tools=[tool], tool_choice=choice, stream=stream, max_tokens=12)
+    reply = post(api, session, body)
+    (turn,) = turns(api, session)
+    from server.text.tokenization import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(api.model_dir)
+    start = (
+        "<tool_call>\n"
+        if choice["type"] == "any"
+        else '<tool_call>\n{"name": "calculator", "arguments": '
+    )
+    assert tokenizer.decode(turn["prompt_ids"], False).endswith("<|im_start|>assistant\n" + start)
+    counted = post(api, session, body, "/v1/messages/count_tokens").json()
+    assert counted["input_tokens"] == len(turn["prompt_ids"])
+    blocks = turn["response"]["content"]
+    if stream:
+        events = named_events(reply)
+        streamed = "".join(
+            e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta"
+        )
+        assert streamed == "".join(b.get("text", "") for b in blocks)
+    else:
+        assert reply.json()["content"] == blocks
+    completion = tokenizer.decode(turn["completion_ids"])
+    if turn["response"]["stop_reason"] == "tool_use":
+        assert [b["name"] for b in blocks if b["type"] == "tool_use"] == ["calculator"]
+    else:
+        assert blocks == [{"type": "text", "text": (start + completion).strip()}]
+
+
 def image(kind: str = "image") -> dict:
     return {"type": kind, "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
 
@@ -240,12 +278,17 @@ BAD = {
         ask(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
         "web_search",
     ),
-    "tool_choice any": (
-        ask(tools=[{"name": "f", "input_schema": {}}], tool_choice={"type": "any"}),
+    "tool_choice any without tools": (ask(tool_choice={"type": "any"}), "tool_choice"),
+    "a tool_choice naming no tool": (
+        ask(tools=[{"name": "f", "input_schema": {}}], tool_choice={"type": "tool", "name": "g"}),
         "tool_choice",
     ),
-    "a named tool_choice": (
-        ask(tools=[{"name": "f", "input_schema": {}}], tool_choice={"type": "tool", "name": "f"}),
+    "a forced call after a prefill": (
+        ask(
+            messages=[user("x"), {"role": "assistant", "content": "Sure"}],
+            tools=[{"name": "f", "input_schema": {}}],
+            tool_choice={"type": "any"},
+        ),
         "tool_choice",
     ),
     "an unknown tool_choice": (ask(tool_choice={"type": "sometimes"}), "tool_choice"),
