@@ -10,7 +10,9 @@ schema-invalid input that is not refused with a 4xx.
 Checks left out, and why:
 - ``positive_data_acceptance``: most schema-valid requests name ids that do not exist (a 404 is
   the right answer), and many valid bodies are refused for what they would train (top_p < 1).
-- ``use_after_free``, ``ensure_resource_availability``: the API has no DELETE.
+- ``use_after_free``, ``ensure_resource_availability``: the one DELETE (a stored Responses API
+  response) deletes what no generated call can create; tests/api/test_api_responses.py holds
+  it: a deleted response is gone for GET and for chaining, its turn stays.
 - ``ignored_auth``, ``object_level_authorization``: the document declares no security scheme
   (keys are checked per route, as OpenAI does); tests/integration/test_auth_matrix.py holds
   every route against every kind of caller.
