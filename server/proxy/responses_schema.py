@@ -112,14 +112,14 @@ class ResponseRequest(_Lenient):
             (
                 "top_p",
                 self.top_p is not None and self.top_p < 1,
-                "top_p < 1 truncates the "
-                "sampling distribution, so the recorded logprobs would not be the policy's",
+                "top_p < 1 truncates the sampling distribution, so the recorded logprobs would "
+                "not be the policy's",
             ),
             (
                 "tool_choice",
                 self.tool_choice not in (None, "auto", "none"),
-                "tool_choice "
-                "'required' or a named tool needs constrained decoding; use 'auto' or 'none'",
+                "tool_choice 'required' or a named tool needs constrained decoding; use 'auto' "
+                "or 'none'",
             ),
             (
                 "text",
