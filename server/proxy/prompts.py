@@ -42,6 +42,9 @@ from server.text.tokenization import Tokenizer
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+# Readings of a turn tried before it counts as not continued (each costs a pass over the turn):
+# a history that really changed fails at its first few, so this only bounds pathological input.
+MAX_READINGS = 256
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ def aligned_end(units: Sequence[Unit], text: str, end_texts: tuple[str, ...] = (
     an edit of that answer cannot pass for new text."""
     choices: list[State] = [(0, 0, False, False)]
     tried: set[State] = set()
-    while choices:
+    while choices and len(tried) < MAX_READINGS:
         state = choices.pop()
         if state not in tried:
             tried.add(state)
@@ -106,7 +109,11 @@ def aligned_end(units: Sequence[Unit], text: str, end_texts: tuple[str, ...] = (
             if found is None:
                 continue
             end, dropped_last = found
-            if not dropped_last or not end_texts or text[end:].lstrip().startswith(end_texts):
+            if (
+                not dropped_last
+                or not end_texts
+                or text.startswith(end_texts, _skip_space(text, end))
+            ):
                 return end
     return None
 
@@ -127,7 +134,7 @@ def _follow(
         unit = units[index]
         index += 1
         if after_drop:  # the whitespace after dropped reasoning, on either side
-            pos += len(text[pos:]) - len(text[pos:].lstrip())
+            pos = _skip_space(text, pos)
         present = text.startswith(unit.text, pos)
         if unit.kind is Kind.TEXT:
             piece = unit.text.lstrip() if after_drop else unit.text
@@ -151,7 +158,7 @@ def _follow(
                 choices.append((index, pos, after_drop, in_block))
                 pos, after_drop = pos + len(unit.text), False
         else:  # OPEN; reasoning that the text holds, edited, is no dropped block
-            edited = text[pos:].lstrip().startswith(THINK_OPEN)
+            edited = text.startswith(THINK_OPEN, _skip_space(text, pos))
             absent = None if edited else (_block_end(units, index), pos, True, False)
             if present:
                 choices += [absent] if absent else []
@@ -161,6 +168,12 @@ def _follow(
             else:
                 index, pos, after_drop, in_block = absent
     return pos, after_drop
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
 
 
 def _end_texts(tokenizer: Tokenizer) -> tuple[str, ...]:
