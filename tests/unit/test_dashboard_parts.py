@@ -105,6 +105,8 @@ def turn(index: int, messages: list | None, reply: str, request: str | None = No
     return TurnOut(
         completion_id=f"c{index}",
         request_id=request or f"r{index}",
+        surface="chat",
+        model="tiny",
         turn_index=index,
         row_index=0,
         extends_previous=index > 0,

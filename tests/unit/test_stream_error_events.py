@@ -61,6 +61,7 @@ def _events_until(exc: Exception) -> list:
 
     async def run() -> list:
         work = asyncio.create_task(asyncio.sleep(60))
+
         def on_error(error: Exception) -> str:
             return "".join(sse(event) for event in OpenAIRenderer.error(error))
 
