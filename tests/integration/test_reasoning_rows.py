@@ -18,7 +18,8 @@ from server.proxy.reasoning import ReasoningStyle, split_reasoning
 from server.text.tokenization import Tokenizer
 from tests.support import ROOT, ProxyProcess
 
-pytestmark = pytest.mark.slow
+# The first run warms the model up (80 steps: 164 s on two busy cores), then it is cached.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 WARMUP = {"steps": 80, "lr": 3e-3, "batch_size": 8, "seed": 0}
 QUESTIONS = ["What is 3 + 4?", "What is 12 + 5?", "And 7 + 7?", "What is 1 + 19?", "And 6 + 2?"]
