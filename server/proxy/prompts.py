@@ -18,7 +18,8 @@ template drops when it renders history (the splice rule, :func:`aligned_end`):
   there) and close in the completion. So may text before a ``</think>`` that is in no block:
   those templates keep only what follows an answer's last ``</think>``. Where the rendered
   text holds a ``<think>`` block in its place (the agent sent the reasoning back), it must be
-  the block as sampled;
+  the block as sampled, bar the whitespace around its inside and after it (templates re-render
+  ``<think>\\n`` + reasoning + ``\\n</think>\\n\\n``);
 - **whitespace** at the start of an answer (after the template's generation prompt) and after
   dropped reasoning may differ (Qwen3's template strips an answer's leading newlines).
 
@@ -138,17 +139,21 @@ def _follow(
         present = text.startswith(unit.text, pos)
         if unit.kind is Kind.TEXT:
             piece = unit.text.lstrip() if after_drop else unit.text
-            if not in_block and index < len(units) and units[index].kind is Kind.CLOSE:
+            before_close = index < len(units) and units[index].kind is Kind.CLOSE
+            if before_close and in_block:  # templates re-render a kept block's newlines
+                piece = piece.rstrip()
+            elif before_close:
                 choices += _cut_before_close(piece, text, pos, index + 1)
             if not text.startswith(piece, pos):
                 return None
             pos, after_drop = pos + len(piece), after_drop and not piece
-        elif unit.kind is Kind.CLOSE:
-            if in_block and not present:
+        elif unit.kind is Kind.CLOSE and in_block:
+            pos = _skip_space(text, pos)
+            if not text.startswith(unit.text, pos):
                 return None
-            pos, after_drop, in_block = (
-                (pos + len(unit.text), False, False) if present else (pos, True, False)
-            )
+            pos, after_drop, in_block = pos + len(unit.text), True, False
+        elif unit.kind is Kind.CLOSE:
+            pos, after_drop = (pos + len(unit.text), False) if present else (pos, True)
         elif unit.kind is Kind.START:  # templates strip an answer's leading newlines (Qwen3)
             choices += [(close + 1, pos, True, False) for close in _answer_closes(units, index)]
             after_drop = True
@@ -162,7 +167,7 @@ def _follow(
             absent = None if edited else (_block_end(units, index), pos, True, False)
             if present:
                 choices += [absent] if absent else []
-                pos, after_drop, in_block = pos + len(unit.text), False, True
+                pos, after_drop, in_block = pos + len(unit.text), True, True
             elif absent is None:
                 return None
             else:

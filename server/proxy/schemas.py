@@ -53,6 +53,9 @@ class ChatMessage(_Lenient):
     name: Label | None = None
     tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_ITEMS)] | None = None
     tool_call_id: Label | None = None
+    # An assistant message's reasoning, sent back as served: the template decides whether to
+    # render it (reasoning templates keep it only after the last user message).
+    reasoning_content: Text | None = None
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
@@ -69,7 +72,7 @@ class ChatMessage(_Lenient):
             out["content"] = self.content
         if self.tool_calls:
             out["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
-        for key in ("name", "tool_call_id"):
+        for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out

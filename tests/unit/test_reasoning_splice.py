@@ -36,14 +36,15 @@ def answers(draw) -> tuple[list[Unit], str]:
     eos token rendered as the template's own end (or not at all, when the answer ran out)."""
     units = [Unit("", Kind.START)]
     block = draw(st.sampled_from(["none", "closed", "unclosed", "stray"]))
-    body = [Unit(t, Kind.TEXT) for t in draw(st.lists(texts, max_size=2))]
+    body = [Unit(t, Kind.TEXT) for t in draw(st.lists(texts, max_size=1))]  # one run of text
     if block == "stray":  # text up to a </think> the model wrote with no <think>
         units += [*body, Unit("</think>", Kind.CLOSE)]
     elif block != "none":
         units += [Unit("<think>", Kind.OPEN), *body]
         units += [Unit("</think>", Kind.CLOSE)] if block == "closed" else []
     kept = block == "closed" and draw(st.booleans())
-    view = "".join(unit.text for unit in units) if kept else ""
+    inside = "".join(unit.text for unit in body).strip()
+    view = f"<think>\n{inside}\n</think>\n\n" if kept else ""  # as Qwen3 renders it back
     if block != "unclosed":
         content = draw(letters)
         special = draw(st.booleans())
@@ -51,7 +52,7 @@ def answers(draw) -> tuple[list[Unit], str]:
         units.append(Unit(lead + content[:1], Kind.TEXT))
         units += [Unit(SPECIAL, Kind.SPECIAL)] if special else []
         units += [Unit(content[1:], Kind.TEXT)] if content[1:] else []
-        view += (lead if kept else "") + content
+        view += content
     ran_out = draw(st.booleans())
     units += [] if ran_out else [Unit("<e>", Kind.END)]
     return units, view
@@ -222,3 +223,23 @@ def test_units_split_special_tokens_and_markers(reasoning_tokenizer):
     assert (
         units_of(reasoning_tokenizer, reasoning_tokenizer.encode("<|im_end|>"))[0].kind is Kind.END
     )
+
+
+def test_reasoning_sent_back_in_a_tool_loop_continues(reasoning_tokenizer):
+    """After the last user message the template keeps reasoning sent back, with its own
+    newlines: a block sampled without them still continues the row."""
+    tokenizer = reasoning_tokenizer
+    first = [{"role": "user", "content": "What is 2 + 3?"}]
+    prompt_ids = tokenizer.encode(tokenizer.render(first))
+    completion_ids = tokenizer.encode("<think>2 + 3 = 5</think>Five.<|im_end|>")
+    turn = last_turn(tokenizer, "c1", 0, prompt_ids, completion_ids)
+    reasoning, content = split_reasoning(
+        tokenizer.decode(completion_ids), reasoning_style(tokenizer)
+    )
+    sent_back = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+    history = [*first, sent_back, {"role": "tool", "content": "5"}]
+    text = tokenizer.render(history)
+    assert "<think>\n2 + 3 = 5\n</think>\n\nFive." in text
+    assert splice(tokenizer, text, [turn]).continues is turn
+    edited = text.replace("2 + 3 = 5", "2 + 3 = 6")
+    assert splice(tokenizer, edited, [turn]).continues is None
