@@ -93,7 +93,8 @@ def forced_call(tokenizer: Tokenizer, body: Conversation) -> str:
         )
     if choice.type == "any":
         return OPEN + "\n"
-    return OPEN + '\n{"name": "' + str(choice.name) + '", "arguments": '
+    # Cut before the space: tokenizers join a space to what follows, so the model writes it.
+    return OPEN + '\n{"name": "' + str(choice.name) + '", "arguments":'
 
 
 async def count_tokens(ctx: ServerContext, state: SessionState, body: CountTokensRequest) -> dict:

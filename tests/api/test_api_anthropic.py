@@ -213,7 +213,7 @@ def test_a_forced_tool_call_starts_the_answer_inside_a_call(api: Api, choice: di
     start = (
         "<tool_call>\n"
         if choice["type"] == "any"
-        else '<tool_call>\n{"name": "calculator", "arguments": '
+        else '<tool_call>\n{"name": "calculator", "arguments":'
     )
     assert tokenizer.decode(turn["prompt_ids"], False).endswith("<|im_start|>assistant\n" + start)
     counted = post(api, session, body, "/v1/messages/count_tokens").json()

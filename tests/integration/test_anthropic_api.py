@@ -264,3 +264,31 @@ async def _swap_during_streams(proxy, sessions, v2_dir) -> list:
         )
     assert swap.status_code == 200, swap.text
     return await asyncio.gather(*streams)
+
+
+@pytest.mark.slow  # shares the fine-tuned tool caller with the test above
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "calculator"}])
+def test_a_forced_tool_choice_is_honoured(tool_proxy, tokenizer, choice):
+    """tool_choice any or a named tool: the answer starts inside a call (its start is in the
+    prompt), the model writes the rest; sampled tokens are exactly the stored completion."""
+    session = tool_proxy.session(task_id="anthropic-forced")
+    with client(tool_proxy, session) as sdk:
+        forced = sdk.messages.create(
+            model=MODEL,
+            max_tokens=40,
+            tools=[TOOL],
+            tool_choice=choice,
+            messages=[{"role": "user", "content": QUESTION}],
+            extra_body=GREEDY,
+        )
+    (turn,) = stored(tool_proxy, session)
+    assert forced.stop_reason == "tool_use", (
+        forced.content,
+        tokenizer.decode(turn["completion_ids"]),
+    )
+    assert [(b.name, b.input) for b in forced.content] == [("calculator", {"expression": "2+2"})]
+    assert tokenizer.decode(turn["prompt_ids"]).endswith(
+        "<tool_call>\n" if len(choice) == 1 else '"arguments":'
+    )
+    assert forced.usage.output_tokens == len(turn["completion_ids"])
+    assert turn["response"]["content"] == [b.model_dump(exclude_none=True) for b in forced.content]
