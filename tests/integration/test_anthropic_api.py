@@ -166,7 +166,6 @@ def test_langchain_chat_anthropic_unchanged(proxy, tokenizer):
     assert first["model"] == "claude-sonnet-4-6"
 
 
-@pytest.mark.slow  # the fine-tune of its fixture takes a minute or two on two cores
 def test_tool_use_and_its_result_on_one_row(tool_proxy, tokenizer):
     """The fine-tuned model calls the calculator: a tool_use block (streamed as input_json_delta);
     the tool_result goes back and the answer continues the call's row."""
@@ -266,7 +265,6 @@ async def _swap_during_streams(proxy, sessions, v2_dir) -> list:
     return await asyncio.gather(*streams)
 
 
-@pytest.mark.slow  # shares the fine-tuned tool caller with the test above
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "calculator"}])
 def test_a_forced_tool_choice_is_honoured(tool_proxy, tokenizer, choice):
     """tool_choice any or a named tool: the answer starts inside a call (its start is in the
