@@ -55,7 +55,8 @@ async def plan_messages(ctx: ServerContext, state: SessionState, body: MessagesR
     await check_model(ctx, state, body.model)
     body.refuse_unsupported()
     prompt = prompts.splice(ctx.tokenizer, prompt_text(ctx, body), state.last)
-    sampling = sampling_request(ctx, prompt.ids, body.max_tokens, body, 0, default_temperature)
+    limit = _token_limit(ctx, len(prompt.ids), body.max_tokens)
+    sampling = sampling_request(ctx, prompt.ids, limit, body, 0, default_temperature)
     return new_plan(
         "msg",
         prompt,
@@ -68,6 +69,17 @@ async def plan_messages(ctx: ServerContext, state: SessionState, body: MessagesR
         # A forced call's answer is read for tool calls by the renderer, prefill first.
         tool_names=_tool_names(body) if not forced_call(ctx.tokenizer, body) else None,
     )
+
+
+def _token_limit(ctx: ServerContext, prompt_tokens: int, max_tokens: int) -> int:
+    """``max_tokens``, or what the context leaves when that is less. Anthropic's clients ask
+    for as much as Claude writes (LangChain: 64k and more), which would refuse nearly every
+    request to a smaller model; an answer the context cut ends with Anthropic's stop reason
+    ``model_context_window_exceeded``. A prompt that leaves no room is still refused."""
+    context = ctx.context_length
+    if context is None or context - prompt_tokens < 1:
+        return max_tokens  # refused by sampling_request, as on every surface
+    return min(max_tokens, context - prompt_tokens)
 
 
 def _tool_names(body: Conversation) -> set[str] | None:
@@ -334,6 +346,7 @@ class MessagesRenderer:
             self.calls.feed(self.forced)
         # The answer names the served model, as every surface's does (README: Model names).
         self.model, self.stops, self.streamed = ctx.model_name, body.stops, body.stream
+        self.context_cut = plan.sampling.max_tokens < body.max_tokens  # see _token_limit
         self.blocks = _Blocks()
         self.message: dict[str, Any] = {}
 
@@ -364,7 +377,7 @@ class MessagesRenderer:
         if called:
             return "tool_use", None
         if completion.finish_reason.get("type") == "length":
-            return "max_tokens", None
+            return ("model_context_window_exceeded" if self.context_cut else "max_tokens"), None
         matched = completion.finish_reason.get("matched")
         if isinstance(matched, str) and matched in self.stops:
             return "stop_sequence", matched

@@ -234,6 +234,25 @@ def test_a_forced_tool_call_starts_the_answer_inside_a_call(api: Api, choice: di
         assert blocks == [{"type": "text", "text": (start + completion).strip()}]
 
 
+def test_max_tokens_beyond_the_context_is_cut_to_it_with_its_stop_reason(api: Api):
+    """Claude's clients ask for many more tokens than a small model's context holds: the answer
+    is cut where the context ends, and says so (stop_reason model_context_window_exceeded)."""
+    session = api.new_session(task_id="anthropic-context")
+    words, room = 2000, 3  # a prompt that leaves ``room`` tokens of the 2048-token context
+    for _ in range(5):
+        body = ask("hello " * words, max_tokens=100_000, stop_sequences=["no such stop"])
+        count = post(api, session, body, "/v1/messages/count_tokens").json()["input_tokens"]
+        if count == 2048 - room:
+            break
+        words -= count - (2048 - room)
+    assert count == 2048 - room
+    message = Message.model_validate(post(api, session, body).json())
+    (turn,) = turns(api, session)
+    assert turn["sampling"]["max_tokens"] == room
+    cut = turn["finish_reason"] == "length"  # else the model ended its answer in time
+    assert message.stop_reason == ("model_context_window_exceeded" if cut else "end_turn")
+
+
 def image(kind: str = "image") -> dict:
     return {"type": kind, "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
 
@@ -300,7 +319,7 @@ BAD = {
     "stop_sequences a string": (ask(stop_sequences="\n"), "stop_sequences"),
     "an empty stop sequence": (ask(stop_sequences=[""]), "stop_sequences"),
     "system a number": (ask(system=5), "system"),
-    "a prompt longer than the context": (ask(max_tokens=10_000_000), "max_tokens"),
+    "a prompt longer than the context": (ask("hello " * 5000), "context"),
     "a tool_use left unanswered": (
         ask(
             messages=[
