@@ -379,3 +379,17 @@ def test_an_ended_session_is_a_409_in_anthropics_shape(api: Api):
     session = api.new_session(task_id="anthropic-ended")
     api.ok("POST", f"/rl/sessions/{session['session_id']}/end")
     assert_anthropic_error(post(api, session, ask()), 409, "invalid_request_error")
+
+
+def test_the_api_document_gives_anthropics_error_shape_on_its_routes_only(api: Api):
+    document = api.ok("GET", "/openapi.json", key=NO_KEY)
+    anthropic_ref = "#/components/schemas/AnthropicErrorBody"
+    for path in ("/v1/messages", "/sessions/{session_id}/v1/messages/count_tokens"):
+        responses = document["paths"][path]["post"]["responses"]
+        for status in ("400", "401", "404"):
+            schema = responses[status]["content"]["application/json"]["schema"]
+            assert schema == {"$ref": anthropic_ref}, (path, status, schema)
+    chat = document["paths"]["/v1/chat/completions"]["post"]["responses"]["400"]
+    assert chat["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ErrorBody"
+    }

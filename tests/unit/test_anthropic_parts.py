@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
 from server.dashboard.transcript import transcript
-from server.proxy.anthropic import _Blocks, _events, conversation
+from server.proxy.anthropic import MessagesRenderer, _Blocks, _events, conversation
 from server.proxy.anthropic_schemas import MessagesRequest
 from server.proxy.tool_calls import ReasoningDelta, ToolCallStream
 from server.rl.schemas import TurnOut
@@ -203,3 +203,17 @@ def test_anthropic_paths_are_the_messages_routes_under_v1_and_a_session():
     for path in ("/v1/messagesx", "/v1/chat/completions", "/sessions/s-1/v1/responses", "/"):
         assert not is_anthropic_path(path), path
     assert not is_anthropic_path("/sessions/v1/messages") and not is_anthropic_path("/sessions/")
+
+
+def test_an_error_in_the_stream_is_anthropics_error_event_and_nothing_follows():
+    from server.errors import EngineUnavailable
+    from server.proxy.answer import frame
+
+    renderer = MessagesRenderer.__new__(MessagesRenderer)  # error and closing need no state
+    events = frame(renderer, renderer.error(EngineUnavailable("it went away")))
+    name, data = events.strip().split("\n")
+    assert name == "event: error"
+    body = json.loads(data.removeprefix("data: "))
+    assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
+    assert "it went away" in body["error"]["message"]
+    assert frame(renderer, renderer.closing()) == ""
