@@ -1,8 +1,7 @@
 """Every error the server answers with: one tree of domain exceptions, rendered in one place in
 OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
-Anthropic's Messages API routes get every error in Anthropic's shape instead (``anthropic_body``:
-the same status, Anthropic's error type for it).
+Another API's routes may answer in its own shape, same status (``ErrorShape``, see ``install``).
 
 Domain modules raise these, named for what went wrong (never HTTPException, never a status);
 ``RENDERING`` says once, per class, which HTTP status, error type and default code the client
@@ -47,9 +46,9 @@ built).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
@@ -318,38 +317,14 @@ def body_of(exc: ProxrlError) -> dict[str, Any]:
     return error_body(exc.message, exc.type, exc.param, exc.code)
 
 
-# Anthropic's error type of each status: the routes of its Messages API (``/v1/messages``...)
-# answer every error in its shape ``{"type": "error", "error": {"type", "message"}}``.
-ANTHROPIC_TYPE_OF_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    409: "invalid_request_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "api_error",
-    502: "api_error",
-    503: "overloaded_error",
-}
+@dataclass(frozen=True)
+class ErrorShape:
+    """Another API's error shape on the routes whose path ``matches``: the ``body`` for a
+    message, status and param, and the ``model`` the OpenAPI document gives it."""
 
-
-def anthropic_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """Anthropic's shape has no ``param``: the message names it, where it does not already."""
-    kind = ANTHROPIC_TYPE_OF_STATUS.get(status, "api_error" if status >= 500 else _INVALID)
-    if param and param not in message:
-        message = f"{message} (at {param})"
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def is_anthropic_path(path: str) -> bool:
-    """``/v1/messages...`` and ``/sessions/{id}/v1/messages...``."""
-    if path.startswith("/sessions/"):
-        parts = path.split("/", 3)  # "", "sessions", the id, the rest
-        path = "/" + parts[3] if len(parts) == 4 else ""
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
+    matches: Callable[[str], bool]
+    body: Callable[[str, int, str | None], dict[str, Any]]
+    model: type[BaseModel]
 
 
 # ----- rendering in the app (FastAPI is imported when the app is built, not here) -----------
@@ -360,16 +335,15 @@ def _is_openai_path(path: str) -> bool:
 
 
 def _answer(
-    request: Request,
-    status: int,
-    body: dict[str, Any],
-    headers: Mapping[str, str] | None = None,
+    request: Request, status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
-    """The error ``body`` (OpenAI's shape), in Anthropic's on its Messages API routes."""
+    """The error ``body`` (OpenAI's shape), in another where an ``ErrorShape`` claims the path."""
     from fastapi.responses import JSONResponse
 
-    if is_anthropic_path(request.url.path):
-        body = anthropic_body(body["error"]["message"], status, body["error"]["param"])
+    for shape in getattr(request.app.state, "error_shapes", ()):
+        if shape.matches(request.url.path):
+            body = shape.body(body["error"]["message"], status, body["error"]["param"])
+            break
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -415,7 +389,7 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return await _domain_error(request, ProxrlError(INTERNAL_MESSAGE))
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, shapes: Sequence[ErrorShape] = ()) -> None:
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 
@@ -423,13 +397,16 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
-    app.openapi = _documenting_validation(app)  # type: ignore[method-assign]
+    app.state.error_shapes = tuple(shapes)
+    app.openapi = _documenting_validation(app, shapes)  # type: ignore[method-assign]
 
 
 # ----- the OpenAPI document --------------------------------------------------------------------
 
 
-def _documenting_validation(app: FastAPI) -> Callable[[], dict[str, Any]]:
+def _documenting_validation(
+    app: FastAPI, shapes: Sequence[ErrorShape]
+) -> Callable[[], dict[str, Any]]:
     """``app.openapi`` with request-validation errors as ``_validation_error`` sends them: our
     error shape (not FastAPI's HTTPValidationError), 422 on REST routes and 400 on OpenAI ones."""
     build = app.openapi
@@ -445,7 +422,7 @@ def _documenting_validation(app: FastAPI) -> Callable[[], dict[str, Any]]:
                     continue
                 del responses["422"]
                 status = "400" if _is_openai_path(path) else "422"
-                shape = AnthropicErrorBody if is_anthropic_path(path) else ErrorBody
+                shape = next((s.model for s in shapes if s.matches(path)), ErrorBody)
                 responses.setdefault(status, _error_response(status, document, shape))
         schemas = document.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
@@ -456,9 +433,7 @@ def _documenting_validation(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return openapi
 
 
-def _error_response(
-    status: str, document: dict[str, Any], shape: type[BaseModel]
-) -> dict[str, Any]:
+def _error_response(status: str, document: dict[str, Any], shape: type[BaseModel]) -> dict:
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
     for name, schema in shape.model_json_schema(ref_template=REF).get("$defs", {}).items():
         schemas.setdefault(name, schema)
@@ -482,22 +457,10 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    """Every error answer's body, on every route but Anthropic's (also request-validation
-    errors)."""
+    """Every error answer's body, on every route whose path no ``ErrorShape`` claims (also
+    request-validation errors)."""
 
     error: ErrorDetail
-
-
-class AnthropicErrorDetail(BaseModel):
-    type: str = Field(description="Anthropic's error type, e.g. invalid_request_error.")
-    message: str = Field(description="What went wrong, and what to change.")
-
-
-class AnthropicErrorBody(BaseModel):
-    """Every error answer's body on the routes of Anthropic's Messages API."""
-
-    type: Literal["error"]
-    error: AnthropicErrorDetail
 
 
 # What each status means to a client reading the API document.
@@ -523,14 +486,13 @@ _RETRIED = {r.status for r in RENDERING.values() if r.retry_after_s is not None}
 
 
 def documented(
-    *statuses: int, shape: type[BaseModel] | None = None
+    *statuses: int, shape: type[BaseModel] = ErrorBody
 ) -> dict[int | str, dict[str, Any]]:
-    """The ``responses=`` of a route that can answer ``statuses`` in the error shape (``shape``:
-    ``ErrorBody`` unless told; with the Retry-After header where an error of that status
-    carries one)."""
+    """The ``responses=`` of a route that can answer ``statuses`` in the error ``shape`` (with
+    the Retry-After header where an error of that status carries one)."""
     responses: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
-        entry: dict[str, Any] = {"model": shape or ErrorBody, "description": MEANINGS[status]}
+        entry: dict[str, Any] = {"model": shape, "description": MEANINGS[status]}
         if status in _RETRIED:
             entry["headers"] = _RETRY_AFTER
         responses[status] = entry

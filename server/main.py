@@ -57,7 +57,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             yield
 
     app = FastAPI(title="proxrl", summary="An OpenAI-compatible RL proxy", lifespan=lifespan)
-    errors.install(app)
+    errors.install(app, proxy_routes.ERROR_SHAPES)
     app.add_middleware(RequestMetrics, metrics=figures)
     for router in (proxy_routes.router, *rl_routes.ROUTERS):
         app.include_router(router)

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from server.context import ServerContext
 from server.engine_client.client import Piece
-from server.errors import InvalidRequest, ProxrlError, anthropic_body
+from server.errors import InvalidRequest, ProxrlError
 from server.proxy import outputs, prompts
 from server.proxy.anthropic_schemas import (
     Conversation,
@@ -32,6 +32,7 @@ from server.proxy.anthropic_schemas import (
     ThinkingBlock,
     ToolResultBlock,
     ToolUseBlock,
+    anthropic_body,
 )
 from server.proxy.generation import Completion
 from server.proxy.plan import Plan, check_model, new_plan, run_temperature, sampling_request

@@ -7,15 +7,19 @@ Content blocks proxrl can put in a text model's prompt are ``text``, ``tool_use`
 the refusal can name it. Sampling fields that would change what is sampled in a way the trainer
 cannot account for (``top_p`` < 1, ``top_k``) are refused; ``metadata``, ``thinking``,
 ``service_tier`` and unknown fields are accepted and ignored.
+
+Errors on these routes have Anthropic's shape (``ERROR_SHAPE``, which ``server.main`` gives
+``server.errors.install``): the status of the error table, Anthropic's name for its type.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from server.errors import InvalidRequest
+from server.errors import TYPE_OF_STATUS, ErrorShape, InvalidRequest
 from server.proxy.schemas import MAX_ITEMS, MAX_STOP, Label, StopString, Text, TokenLimit
 
 
@@ -173,3 +177,47 @@ class MessagesRequest(Conversation):
 
 class CountTokensRequest(Conversation):
     pass
+
+
+# ----- errors in Anthropic's shape ---------------------------------------------------------------
+
+# Anthropic's name for each error type of ours that its API lacks (the others it shares).
+_ANTHROPIC_TYPES = {
+    "conflict_error": "invalid_request_error",
+    "server_error": "api_error",
+    "engine_error": "api_error",
+    "service_unavailable": "overloaded_error",
+}
+_PATH = re.compile(r"^(/sessions/[^/]+)?/v1/messages(/|$)")
+
+
+def anthropic_type(status: int) -> str:
+    kind = TYPE_OF_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return _ANTHROPIC_TYPES.get(kind, kind)
+
+
+def anthropic_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """Anthropic's shape has no ``param``: the message names it, where it does not already."""
+    if param and param not in message:
+        message = f"{message} (at {param})"
+    return {"type": "error", "error": {"type": anthropic_type(status), "message": message}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """``/v1/messages...`` and ``/sessions/{id}/v1/messages...``."""
+    return _PATH.match(path) is not None
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(description="Anthropic's error type, e.g. invalid_request_error.")
+    message: str = Field(description="What went wrong, and what to change.")
+
+
+class AnthropicErrorBody(BaseModel):
+    """Every error answer's body on the routes of Anthropic's Messages API."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+ERROR_SHAPE = ErrorShape(is_anthropic_path, anthropic_body, AnthropicErrorBody)

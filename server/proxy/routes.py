@@ -11,9 +11,14 @@ from starlette.types import Receive, Scope, Send
 from server import auth
 from server.bounds import ID_LENGTH
 from server.deps import AnthropicCallerDep, AnthropicPathCallerDep, CallerDep, Ctx, PathCallerDep
-from server.errors import AnthropicErrorBody, AuthenticationRequired, SessionNotOpen, documented
+from server.errors import AuthenticationRequired, SessionNotOpen, documented
 from server.proxy import answer, anthropic, chat, completions, responses, responses_render
-from server.proxy.anthropic_schemas import CountTokensRequest, MessagesRequest
+from server.proxy.anthropic_schemas import (
+    ERROR_SHAPE,
+    AnthropicErrorBody,
+    CountTokensRequest,
+    MessagesRequest,
+)
 from server.proxy.plan import Plan
 from server.proxy.responses_schema import ResponseRequest
 from server.proxy.schemas import ChatCompletionRequest, CompletionRequest
@@ -21,6 +26,8 @@ from server.proxy.session_cache import SessionState
 from server.proxy.streaming import GuardedStream
 
 router = APIRouter(tags=["OpenAI-compatible"])
+# The error shapes of routes that answer in another API's (server.errors.ErrorShape).
+ERROR_SHAPES = [ERROR_SHAPE]
 SessionHeader = Annotated[str | None, Header(alias="X-Session-Id", max_length=ID_LENGTH)]
 SessionPath = Annotated[str, Path(min_length=1, max_length=ID_LENGTH)]
 SSE = "text/event-stream"
@@ -229,7 +236,7 @@ async def session_delete_response(
 
 # ----- Anthropic's Messages API ---------------------------------------------------------------
 
-# Errors on these routes are in Anthropic's shape (server.errors renders them by path).
+# Errors on these routes are in Anthropic's shape (ERROR_SHAPES, which server.main installs).
 MESSAGES = {
     200: {"content": {"application/json": {}, SSE: {}}},
     **documented(400, 401, 403, 404, 409, 503, shape=AnthropicErrorBody),

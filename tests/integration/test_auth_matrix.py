@@ -18,8 +18,8 @@ import httpx
 import pytest
 from fastapi.routing import iter_route_contexts
 
-from server.errors import ANTHROPIC_TYPE_OF_STATUS, is_anthropic_path
 from server.main import create_app
+from server.proxy.anthropic_schemas import anthropic_type, is_anthropic_path
 from server.settings import ServerSettings
 from tests.support import ProxyProcess
 
@@ -255,7 +255,7 @@ def _judge_anthropic(status: int, reply: httpx.Response) -> str | None:
         error = body["error"]
     except (ValueError, KeyError, TypeError):
         return f"{status} without Anthropic's error body: {reply.text[:200]}"
-    kind = ANTHROPIC_TYPE_OF_STATUS[status]
+    kind = anthropic_type(status)
     if body.get("type") != "error" or set(error) != {"type", "message"} or error["type"] != kind:
         return f"{status} with an error body of another shape: {body}"
     return None

@@ -178,12 +178,20 @@ def test_every_status_of_the_error_table_has_one_of_anthropics_error_types():
 
     from anthropic.types.shared import ErrorObject
 
-    from server.errors import ANTHROPIC_TYPE_OF_STATUS, RENDERING, anthropic_body
+    from server.errors import RENDERING
+    from server.proxy.anthropic_schemas import anthropic_body, anthropic_type
 
     union = get_args(get_args(ErrorObject)[0])
     anthropic_types = {get_args(kind.model_fields["type"].annotation)[0] for kind in union}
     for rendering in RENDERING.values():
-        assert ANTHROPIC_TYPE_OF_STATUS[rendering.status] in anthropic_types, rendering
+        assert anthropic_type(rendering.status) in anthropic_types, rendering
+    assert [anthropic_type(s) for s in (400, 409, 503, 502, 413)] == [
+        "invalid_request_error",
+        "invalid_request_error",
+        "overloaded_error",
+        "api_error",
+        "invalid_request_error",
+    ]
     body = anthropic_body("max_tokens: too many", 400, "max_tokens")
     assert body == {
         "type": "error",
@@ -195,7 +203,7 @@ def test_every_status_of_the_error_table_has_one_of_anthropics_error_types():
 
 
 def test_anthropic_paths_are_the_messages_routes_under_v1_and_a_session():
-    from server.errors import is_anthropic_path
+    from server.proxy.anthropic_schemas import is_anthropic_path
 
     for path in ("/v1/messages", "/v1/messages/count_tokens", "/sessions/s-1/v1/messages"):
         assert is_anthropic_path(path), path
