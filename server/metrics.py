@@ -149,6 +149,12 @@ class Metrics:
             buckets=PAUSE_BUCKETS,
             registry=self.registry,
         )
+        self.malformed_tool_calls = Counter(
+            "proxrl_malformed_tool_calls",
+            "<tool_call> blocks in served completions that were not calls (left as text).",
+            ["surface"],
+            registry=self.registry,
+        )
         self.state = StateCollector()
         self.registry.register(self.state)
 

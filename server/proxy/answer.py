@@ -26,7 +26,7 @@ from server.proxy.plan import Plan
 from server.proxy.recording import Served, record
 from server.proxy.session_cache import SessionState
 from server.proxy.streaming import GuardedStream, drain, first_output, sse
-from server.proxy.tool_calls import StreamEvent
+from server.proxy.tool_calls import StreamEvent, malformed_blocks
 
 Event = dict[str, Any] | str  # one SSE event's payload: JSON, or a bare string ("[DONE]")
 
@@ -105,8 +105,21 @@ async def respond(ctx: ServerContext, state: SessionState, plan: Plan, renderer:
         renderer.served(cid, completion)
         for cid, completion in zip(plan.completion_ids, completions, strict=True)
     ]
+    count_malformed_calls(ctx, plan, completions)
     await record(ctx.writer, ctx.tokenizer, state, plan.prompt, served, plan.log)
     return renderer.response(served, outputs.usage(len(plan.prompt.ids), completions))
+
+
+def count_malformed_calls(ctx: ServerContext, plan: Plan, completions: list[Completion]) -> None:
+    """Count the ``<tool_call>`` blocks that stayed text (``proxrl_malformed_tool_calls``)."""
+    if plan.tool_names is None:
+        return
+    malformed = sum(
+        malformed_blocks(outputs.final_text(ctx.tokenizer, completion), plan.tool_names)
+        for completion in completions
+    )
+    if malformed:
+        ctx.metrics.malformed_tool_calls.labels(plan.log.surface).inc(malformed)
 
 
 def frame(renderer: Renderer, events: Sequence[Event]) -> str:
@@ -173,6 +186,7 @@ async def _events(
         deltas = choice.finish(completion)
         reason = outputs.finish_reason(completion, choice.called)
         tail += renderer.finish(index, deltas, reason)
+    count_malformed_calls(ctx, plan, completions)
     await record(ctx.writer, ctx.tokenizer, state, plan.prompt, served, plan.log)
     for event in tail:
         yield frame(renderer, [event])

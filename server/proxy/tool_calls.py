@@ -151,6 +151,19 @@ def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> ParsedOut
     return ParsedOutput(content=content or (None if calls else ""), tool_calls=calls)
 
 
+def malformed_blocks(text: str, tool_names: set[str] | None = None) -> int:
+    """How many ``<tool_call>`` blocks of a finished completion are not calls (bad JSON, no name,
+    a tool not offered, or a block never closed): they stay text, and the proxy counts them."""
+    count, pos = 0, 0
+    while (start := text.find(OPEN, pos)) != -1:
+        end = text.find(CLOSE, start + len(OPEN))
+        if end == -1:
+            return count + 1
+        count += _call_from_body(text[start + len(OPEN) : end], tool_names) is None
+        pos = end + len(CLOSE)
+    return count
+
+
 def _partial_open_length(text: str) -> int:
     """Length of the longest end of ``text`` that is a proper prefix of ``<tool_call>``."""
     for length in range(min(len(OPEN) - 1, len(text)), 0, -1):

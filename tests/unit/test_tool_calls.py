@@ -9,6 +9,8 @@ import random
 import re
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from server.proxy.tool_calls import (
     ContentDelta,
@@ -16,6 +18,7 @@ from server.proxy.tool_calls import (
     ToolCall,
     ToolCallDelta,
     ToolCallStream,
+    malformed_blocks,
     parse_tool_calls,
 )
 
@@ -166,6 +169,21 @@ def test_invalid_block_stays_content_verbatim(bad: str):
     text = f"Before.\n{bad}\nAfter."
     assert parse_tool_calls(text) == ParsedOutput(text, [])
     assert parse_tool_calls(bad) == ParsedOutput(bad, [])
+    assert malformed_blocks(text) == 1  # left as text, and counted
+
+
+@given(st.lists(st.sampled_from(["call", "bad", "unknown", "prose"]), max_size=8), st.booleans())
+def test_every_block_is_a_call_or_counted_malformed(kinds: list[str], unclosed: bool):
+    pieces = {
+        "call": block("f", {"x": 1}),
+        "bad": block("x", raw='{"name": "f", "arguments": [1]}'),
+        "unknown": block("g", {}),
+        "prose": "some words <tool_",
+    }
+    text = " ".join(pieces[kind] for kind in kinds) + (" <tool_call> {" if unclosed else "")
+    calls = len(parse_tool_calls(text, {"f"}).tool_calls)
+    assert calls == kinds.count("call")
+    assert malformed_blocks(text, {"f"}) == kinds.count("bad") + kinds.count("unknown") + unclosed
 
 
 def test_invalid_block_next_to_valid_call():
@@ -357,3 +375,26 @@ def test_stream_matches_parse_on_random_texts(tool_names: set[str] | None):
         rng = random.Random(seed)
         text = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 10)))
         assert_stream_matches_parse(text, rng, tool_names)
+
+
+def test_served_choices_count_their_malformed_blocks_by_surface(tiny_model_dir):
+    """``answer.count_malformed_calls`` on real completions: the tiny tokenizer's ids of a text
+    with one bad block and one good call add 1 to ``proxrl_malformed_tool_calls{surface}``."""
+    from types import SimpleNamespace
+
+    from server.metrics import Metrics
+    from server.proxy.answer import count_malformed_calls
+    from server.proxy.generation import Completion
+    from server.text.tokenization import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(tiny_model_dir)
+    text = block("x", raw='{"name": "f", "arguments": [1]}') + " " + block("f", {"x": 1})
+    completion = Completion(prompt_ids=[1], ids=tokenizer.encode(text))
+    ctx = SimpleNamespace(tokenizer=tokenizer, metrics=Metrics())
+    log = SimpleNamespace(surface="messages")
+    count = ctx.metrics.registry.get_sample_value
+    labels = {"surface": "messages"}
+    count_malformed_calls(ctx, SimpleNamespace(tool_names=None, log=log), [completion])
+    assert count("proxrl_malformed_tool_calls_total", labels) is None  # no tools: not parsed
+    count_malformed_calls(ctx, SimpleNamespace(tool_names={"f"}, log=log), [completion] * 2)
+    assert count("proxrl_malformed_tool_calls_total", labels) == 2.0
