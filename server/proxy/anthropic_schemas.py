@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from server.errors import TYPE_OF_STATUS, ErrorShape, InvalidRequest
-from server.proxy.schemas import MAX_ITEMS, MAX_STOP, Label, StopString, Text, TokenLimit
+from server.proxy.schemas import MAX_ITEMS, MAX_STOP, Label, ModelName, StopString, Text, TokenLimit
 
 
 class _Lenient(BaseModel):
@@ -111,7 +111,7 @@ class ToolChoice(_Lenient):
 class Conversation(_Lenient):
     """What ``/v1/messages`` and ``/v1/messages/count_tokens`` share: the prompt."""
 
-    model: Label
+    model: ModelName
     messages: list[Message] = Field(min_length=1, max_length=MAX_ITEMS)
     system: Text | Annotated[list[TextBlock], Field(max_length=MAX_ITEMS)] | None = None
     tools: list[Tool] | None = Field(None, max_length=MAX_ITEMS)

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from server.errors import InvalidRequest
-from server.proxy.schemas import MAX_ITEMS, Label, Text, TokenLimit
+from server.proxy.schemas import MAX_ITEMS, Label, ModelName, Text, TokenLimit
 
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 MetadataKey = Annotated[str, StringConstraints(max_length=64)]
@@ -79,7 +79,7 @@ class FunctionTool(_Lenient):
 
 
 class ResponseRequest(_Lenient):
-    model: Label
+    model: ModelName
     input: Text | Annotated[list[Item], Field(max_length=MAX_ITEMS)]
     instructions: Text | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_ITEMS)] | None = None

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 
 from server.bounds import MAX_INT, Count
 from server.errors import InvalidRequest
+from server.store.run_config import MODEL_NAME_LENGTH
 
 MAX_N = 16
 MAX_STOP = 16
@@ -23,6 +24,8 @@ MAX_TEXT = 8_000_000
 MAX_ITEMS = 100_000
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
 Label = Annotated[str, StringConstraints(max_length=1000)]
+# What a turn records of it (turns.model): a longer name is a 400, never a failed write.
+ModelName = Annotated[str, StringConstraints(max_length=MODEL_NAME_LENGTH)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=1000)]
 TokenLimit = Annotated[int, Field(ge=1, le=MAX_INT)]
 
@@ -96,7 +99,7 @@ class StreamOptions(_Lenient):
 class _Sampling(_Lenient):
     """What chat and text completions share."""
 
-    model: Label
+    model: ModelName
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)

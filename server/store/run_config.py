@@ -19,7 +19,7 @@ REWARD_BOUND = 1e9
 # Counts and durations no run reaches, so that none overflows SQL's integers or a timedelta.
 MAX_COUNT = 2**31 - 1
 MAX_SECONDS = 10 * 365 * 24 * 3600.0
-MODEL_NAME_LENGTH = 1000  # a model name's longest, as requests bound it
+MODEL_NAME_LENGTH = 200  # a model name's longest: requests are bounded by it, turns.model holds it
 MAX_ALIASES = 64
 Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
 

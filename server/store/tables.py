@@ -19,6 +19,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from server.store.run_config import MODEL_NAME_LENGTH
+
 DROP_REASON_LENGTH = 500  # a drop reason: a short code, a colon, a sentence
 SESSION_TARGET = "session"  # the target of a reward for the whole session
 
@@ -110,7 +112,7 @@ class Turn(Base):
     completion_id: Mapped[str] = mapped_column(String(100), unique=True)
     request_id: Mapped[str] = mapped_column(String(100))
     surface: Mapped[str] = mapped_column(String(16), default="chat")
-    model: Mapped[str | None] = mapped_column(String(200))
+    model: Mapped[str | None] = mapped_column(String(MODEL_NAME_LENGTH))
     turn_index: Mapped[int] = mapped_column(Integer)
     row_index: Mapped[int] = mapped_column(Integer)
     extends_previous: Mapped[bool] = mapped_column(default=False)
