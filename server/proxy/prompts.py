@@ -106,7 +106,7 @@ def aligned_end(units: Sequence[Unit], text: str, end_texts: tuple[str, ...] = (
         state = choices.pop()
         if state not in tried:
             tried.add(state)
-            found = _follow(units, text, state, choices)
+            found = _follow(units, text, state, choices, end_texts)
             if found is None:
                 continue
             end, dropped_last = found
@@ -125,11 +125,17 @@ State = tuple[int, int, bool, bool]
 
 
 def _follow(
-    units: Sequence[Unit], text: str, state: State, choices: list[State]
+    units: Sequence[Unit],
+    text: str,
+    state: State,
+    choices: list[State],
+    end_texts: tuple[str, ...] = (),
 ) -> tuple[int, bool] | None:
     """Match ``units`` from ``state`` on, taking optional parts as present where ``text`` holds
     them (and noting the other way in ``choices``); None, or the end in ``text`` and whether
-    the last answer ended in dropped text."""
+    the last answer ended in dropped text. An answer's eos token the text does not hold must
+    give way to the end of an answer (one of ``end_texts``): text appended to an answer is an
+    edit, not new text after it."""
     index, pos, after_drop, in_block = state
     while index < len(units):
         unit = units[index]
@@ -162,6 +168,8 @@ def _follow(
             if present:
                 choices.append((index, pos, after_drop, in_block))
                 pos, after_drop = pos + len(unit.text), False
+            elif unit.kind is Kind.END and not _ends_answer(text, pos, end_texts):
+                return None
         else:  # OPEN; reasoning that the text holds, edited, is no dropped block
             edited = text.startswith(THINK_OPEN, _skip_space(text, pos))
             absent = None if edited else (_block_end(units, index), pos, True, False)
@@ -173,6 +181,11 @@ def _follow(
             else:
                 index, pos, after_drop, in_block = absent
     return pos, after_drop
+
+
+def _ends_answer(text: str, pos: int, end_texts: tuple[str, ...]) -> bool:
+    """Whether an answer's end (one of ``end_texts``; any place when none are known) is next."""
+    return not end_texts or text.startswith(end_texts, _skip_space(text, pos))
 
 
 def _skip_space(text: str, pos: int) -> int:

@@ -99,6 +99,20 @@ def test_a_changed_history_never_continues_the_turn(turn, data):
     assert aligned_end(units, changed + SUFFIX, ("<e>",)) is None
 
 
+@settings(max_examples=400, deadline=None)
+@given(turns(), st.data())
+def test_text_appended_to_an_answer_never_continues_the_turn(turn, data):
+    units, view = turn
+    text = view + SUFFIX
+    ends = [i for i in range(len(text)) if text.startswith("<e>", i)]
+    if units[-1].kind is not Kind.END:  # the last answer ran out: text may go on from it, as the
+        ends.pop()  # plain prefix rule always allowed (a truncated answer has no end to keep)
+    if not ends:
+        return
+    at = data.draw(st.sampled_from(ends))
+    assert aligned_end(units, text[:at] + "Z" + text[at:], ("<e>",)) is None
+
+
 def test_special_tokens_and_reasoning_by_example():
     units = [
         Unit("assistant\n", Kind.TEXT),
@@ -213,6 +227,8 @@ def test_the_splice_still_breaks_on_a_changed_answer(reasoning_tokenizer, tiny_m
         turn, _, text = _next_prompt(tokenizer, "The answer is 5.", special_inside=True)
         edited = text.replace("answer is 5", "answer is 6")
         assert splice(tokenizer, edited, [turn]).continues is None
+        appended = text.replace("answer is 5.", "answer is 5. EDITED")  # found in review
+        assert splice(tokenizer, appended, [turn]).continues is None
         assert splice(tokenizer, text, [turn]).continues is turn
 
 
