@@ -71,7 +71,7 @@ async def _chain(
 ) -> list[dict[str, Any]]:
     """The items of the conversation ``response_id`` ends: every response's input items and
     output items along its chain, oldest first."""
-    items: list[dict[str, Any]] = []
+    links: list[list[dict[str, Any]]] = []  # newest first
     seen = 0
     async with ctx.sessionmaker() as db:
         while response_id is not None:
@@ -80,10 +80,10 @@ async def _chain(
             if stored is None or seen >= MAX_CHAIN:
                 raise ResponseNotFound(response_id, param="previous_response_id")
             assert turn is not None
-            items = [*(turn.messages or []), *stored.get("output", []), *items]
+            links.append([*(turn.messages or []), *stored.get("output", [])])
             response_id = stored.get("previous_response_id")
             seen += 1
-    return items
+    return [item for link in reversed(links) for item in link]
 
 
 def _retrievable(turn: Turn | None) -> dict[str, Any] | None:

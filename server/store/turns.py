@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from pydantic import Field
 from sqlalchemy import Connection, Dialect, bindparam, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import load_only
 
 from server.store.packing import pack_floats, pack_ints, unpack_floats, unpack_ints
 from server.store.rows import TurnTokens
@@ -250,8 +251,15 @@ def tokens_of(turn: Turn, reward: float | None = None) -> TurnTokens:
 
 
 async def session_turn(db: AsyncSession, session_id: str, completion_id: str) -> Turn | None:
-    """The session's turn with that completion id (a Responses API response id), if any."""
-    query = select(Turn).where(Turn.session_id == session_id, Turn.completion_id == completion_id)
+    """The session's turn with that completion id (a Responses API response id), if any: what
+    it recorded of its request and answer only, not its packed tokens (a chain of responses is
+    walked a turn at a time, and a long prompt's tokens would be read at every link)."""
+    fields = (Turn.id, Turn.surface, Turn.messages, Turn.response)
+    query = (
+        select(Turn)
+        .options(load_only(*fields))
+        .where(Turn.session_id == session_id, Turn.completion_id == completion_id)
+    )
     return await db.scalar(query)
 
 
