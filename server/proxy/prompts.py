@@ -23,8 +23,9 @@ template drops when it renders history (the splice rule, :func:`aligned_end`):
 - **whitespace** at the start of an answer (after the template's generation prompt) and after
   dropped reasoning may differ (Qwen3's template strips an answer's leading newlines).
 
-Everything else must match character for character: a break only ever means that the agent
-changed its history. The spliced prompt keeps the exact earlier tokens, thinking and special
+Everything else must match character for character, and where an answer's end token is
+missing the history must go on with an answer's end (an eos text): an answer edited or extended
+is a break. (A ``</think>`` with no ``<think>`` before it may also be missing.) The spliced prompt keeps the exact earlier tokens, thinking and special
 tokens included, so it extends the previous prompt + completion token for token and the row
 goes on. The proxy's own tool-call rendering is not allowed for: a tool call the template
 re-renders differently from how the model wrote it (other JSON spacing) still breaks the row.
