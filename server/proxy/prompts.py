@@ -25,7 +25,8 @@ template drops when it renders history (the splice rule, :func:`aligned_end`):
 
 Everything else must match character for character, and where an answer's end token is
 missing the history must go on with an answer's end (an eos text): an answer edited or extended
-is a break. (A ``</think>`` with no ``<think>`` before it may also be missing.) The spliced prompt keeps the exact earlier tokens, thinking and special
+is a break. (A ``</think>`` with no ``<think>`` before it may also be missing.)
+The spliced prompt keeps the exact earlier tokens, thinking and special
 tokens included, so it extends the previous prompt + completion token for token and the row
 goes on. The proxy's own tool-call rendering is not allowed for: a tool call the template
 re-renders differently from how the model wrote it (other JSON spacing) still breaks the row.
