@@ -313,3 +313,42 @@ def start_worker(model_dir, lr: float = 1e-3, temperature: float = 1.0):
     worker = Worker(0, 1, settings)
     worker.setup("127.0.0.1", free_port())
     return worker
+
+
+def turn_out(
+    index: int,
+    *,
+    surface: str,
+    model: str,
+    messages: list | None,
+    response: dict,
+    completion_id: str | None = None,
+    request_id: str | None = None,
+    created_at: object = "2026-01-01T00:00:00Z",
+):
+    """A stored turn as ``GET /rl/sessions/{id}`` shows it (``TurnOut``), for tests of what is
+    built from turns (the dashboard's transcript): one token each side, the rest as given."""
+    from server.rl.schemas import TurnOut
+
+    return TurnOut(
+        completion_id=completion_id or f"c{index}",
+        request_id=request_id or f"r{index}",
+        surface=surface,
+        model=model,
+        turn_index=index,
+        row_index=0,
+        extends_previous=index > 0,
+        messages=messages,
+        tools=None,
+        response=response,
+        prompt_ids=[1],
+        completion_ids=[2],
+        logprobs=[-0.1],
+        versions=[0],
+        finish_reason="stop",
+        sampling={},
+        engine=None,
+        resubmits=0,
+        reward=None,
+        created_at=created_at,
+    )

@@ -18,6 +18,7 @@ from server.proxy.anthropic import MessagesRenderer, _Blocks, _events, conversat
 from server.proxy.anthropic_schemas import MessagesRequest
 from server.proxy.tool_calls import ReasoningDelta, ToolCallStream
 from server.rl.schemas import TurnOut
+from tests.support import turn_out
 
 EVENT = TypeAdapter(RawMessageStreamEvent)
 USAGE = {"input_tokens": 1, "output_tokens": 0}
@@ -124,28 +125,8 @@ def test_the_conversation_becomes_the_templates_messages():
 
 
 def _turn(index: int, messages: list, content: list) -> TurnOut:
-    return TurnOut(
-        completion_id=f"c{index}",
-        request_id=f"r{index}",
-        surface="messages",
-        model="claude",
-        turn_index=index,
-        row_index=0,
-        extends_previous=index > 0,
-        messages=messages,
-        tools=None,
-        response={"role": "assistant", "content": content, "stop_reason": "end_turn"},
-        prompt_ids=[1],
-        completion_ids=[2],
-        logprobs=[-0.1],
-        versions=[0],
-        finish_reason="stop",
-        sampling={},
-        engine=None,
-        resubmits=0,
-        reward=None,
-        created_at="2026-01-01T00:00:00Z",
-    )
+    response = {"role": "assistant", "content": content, "stop_reason": "end_turn"}
+    return turn_out(index, surface="messages", model="claude", messages=messages, response=response)
 
 
 def test_the_transcript_shows_anthropic_turns_in_chat_form():

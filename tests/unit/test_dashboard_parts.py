@@ -17,6 +17,7 @@ from server.dashboard.views import TARGET_BUCKETS, bucket_width, trainer_active
 from server.rl.schemas import RowOut, TurnOut
 from server.rl.steps import clean_value, reward_spread, session_reward
 from server.store.stats import StepSpan
+from tests.support import turn_out
 
 NOW = datetime(2026, 1, 31, 12, 0, tzinfo=UTC)
 
@@ -102,26 +103,14 @@ def test_token_rows_mark_each_token_with_its_turn_and_text():
 
 
 def turn(index: int, messages: list | None, reply: str, request: str | None = None) -> TurnOut:
-    return TurnOut(
-        completion_id=f"c{index}",
-        request_id=request or f"r{index}",
+    response = {"role": "assistant", "content": reply, "tool_calls": None}
+    return turn_out(
+        index,
         surface="chat",
         model="tiny",
-        turn_index=index,
-        row_index=0,
-        extends_previous=index > 0,
         messages=messages,
-        tools=None,
-        response={"role": "assistant", "content": reply, "tool_calls": None},
-        prompt_ids=[1],
-        completion_ids=[2],
-        logprobs=[-0.1],
-        versions=[0],
-        finish_reason="stop",
-        sampling={},
-        engine=None,
-        resubmits=0,
-        reward=None,
+        response=response,
+        request_id=request,
         created_at=NOW,
     )
 

@@ -5,30 +5,20 @@ from __future__ import annotations
 
 from server.dashboard.transcript import transcript
 from server.rl.schemas import TurnOut
+from tests.support import turn_out
 
 
 def _turn(index: int, items: list, output: list) -> TurnOut:
-    return TurnOut(
-        completion_id=f"resp_{index}",
-        request_id=f"resp_{index}",
+    response = {"id": f"resp_{index}", "object": "response", "output": output}
+    rid = f"resp_{index}"
+    return turn_out(
+        index,
         surface="responses",
         model="gpt-5.6-luna",
-        turn_index=index,
-        row_index=0,
-        extends_previous=index > 0,
         messages=items,
-        tools=None,
-        response={"id": f"resp_{index}", "object": "response", "output": output},
-        prompt_ids=[1],
-        completion_ids=[2],
-        logprobs=[-0.1],
-        versions=[0],
-        finish_reason="stop",
-        sampling={},
-        engine=None,
-        resubmits=0,
-        reward=None,
-        created_at="2026-01-01T00:00:00Z",
+        response=response,
+        completion_id=rid,
+        request_id=rid,
     )
 
 
