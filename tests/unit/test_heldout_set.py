@@ -1,0 +1,85 @@
+"""The demo's held-out set without a server: fixed, distinct, never in the training stream; and
+the per-version figures and their comparison with the server's ``eval`` rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import statistics
+import sys
+
+import pytest
+
+from tests.support import ROOT
+
+
+def _load(name: str):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "examples/agents" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the file runs
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+arithmetic = _load("arithmetic")
+heldout = _load("heldout")
+
+
+def test_the_set_is_fixed_distinct_and_of_the_size_asked():
+    first, again = heldout.heldout_set(32), heldout.heldout_set(32)
+    assert first == again
+    assert len({problem.task_id for problem in first}) == 32
+    assert heldout.heldout_set(10) == first[:10]  # a smaller set is a prefix
+    assert len(heldout.heldout_set(100)) == 100  # every plain problem
+    for size in (0, 101):
+        with pytest.raises(ValueError, match="1 to 100"):
+            heldout.heldout_set(size)
+
+
+def test_training_never_sees_a_heldout_problem_and_keeps_its_order():
+    held = heldout.heldout_set(32)
+    names = {problem.task_id for problem in held}
+    training = list(itertools.islice(heldout.training_problems(arithmetic.problems(0), held), 2000))
+    assert not names & {problem.task_id for problem in training}
+    assert len({problem.task_id for problem in training}) == 100 - 32  # every other one comes
+    unfiltered = (p for p in arithmetic.problems(0) if p.task_id not in names)
+    assert training == list(itertools.islice(unfiltered, 2000))
+
+
+def answer(version: int, reward: float):
+    return heldout.Answer(arithmetic.generate(1, 0)[0], "", reward, version)
+
+
+def test_by_version_groups_answers_by_the_version_that_gave_them():
+    rewards = {3: [1.0, 0.0, 1.0], 0: [0.0, 1.0], 7: [1.0]}
+    answers = [answer(v, r) for v, values in rewards.items() for r in values]
+    assert heldout.by_version(reversed(answers)) == [
+        {"version": v, "count": len(rewards[v]), "mean": statistics.fmean(rewards[v])}
+        for v in (0, 3, 7)
+    ]
+
+
+def test_the_servers_rows_are_read_for_the_heldout_task_and_compared():
+    ours = [{"version": 0, "count": 2, "mean": 0.5}, {"version": 4, "count": 3, "mean": 2 / 3}]
+    run = {
+        "eval": [
+            {"version": 4, "task_id": "heldout", "count": 3, "mean": 2 / 3, "std": 0.47},
+            {"version": 0, "task_id": "other", "count": 9, "mean": 0.1, "std": 0.3},
+            {"version": 0, "task_id": "heldout", "count": 2, "mean": 0.5, "std": 0.5},
+        ]
+    }
+    theirs = heldout.server_by_version(run)
+    assert theirs == ours
+    assert heldout.disagreements(ours, theirs) == []
+    assert heldout.server_by_version({}) == []
+
+    off = [{"version": 0, "count": 2, "mean": 0.5}, {"version": 5, "count": 3, "mean": 2 / 3}]
+    assert heldout.disagreements(ours, off) == [
+        "version 4: only the demo",
+        "version 5: only the server",
+    ]
+    wrong = [{"version": 0, "count": 2, "mean": 0.5}, {"version": 4, "count": 3, "mean": 0.6}]
+    (difference,) = heldout.disagreements(ours, wrong)
+    assert difference.startswith("version 4: demo 3 answers, mean 0.666667; server 3")
