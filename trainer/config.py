@@ -172,6 +172,49 @@ class PublishConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    project: str | None = option(
+        None,
+        "Weights & Biases project: set it to log every step there (pip install "
+        "'proxrl[wandb]'; the API key comes from WANDB_API_KEY or `wandb login`). null: off.",
+    )
+    entity: str | None = option(None, "W&B entity (team or user); default: yours.")
+    name: str | None = option(None, "W&B run name; default: the proxrl run id.")
+    mode: Literal["online", "offline"] = option(
+        "online", "online: send as it trains; offline: write only (`wandb sync` sends later)."
+    )
+    tags: tuple[str, ...] = option((), "W&B run tags, a list.")
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    tracking_uri: str | None = option(
+        None,
+        "MLflow tracking server or store (http://host:5000, sqlite:///path/mlflow.db, "
+        "file:///path/mlruns): set it to log every step there (pip install 'proxrl[mlflow]'). "
+        "null: off.",
+    )
+    experiment: str = option("proxrl", "MLflow experiment (made if missing).")
+    run_name: str | None = option(None, "MLflow run name; default: the proxrl run id.")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """Where every step's figures go besides metrics.jsonl (trainer/tracking.py)."""
+
+    tensorboard: bool = option(True, "Write TensorBoard event files.")
+    tensorboard_dir: str | None = option(
+        None, "Directory of the TensorBoard event files; default: <output_dir>/tensorboard."
+    )
+    wandb: WandbConfig = field(
+        default_factory=WandbConfig, metadata={"help": "Weights & Biases (off unless `project`)."}
+    )
+    mlflow: MlflowConfig = field(
+        default_factory=MlflowConfig, metadata={"help": "MLflow (off unless `tracking_uri`)."}
+    )
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     server: str = option(
         "", "URL of a running `proxrl serve` (empty with `model`: start one here)."
@@ -221,6 +264,10 @@ class TrainConfig:
     publish: PublishConfig = field(
         default_factory=PublishConfig, metadata={"help": "How new weights reach the engines."}
     )
+    tracking: TrackingConfig = field(
+        default_factory=TrackingConfig,
+        metadata={"help": "Experiment tracking: TensorBoard, Weights & Biases, MLflow."},
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -268,6 +315,25 @@ def check(config: TrainConfig) -> None:
     if config.publish.keep_versions < 1:
         raise ConfigError("publish.keep_versions", "must be >= 1")
     _positive(config.publish.timeout_s, "publish.timeout_s")
+    check_tracking(config.tracking)
+
+
+def check_tracking(tracking: TrackingConfig) -> None:
+    """A tracker's settings mean nothing while it is off: refuse them rather than ignore them."""
+    if tracking.tensorboard_dir is not None and not tracking.tensorboard:
+        raise ConfigError("tracking.tensorboard_dir", "needs tracking.tensorboard: true")
+    _needs(tracking.wandb, "project", WandbConfig(), "tracking.wandb.")
+    _needs(tracking.mlflow, "tracking_uri", MlflowConfig(), "tracking.mlflow.")
+    _check_choices(tracking.wandb, "tracking.wandb.")
+
+
+def _needs(config: Any, switch: str, defaults: Any, prefix: str) -> None:
+    """Every field of ``config`` left at its default unless ``switch`` is set."""
+    if getattr(config, switch):
+        return
+    for f in dataclasses.fields(config):
+        if getattr(config, f.name) != getattr(defaults, f.name):
+            raise ConfigError(prefix + f.name, f"needs {prefix}{switch} (the tracker is off)")
 
 
 def check_cluster_auth(cluster: ClusterConfig) -> None:
@@ -351,6 +417,10 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(name, f"got {value!r}, which is none of the allowed types")
+    if origin is tuple:  # tuple[str, ...]: a YAML list of strings
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(name, f"must be a list of strings, got {value!r}")
+        return tuple(value)
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(name, f"must be true or false, got {value!r}")
@@ -424,15 +494,19 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return _build(TrainConfig, values)
 
 
-def to_dict(config: Any) -> dict[str, Any]:
-    """The config as plain data (secrets masked), for logs and checkpoints."""
+def to_dict(config: Any, omit_secrets: bool = False) -> dict[str, Any]:
+    """The config as plain data, for logs and checkpoints: secrets masked, or left out
+    (``omit_secrets``: what goes to an experiment tracker)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
-            out[f.name] = to_dict(value)
+            out[f.name] = to_dict(value, omit_secrets)
+        elif f.metadata.get("secret"):
+            if not omit_secrets:
+                out[f.name] = "***" if value else value
         else:
-            out[f.name] = "***" if f.metadata.get("secret") and value else value
+            out[f.name] = list(value) if isinstance(value, tuple) else value
     return out
 
 
@@ -453,12 +527,16 @@ def describe(cls: type = TrainConfig, prefix: str = "") -> list[str]:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "[" + ", ".join(value) + "]"
     return (
         "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
     )
 
 
 def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is tuple:
+        return "list"
     if typing.get_origin(hint) is Literal:
         return "|".join(str(a) for a in typing.get_args(hint))
     if typing.get_origin(hint) in (typing.Union, types.UnionType):

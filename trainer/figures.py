@@ -1,5 +1,5 @@
 """Every figure of a training step, and the progress line: from the workers' sums to
-``metrics.jsonl``, the server's dashboard and the log.
+``metrics.jsonl``, the experiment trackers (`tracking`), the server's dashboard and the log.
 
 `combine` adds up what the workers return: their sums over micro-batches are summed over
 workers, ``grad_norms`` (one per minibatch, the same on every worker) are taken once, and wall
@@ -149,8 +149,8 @@ def _drop_counts(reasons: Any) -> dict[str, int]:
 
 
 class Progress:
-    """Every step's figures to ``metrics.jsonl`` and the server; a line every ``log_every``
-    steps (and on the last) with rates, phase times and an ETA."""
+    """Every step's figures to ``metrics.jsonl``, the experiment trackers and the server; a
+    line every ``log_every`` steps (and on the last) with rates, phase times and an ETA."""
 
     def __init__(
         self,
@@ -166,7 +166,8 @@ class Progress:
         self.reference_kl = reference_kl
         self.started = time.monotonic()
         self.path = path
-        self.report: Callable[[dict[str, Any]], None] | None = None
+        self.report: Callable[[dict[str, Any]], None] | None = None  # to the server
+        self.track: Callable[[dict[str, Any]], None] | None = None  # to the experiment trackers
 
     def step(
         self,
@@ -180,6 +181,8 @@ class Progress:
         record = step_record(state, batch, stats, phases, self.reference_kl, temperature)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.track is not None:
+            self.track(record)
         if self.report is not None:
             self.report(record)
         if state.step % self.log_every == 0 or state.step >= self.max_steps:

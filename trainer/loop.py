@@ -29,6 +29,7 @@ from trainer.plan import plan_step
 from trainer.publish import Publisher
 from trainer.rollouts import Batch, Rules, build_batch
 from trainer.server_api import ServerAPI, ServerError
+from trainer.tracking import RunInfo, Tracking, check_installed
 from trainer.worker import WorkerSettings
 
 log = logging.getLogger("proxrl.trainer")
@@ -97,6 +98,7 @@ class Claimed:
 
 class Trainer:
     def __init__(self, config: TrainConfig, server: ServerAPI) -> None:
+        check_installed(config.tracking)  # a configured tracker is there before anything runs
         self.config = config
         self.server = server
         self.output = Path(config.output_dir)
@@ -201,6 +203,8 @@ class Trainer:
         progress.report = lambda record: self.server.post_step(
             self.run_id, record["step"], record["version"], record
         )
+        tracking = self.start_tracking()
+        progress.track = tracking.log
         try:
             while self.state.step < config.max_steps and not self.stopping:
                 step = self.state.step + 1
@@ -228,7 +232,19 @@ class Trainer:
                 self.commit_checkpoint(self.save_checkpoint())
         finally:
             self.leases.stop()
+            tracking.close()
         return self.state
+
+    def start_tracking(self) -> Tracking:
+        """TensorBoard, and W&B and MLflow where configured, from the step after the last
+        checkpoint; they are told the config without its secrets."""
+        run = RunInfo(
+            run_id=self.run_id,
+            output_dir=self.output,
+            config={**to_dict(self.config, omit_secrets=True), "model": self.model_dir},
+            first_step=self.state.step + 1,
+        )
+        return Tracking.start(self.config.tracking, run)
 
     def rules(self) -> Rules:
         return Rules(
