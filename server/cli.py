@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand
 
 from server.engine.settings import EngineSettings
+from server.export.options import SINCE_HELP, STATUS_HELP, ExportFormat, ExportStatus, Since
 from server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 
 class ModelInit(BaseModel):
@@ -144,6 +148,87 @@ def run_demo(args: list[str]) -> None:
     runpy.run_path(str(DEMO_SCRIPT), run_name="__main__")  # exits with the demo's status
 
 
+class ExportCommand(BaseModel):
+    """Write a run's sessions with their turns (token ids, logprobs, versions, rewards, loss
+    masks, messages) to a JSONL or Parquet file that `datasets.load_dataset` reads as it is.
+    Reads the store directly (the server may be running); GET /rl/runs/{id}/export serves the
+    same file over HTTP."""
+
+    out: CliPositionalArg[Path] = Field(description="The file to write (replaced at the end).")
+    run: str = Field(description="The run's id.")
+    status: ExportStatus = Field("consumed", description=STATUS_HELP)
+    since: Since | None = Field(None, description=SINCE_HELP)
+    format: ExportFormat = Field(description="jsonl, or parquet (needs proxrl[export]).")
+    db: str | None = Field(None, description=ServerSettings.model_fields["db"].description)
+    data_dir: Path = Field(
+        Path("data"), description=ServerSettings.model_fields["data_dir"].description
+    )
+
+    def cli_cmd(self) -> None:
+        import asyncio
+
+        from sqlalchemy.engine import make_url
+
+        from server.errors import ProxrlError
+        from server.export.writers import FORMATS
+        from server.rl.export import chosen_sessions, export_file
+        from server.store.database import default_url
+
+        url = self.db or default_url(self.data_dir)
+        parsed = make_url(url)
+        if parsed.get_backend_name() == "sqlite" and not Path(parsed.database or "").is_file():
+            raise SystemExit(
+                f"proxrl export: no store at {parsed.database} (give --db or --data-dir)"
+            )
+        with export_progress() as progress:
+            task = progress.add_task(self.run, total=None)
+            try:
+                written = asyncio.run(
+                    export_file(
+                        url,
+                        chosen_sessions(self.run, self.status, self.since),
+                        FORMATS[self.format](),
+                        self.out,
+                        on_total=lambda total: progress.update(task, total=total),
+                        on_page=lambda sessions: progress.advance(task, sessions),
+                    )
+                )
+            except ProxrlError as exc:
+                raise SystemExit(f"proxrl export: {exc.message}") from None
+        print(f"wrote {written} session(s) to {self.out}", file=sys.stderr)
+
+
+def export_progress() -> Progress:
+    """A progress bar on stderr: sessions written of all, their rate, time spent and left."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        Task,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.text import Text
+
+    class Rate(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            return Text(f"{task.speed or 0:,.0f} sessions/s")
+
+    return Progress(
+        TextColumn("exporting {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        Rate(),
+        TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+    )
+
+
 class Proxrl(
     BaseSettings,
     cli_prog_name="proxrl",
@@ -164,6 +249,7 @@ class Proxrl(
     train: CliSubCommand[TrainCommand] = Field(description=TrainCommand.__doc__)
     db: CliSubCommand[DbCommands] = Field(description=DbCommands.__doc__)
     demo: CliSubCommand[DemoCommand] = Field(description=DemoCommand.__doc__)
+    export: CliSubCommand[ExportCommand] = Field(description=ExportCommand.__doc__)
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body
+from fastapi import APIRouter, Body, Query
+from fastapi.responses import StreamingResponse
 
 from server import auth
 from server.bounds import Limit, Name, Offset, PathId, QueryId, QueryName
 from server.deps import AdminDep, CallerDep, Ctx, KeyedDep
 from server.errors import AuthenticationRequired, KeyOutOfScope, documented
-from server.rl import claims, runs, sessions, steps, weights
+from server.export.options import SINCE_HELP, STATUS_HELP, ExportFormat, ExportStatus, Since
+from server.export.writers import FORMATS
+from server.rl import claims, export, runs, sessions, steps, weights
 from server.rl.schemas import (
     ClaimIn,
     ClaimOut,
@@ -181,6 +184,41 @@ async def get_run(run_id: PathId, ctx: Ctx, caller: KeyedDep) -> dict:
     run = await runs.get_run(ctx, run_id)
     auth.require_run_access(caller, run.id)
     return await runs.run_view(ctx, run)
+
+
+EXPORTED = {
+    "description": "The export file: JSON Lines, or Parquet (a row group per page of sessions). "
+    "X-Export-Sessions says how many sessions it holds when it starts.",
+    "content": {"application/x-ndjson": {}, "application/vnd.apache.parquet": {}},
+}
+
+
+@runs_router.get(
+    "/runs/{run_id}/export",
+    response_class=StreamingResponse,
+    summary="A run's sessions with their turns and rows, streamed as JSONL or Parquet",
+    responses={200: EXPORTED, **documented(400, 401, 403, 404, 422)},
+)
+async def export_run(
+    run_id: PathId,
+    ctx: Ctx,
+    _: AdminDep,
+    status: Annotated[ExportStatus, Query(description=STATUS_HELP)] = "consumed",
+    since: Annotated[Since | None, Query(description=SINCE_HELP)] = None,
+    format: ExportFormat = "jsonl",
+) -> StreamingResponse:
+    await runs.get_run(ctx, run_id)  # a 404 before the first byte
+    chosen = export.chosen_sessions(run_id, status, since)
+    writer = FORMATS[format]()
+    total = await export.count(ctx.sessionmaker, chosen)
+    return StreamingResponse(
+        export.file_chunks(ctx.sessionmaker, chosen, writer),
+        media_type=writer.media_type,
+        headers={
+            "X-Export-Sessions": str(total),
+            "Content-Disposition": f'attachment; filename="{run_id}.{format}"',
+        },
+    )
 
 
 @runs_router.patch(

@@ -11,6 +11,7 @@ from server.rl.admission import admits
 from server.rl.schemas import RewardOut, RowOut, SessionCreated, SessionOut, SessionSummary, TurnOut
 from server.store import claims, rewards, runs
 from server.store import sessions as store
+from server.store.database import Sessionmaker
 from server.store.rewards import SESSION_TARGET
 from server.store.run_config import RunConfig
 from server.store.tables import Session
@@ -94,7 +95,12 @@ def summary_fields(session: Session) -> dict[str, Any]:
 
 async def session_view(ctx: ServerContext, session: Session) -> SessionOut:
     """The session with its turns (exact tokens) and the training rows built from them."""
-    async with ctx.sessionmaker() as db:
+    return await session_out(ctx.sessionmaker, session)
+
+
+async def session_out(sessionmaker: Sessionmaker, session: Session) -> SessionOut:
+    """:func:`session_view` from the store itself (``proxrl export`` reads it without a server)."""
+    async with sessionmaker() as db:
         turns = await session_turns(db, session.id)
         targets = (await rewards.rewards_of(db, [session.id]))[session.id]
         (claimed,) = await claims.sessions_with_rows(db, [session])

@@ -50,6 +50,7 @@ SERVER_LAYERS = [
     "server.proxy",
     "server.rl",
     "server.dashboard",
+    "server.export",
 ]
 
 # layer -> the layers (besides itself) it may import. A layer is a package (all its modules) or,
@@ -60,6 +61,8 @@ LAYERS: dict[str, set[str]] = {
     "server.common": set(),
     "server.text": {"server.errors"},
     "server.store": {"server.errors"},
+    # Export files (schema, JSONL and Parquet writers): plain records in, bytes out.
+    "server.export": {"server.errors"},
     "server.engine": {"server.text", "server.common", "server.errors"},
     "server.engine_client": {"server.common", "server.errors"},
     "server.proxy": {
@@ -68,7 +71,7 @@ LAYERS: dict[str, set[str]] = {
         "server.settings",
     },
     "server.rl": {
-        "server.engine_client", "server.store", "server.common", "server.errors",
+        "server.engine_client", "server.store", "server.common", "server.errors", "server.export",
         "server.context", "server.deps", "server.auth", "server.bounds", "server.metrics",
         "server.settings",
     },

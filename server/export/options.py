@@ -1,0 +1,48 @@
+"""What an export asks for: which sessions (``ExportStatus``, ``since``) and which file
+(``ExportFormat``). Shared by ``proxrl export`` and GET /rl/runs/{id}/export; light to import
+(the command line reads it before it knows it will export)."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator
+
+ExportStatus = Literal["consumed", "trainable", "all"]
+ExportFormat = Literal["jsonl", "parquet"]
+STATUS_HELP = (
+    "consumed (trained), trainable (ready, not yet claimed), or all (every status: open, ended, "
+    "claimed, dropped and evaluated too)."
+)
+SINCE_HELP = (
+    "Only sessions created at or after this: an ISO-8601 time (UTC when it names no zone) or a "
+    "duration back from now (90s, 30m, 2h, 7d, 1w)."
+)
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def since_time(value: Any) -> Any:
+    """An ISO-8601 time or a duration back from now (``SINCE_HELP``) as an aware datetime;
+    anything else raises ValueError (a 422, or the command line's message)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    duration = _DURATION.fullmatch(text)
+    if duration:
+        amount, unit = duration.groups()
+        return datetime.now(UTC) - timedelta(seconds=float(amount) * _UNIT_S[unit])
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(
+            f"{value!r} is neither an ISO-8601 time (2026-11-24T09:00:00Z) nor a duration "
+            "(30m, 2h, 7d)"
+        ) from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+Since = Annotated[datetime, BeforeValidator(since_time)]
