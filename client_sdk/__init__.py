@@ -31,10 +31,12 @@ from client_sdk._errors import (
     UnprocessableEntityError,
 )
 from client_sdk._types import (
+    EvalFigures,
     RewardResult,
     Row,
     Run,
     RunCreated,
+    RunEval,
     RunMetrics,
     SessionCreated,
     SessionDetail,
@@ -54,6 +56,7 @@ __all__ = [
     "BadRequestError",
     "Client",
     "ConflictError",
+    "EvalFigures",
     "InternalServerError",
     "NotFoundError",
     "PermissionDeniedError",
@@ -63,6 +66,7 @@ __all__ = [
     "Row",
     "Run",
     "RunCreated",
+    "RunEval",
     "RunMetrics",
     "Session",
     "SessionCreated",

@@ -101,10 +101,11 @@ class AsyncClient:
         task_id: str | None = None,
         group_id: str | None = None,
         metadata: dict[str, Any] | None = None,
+        eval: bool = False,
     ) -> AsyncSession:
         """A session to create: ``async with client.session(...) as s`` (ended on exit) or
-        ``s = await client.session(...)``. Admission as in ``Client.session``."""
-        return AsyncSession(self, session_body(run_id, task_id, group_id, metadata))
+        ``s = await client.session(...)``. Admission and ``eval`` as in ``Client.session``."""
+        return AsyncSession(self, session_body(run_id, task_id, group_id, metadata, eval))
 
     async def get_session(self, session_id: str) -> SessionDetail:
         """The stored session: status, rewards, every turn's tokens, and its training rows."""

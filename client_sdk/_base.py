@@ -166,11 +166,14 @@ def session_body(
     task_id: str | None,
     group_id: str | None,
     metadata: dict[str, Any] | None,
+    eval: bool = False,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"run_id": run_id, "task_id": task_id, "group_id": group_id}
     body = {key: value for key, value in body.items() if value is not None}
     if metadata is not None:
         body["metadata"] = metadata
+    if eval:
+        body["eval"] = True
     return body
 
 

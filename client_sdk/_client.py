@@ -110,13 +110,16 @@ class Client:
         task_id: str | None = None,
         group_id: str | None = None,
         metadata: dict[str, Any] | None = None,
+        eval: bool = False,
     ) -> Session:
         """Start a session now (in the server's default run unless ``run_id``); use it as a
         context manager to end it on exit. Sessions of one ``task_id``/``group_id`` form a
         GRPO group. At the run's staleness bound the server holds the call up to the run's
         ``admission_wait_s``, then answers 429, which is retried (``RateLimitError`` at last).
+        ``eval=True``: an evaluation session, served and recorded but never trained, admitted
+        at once; its rewards show by policy version in ``get_run(...)["eval"]``.
         """
-        body = session_body(run_id, task_id, group_id, metadata)
+        body = session_body(run_id, task_id, group_id, metadata, eval)
         return Session(self, cast(SessionCreated, self._request("POST", "/rl/sessions", json=body)))
 
     def get_session(self, session_id: str) -> SessionDetail:

@@ -10,6 +10,29 @@ from __future__ import annotations
 from typing import Any, TypedDict
 
 
+class EvalFigures(TypedDict):
+    """Rewards of a run's rewarded eval sessions answered by one policy version: a session's
+    score is its session reward, else the mean of its turn rewards."""
+
+    version: int
+    """The policy version of the session's first sampled token."""
+    task_id: str | None
+    """The task (None: sessions without one; in per-version totals: every task)."""
+    count: int
+    mean: float
+    std: float
+    """Population standard deviation (ddof 0)."""
+    min: float
+    max: float
+
+
+class RunEval(TypedDict):
+    tasks: list[EvalFigures]
+    """Per version and task."""
+    versions: list[EvalFigures]
+    """Per version, over every task."""
+
+
 class Run(TypedDict):
     """A run: one training job."""
 
@@ -28,9 +51,11 @@ class Run(TypedDict):
     is_default: bool
     created_at: str
     sessions: dict[str, int]
-    """Sessions by status (open, ended, trainable, claimed, consumed, dropped)."""
+    """Sessions by status (open, ended, trainable, claimed, consumed, dropped, evaluated)."""
     totals: dict[str, int]
     """turns, prompt_tokens, completion_tokens, breaks."""
+    eval: RunEval
+    """Eval sessions' rewards by policy version (and task)."""
 
 
 class RunCreated(Run):
@@ -115,6 +140,8 @@ class SessionDetail(TypedDict):
     breaks: int
     drop_reason: str | None
     """Why it was dropped ("code: a sentence", e.g. "no_reward: ..."); None unless dropped."""
+    eval: bool
+    """An evaluation session: never trained; "evaluated" once ended and rewarded."""
     retries: int
     """Requests sent again whose answer the session did not go on from (alternatives)."""
     reward: float | None
@@ -138,4 +165,4 @@ class SessionEnded(TypedDict):
     session_id: str
     status: str
     """"ended", or "trainable" when it already had its session reward (or per-turn rewards,
-    where the run's turn_rewards_suffice is true)."""
+    where the run's turn_rewards_suffice is true); "evaluated" instead for an eval session."""

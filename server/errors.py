@@ -26,6 +26,7 @@ document (``documented``) and the error event a stream ends with
     ├── SessionNotOpen           409  the session takes no more turns
     ├── RewardsClosed            409  the session takes no more rewards (claimed, settled)
     ├── RewardConflict           409  a different reward was already posted for that target
+    ├── GroupMixesEval           409  a group_id holds sessions of the other kind (eval/training)
     ├── StalenessBound           429  the run's admission is full (Retry-After)
     ├── NoEngineAvailable        503  no engine in rotation could serve (Retry-After)
     │   └── ContextLengthUnknown 503  no engine has reported its context length yet
@@ -169,6 +170,16 @@ class RewardConflict(ProxrlError):
         self.existing = existing
 
 
+class GroupMixesEval(ProxrlError):
+    def __init__(self, group_id: str, holds: str) -> None:
+        """``holds``: "eval" or "training", the kind of session the group already holds."""
+        super().__init__(
+            f"group_id {group_id!r} holds {holds} sessions; a session of the other kind cannot "
+            "join it (a GRPO group is all eval sessions or none): use another group_id.",
+            param="group_id",
+        )
+
+
 class StalenessBound(ProxrlError):
     def __init__(self, retry_after_s: int) -> None:
         super().__init__(
@@ -262,6 +273,7 @@ RENDERING: dict[type[ProxrlError], Rendering] = {
     SessionNotOpen: Rendering(409, "conflict_error", "session_closed"),
     RewardsClosed: Rendering(409, "conflict_error", "rewards_closed"),
     RewardConflict: Rendering(409, "conflict_error", "reward_conflict"),
+    GroupMixesEval: Rendering(409, "conflict_error", "group_mixes_eval"),
     StalenessBound: Rendering(429, "rate_limit_error", "staleness_bound", retry_after_s=1),
     NoEngineAvailable: Rendering(
         503,

@@ -80,8 +80,8 @@ CREATED: dict[int | str, dict[str, Any]] = {
     "",
     response_model=SessionCreated,
     status_code=201,
-    summary="Start a session (waits for admission, then 429 with Retry-After)",
-    responses={**CREATED, **documented(400, 401, 403, 404, 422, 429)},
+    summary="Start a session (waits for admission, then 429 with Retry-After; eval: at once)",
+    responses={**CREATED, **documented(400, 401, 403, 404, 409, 422, 429)},
 )
 async def create_session(body: SessionCreate, ctx: Ctx, caller: CallerDep) -> SessionCreated:
     if caller.kind == "anonymous":
@@ -90,7 +90,9 @@ async def create_session(body: SessionCreate, ctx: Ctx, caller: CallerDep) -> Se
         raise KeyOutOfScope("A session key cannot create sessions.")
     run_id = body.run_id or caller.run_id or ctx.default_run_id
     auth.require_run_access(caller, run_id)
-    return await sessions.create_session(ctx, run_id, body.task_id, body.group_id, body.metadata)
+    return await sessions.create_session(
+        ctx, run_id, body.task_id, body.group_id, body.metadata, body.eval
+    )
 
 
 @sessions_router.get(
@@ -177,7 +179,7 @@ async def list_runs(ctx: Ctx, _: AdminDep, limit: Limit = 100, offset: Offset = 
 @runs_router.get(
     "/runs/{run_id}",
     response_model=RunOut,
-    summary="A run, its counts and version",
+    summary="A run, its counts, version and held-out (eval) rewards by version",
     responses=documented(401, 403, 404, 422),
 )
 async def get_run(run_id: PathId, ctx: Ctx, caller: KeyedDep) -> dict:

@@ -6,10 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from server.context import ServerContext
 from server.errors import InvalidConfig, RunNotFound
-from server.rl.schemas import RunOut
-from server.store import runs
+from server.rl.schemas import EvalFigures, RunEval, RunOut
+from server.store import evaluation, runs
 from server.store.run_config import RunConfig
 from server.store.tables import Run
 
@@ -24,6 +26,7 @@ async def run_view(ctx: ServerContext, run: Run) -> dict[str, Any]:
     async with ctx.sessionmaker() as db:
         counts = await runs.session_counts(db, run.id)
         totals = await runs.run_totals(db, run.id)
+        eval_figures = await run_eval(db, run.id)
     return RunOut(
         id=run.id,
         name=run.name,
@@ -36,7 +39,17 @@ async def run_view(ctx: ServerContext, run: Run) -> dict[str, Any]:
         created_at=run.created_at,
         sessions=counts,
         totals=totals,
+        eval=eval_figures,
     ).model_dump()
+
+
+async def run_eval(db: AsyncSession, run_id: str) -> RunEval:
+    """The run's eval sessions' rewards by version and task (``server.store.evaluation``)."""
+    tasks, versions = evaluation.summarize(await evaluation.eval_scores(db, run_id))
+    return RunEval(
+        tasks=[EvalFigures(**vars(f)) for f in tasks],
+        versions=[EvalFigures(**vars(f)) for f in versions],
+    )
 
 
 async def get_run(ctx: ServerContext, run_id: str) -> Run:

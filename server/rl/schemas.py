@@ -55,6 +55,37 @@ class RunCreate(BaseModel):
     config: RunConfig = Field(default_factory=RunConfig, description="The run's configuration.")
 
 
+EVAL_SESSION = (
+    "An evaluation session: served and recorded like any other, never trained, never counted "
+    'against admission; it ends "evaluated" (not "trainable") once ended and rewarded.'
+)
+
+
+class EvalFigures(BaseModel):
+    """Rewards of a run's rewarded eval sessions answered by one policy version."""
+
+    version: int = Field(
+        description="The policy version of the session's first sampled token (the weights "
+        "that answered)."
+    )
+    task_id: str | None = Field(
+        description="The task (null: sessions without one; in per-version totals: every task)."
+    )
+    count: int
+    mean: float
+    std: float = Field(description="Population standard deviation (ddof 0).")
+    min: float
+    max: float
+
+
+class RunEval(BaseModel):
+    tasks: list[EvalFigures] = Field(
+        description="Per version and task. A session's score is its session reward, else the "
+        "mean of its turn rewards; unrewarded eval sessions do not count."
+    )
+    versions: list[EvalFigures] = Field(description="Per version, over every task.")
+
+
 class RunOut(BaseModel):
     id: str
     name: str
@@ -72,6 +103,7 @@ class RunOut(BaseModel):
     created_at: datetime
     sessions: dict[str, int] = Field(description="Sessions by status.")
     totals: dict[str, int] = Field(description="Turns, tokens and multi-turn breaks.")
+    eval: RunEval = Field(description="Held-out rewards of eval sessions by version and task.")
 
 
 class RunCreated(RunOut):
@@ -86,6 +118,11 @@ class SessionCreate(BaseModel):
     group_id: Name | None = Field(None, description="The GRPO group.")
     metadata: dict[Name, Any] = Field(
         default_factory=dict, max_length=1000, description="Anything of yours."
+    )
+    eval: bool = Field(
+        False,
+        description=EVAL_SESSION + " Admitted even at the staleness bound; its group_id may not "
+        "be shared with training sessions.",
     )
 
 
@@ -122,7 +159,8 @@ class SessionEnded(BaseModel):
     session_id: str
     status: str = Field(
         description='"ended", or "trainable" when it already had its session reward (or per-turn '
-        "rewards, where the run's turn_rewards_suffice is true)."
+        'rewards, where the run\'s turn_rewards_suffice is true); "evaluated" instead of '
+        '"trainable" for an eval session.'
     )
 
 
@@ -144,7 +182,7 @@ class RowOut(BaseModel):
     turns: list[dict[str, Any]] = Field(description=ROW_TURNS)
 
 
-SessionStatus = Literal["open", "ended", "trainable", "claimed", "consumed", "dropped"]
+SessionStatus = Literal["open", "ended", "trainable", "claimed", "consumed", "dropped", "evaluated"]
 
 
 class SessionSummary(BaseModel):
@@ -159,6 +197,7 @@ class SessionSummary(BaseModel):
     row_count: int
     breaks: int
     drop_reason: str | None = Field(description=DROP_REASON)
+    eval: bool = Field(description=EVAL_SESSION)
 
 
 class SessionOut(BaseModel):
@@ -174,6 +213,7 @@ class SessionOut(BaseModel):
     row_count: int
     breaks: int
     drop_reason: str | None = Field(description=DROP_REASON)
+    eval: bool = Field(description=EVAL_SESSION)
     retries: int = Field(
         description="Requests the agent sent again (the same prompt) whose answer the session "
         "did not go on from: their turns are alternatives."

@@ -1,11 +1,16 @@
-"""Sessions as the REST API sees them: create (admission), show, reward, end."""
+"""Sessions as the REST API sees them: create (admission), show, reward, end.
+
+An eval session (``eval``) is admitted at once, even at the staleness bound: it will never be
+trained, so it cannot make training staler. A group_id is either all eval sessions or none: a
+GRPO group with eval members would never fill (they are never trainable), so mixing is refused.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from server.context import ServerContext
-from server.errors import RunNotFound, SessionNotFound
+from server.errors import GroupMixesEval, RunNotFound, SessionNotFound
 from server.rl import runs as run_views
 from server.rl.admission import admits
 from server.rl.schemas import RewardOut, RowOut, SessionCreated, SessionOut, SessionSummary, TurnOut
@@ -24,8 +29,10 @@ async def create_session(
     task_id: str | None,
     group_id: str | None,
     metadata: dict,
+    eval: bool = False,
 ) -> SessionCreated:
-    """A new session once the run's staleness bound admits it (waits, then 429)."""
+    """A new session once the run's staleness bound admits it (waits, then 429); an eval
+    session at once."""
     created: list = []
 
     async def check() -> tuple[bool, RunConfig]:
@@ -34,13 +41,17 @@ async def create_session(
                 run = await runs.get_run(db, run_id)
                 if run is None:
                     raise RunNotFound(run_id)
+                if group_id is not None:
+                    kinds = await store.group_eval_flags(db, run_id, group_id)
+                    if (not eval) in kinds:
+                        raise GroupMixesEval(group_id, "training" if eval else "eval")
                 config = RunConfig.model_validate(run.config)
                 admitted = await store.admitted_count(db, run_id)
-                room = admits(admitted, config, run.policy_version)
+                room = eval or admits(admitted, config, run.policy_version)
             if room:
                 async with ctx.sessionmaker() as db, db.begin():
                     created.append(
-                        await store.create_session(db, run_id, task_id, group_id, metadata)
+                        await store.create_session(db, run_id, task_id, group_id, metadata, eval)
                     )
             return room, config
 
@@ -90,6 +101,7 @@ def summary_fields(session: Session) -> dict[str, Any]:
         "row_count": session.row_count,
         "breaks": session.breaks,
         "drop_reason": session.drop_reason,
+        "eval": session.eval,
     }
 
 

@@ -2,7 +2,8 @@
 
 An ended session becomes trainable with its session reward; per-turn rewards alone make it
 trainable only when the run says they suffice (``turn_rewards_suffice``). The session's
-``rewarded`` flag means exactly that: it has what it needs to become trainable.
+``rewarded`` flag means exactly that: it has what it needs to become trainable. An eval session
+becomes ``evaluated`` instead, and keeps taking rewards there as a trainable one does.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from server.errors import CompletionNotFound, RewardConflict, RewardsClosed
 from server.store import sessions
 from server.store.tables import SESSION_TARGET, Reward, Session, Turn, utcnow
+
+TAKES_REWARDS = (sessions.OPEN, sessions.ENDED, sessions.TRAINABLE, sessions.EVALUATED)
 
 
 async def add_reward(
@@ -60,22 +63,19 @@ async def _existing(db: AsyncSession, session_id: str, target: str) -> Reward | 
 
 
 async def _mark_rewarded(db: AsyncSession, session: Session, sufficient: bool) -> None:
-    """A sufficient reward makes the session rewarded (an ended one trainable); either way the
-    session must still take rewards (a claim may have taken it meanwhile)."""
+    """A sufficient reward makes the session rewarded (an ended one trainable, or evaluated);
+    either way the session must still take rewards (a claim may have taken it meanwhile)."""
     ended = Session.status == sessions.ENDED
     values: dict = {"rewarded": Session.rewarded}  # an insufficient reward changes nothing
     if sufficient:
         values = {
             "rewarded": True,
-            "trainable_at": case((ended, utcnow()), else_=Session.trainable_at),
-            "status": case((ended, sessions.TRAINABLE), else_=Session.status),
+            "trainable_at": case((ended & ~Session.eval, utcnow()), else_=Session.trainable_at),
+            "status": case((ended, sessions.rewarded_status_sql()), else_=Session.status),
         }
     result = await db.execute(
         update(Session)
-        .where(
-            Session.id == session.id,
-            Session.status.in_((sessions.OPEN, sessions.ENDED, sessions.TRAINABLE)),
-        )
+        .where(Session.id == session.id, Session.status.in_(TAKES_REWARDS))
         .values(**values)
         .execution_options(synchronize_session=False)
     )

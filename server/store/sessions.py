@@ -3,6 +3,13 @@
 A session is trainable once it is ended and rewarded (``server.store.rewards`` says which rewards
 suffice). Deadlines (``expire``) end idle sessions and resolve sessions whose reward never came,
 as the run's config says; a dropped session says why in ``drop_reason``.
+
+An evaluation session (``eval``) is served and recorded like any other but never trained: where
+a training session would become trainable it becomes ``evaluated``, a final status that no claim,
+group, deadline or admission count looks at. At the reward deadline an eval session with turn
+rewards is evaluated (whatever ``turn_rewards_suffice`` says: they are its score); one with no
+reward at all is dropped ("no_reward"), never given the run's default reward, which would be a
+made-up score.
 """
 
 from __future__ import annotations
@@ -21,15 +28,26 @@ from server.store.tables import SESSION_TARGET, Reward, Run, Session, utcnow
 
 log = logging.getLogger(__name__)
 
-OPEN, ENDED, TRAINABLE, CLAIMED, CONSUMED, DROPPED = (
+OPEN, ENDED, TRAINABLE, CLAIMED, CONSUMED, DROPPED, EVALUATED = (
     "open",
     "ended",
     "trainable",
     "claimed",
     "consumed",
     "dropped",
+    "evaluated",
 )
-STATUSES = (OPEN, ENDED, TRAINABLE, CLAIMED, CONSUMED, DROPPED)
+STATUSES = (OPEN, ENDED, TRAINABLE, CLAIMED, CONSUMED, DROPPED, EVALUATED)
+
+
+def rewarded_status(session: Session) -> str:
+    """What an ended session with the rewards it needs becomes."""
+    return EVALUATED if session.eval else TRAINABLE
+
+
+def rewarded_status_sql() -> Any:
+    """:func:`rewarded_status` in SQL, for an UPDATE of the session's own row."""
+    return case((Session.eval, EVALUATED), else_=TRAINABLE)
 
 
 async def create_session(
@@ -38,6 +56,7 @@ async def create_session(
     task_id: str | None,
     group_id: str | None,
     metadata: dict[str, Any],
+    eval: bool = False,
 ) -> tuple[Session, str]:
     key, key_hash = new_key("proxrl-sess")
     session = Session(
@@ -47,6 +66,7 @@ async def create_session(
         group_id=group_id,
         meta=metadata,
         api_key_hash=key_hash,
+        eval=eval,
     )
     db.add(session)
     await db.flush()
@@ -62,7 +82,8 @@ async def session_by_key_hash(db: AsyncSession, key_hash: str) -> Session | None
 
 
 async def end_session(db: AsyncSession, session: Session, now: datetime | None = None) -> None:
-    """End an open session (ending twice is a no-op); rewarded, it becomes trainable."""
+    """End an open session (ending twice is a no-op); rewarded, it becomes trainable (an eval
+    session: evaluated)."""
     if session.status != OPEN:
         return
     now = now or utcnow()
@@ -71,8 +92,8 @@ async def end_session(db: AsyncSession, session: Session, now: datetime | None =
         .where(Session.id == session.id, Session.status == OPEN)
         .values(
             ended_at=now,
-            status=case((Session.rewarded, TRAINABLE), else_=ENDED),
-            trainable_at=case((Session.rewarded, now), else_=None),
+            status=case((Session.rewarded, rewarded_status_sql()), else_=ENDED),
+            trainable_at=case((Session.rewarded & ~Session.eval, now), else_=None),
         )
         .execution_options(synchronize_session=False)
     )
@@ -80,9 +101,18 @@ async def end_session(db: AsyncSession, session: Session, now: datetime | None =
 
 
 async def admitted_count(db: AsyncSession, run_id: str) -> int:
-    """Sessions the run has admitted that may still be trained (all but dropped ones)."""
-    query = select(func.count()).where(Session.run_id == run_id, Session.status != DROPPED)
+    """Sessions the run has admitted that may still be trained (all but dropped ones; eval
+    sessions are never trained, so never count)."""
+    query = select(func.count()).where(
+        Session.run_id == run_id, Session.status != DROPPED, Session.eval.is_(False)
+    )
     return int(await db.scalar(query) or 0)
+
+
+async def group_eval_flags(db: AsyncSession, run_id: str, group_id: str) -> set[bool]:
+    """Which kinds (eval or not) the run's sessions of ``group_id`` are."""
+    query = select(Session.eval).where(Session.run_id == run_id, Session.group_id == group_id)
+    return {bool(flag) for flag in await db.scalars(query.distinct())}
 
 
 async def expire(db: AsyncSession, now: datetime | None = None) -> dict[str, str]:
@@ -127,14 +157,16 @@ async def expire(db: AsyncSession, now: datetime | None = None) -> dict[str, str
 async def _resolve_missing_reward(
     db: AsyncSession, session: Session, config: RunConfig, now: datetime
 ) -> None:
-    """No session reward by the deadline: per-turn rewards do if the run says they suffice,
-    else on_missing_reward drops the session or gives it the default reward."""
-    if session.rewarded or (config.turn_rewards_suffice and await _has_turn_reward(db, session.id)):
+    """No session reward by the deadline: per-turn rewards do if the run says they suffice (an
+    eval session's always do), else on_missing_reward drops the session or gives it the default
+    reward (an eval session is dropped: see the module doc)."""
+    turn_rewards_suffice = config.turn_rewards_suffice or session.eval
+    if session.rewarded or (turn_rewards_suffice and await _has_turn_reward(db, session.id)):
         session.rewarded = True
-        session.status = TRAINABLE
-        session.trainable_at = now
+        session.status = rewarded_status(session)
+        session.trainable_at = None if session.eval else now
         return
-    if config.on_missing_reward == "drop":
+    if config.on_missing_reward == "drop" or session.eval:
         session.status = DROPPED
         session.drop_reason = drop_reasons.no_reward(config.reward_timeout_s or 0.0)
         return

@@ -2,7 +2,8 @@
 
 Every read here is a GROUP BY or a page: none loads a table. Time buckets are computed in SQL
 from each backend's own clock functions (SQLite stores datetimes as text, Postgres as
-timestamptz), so a run's sessions are summarised without being fetched.
+timestamptz), so a run's sessions are summarised without being fetched. Reward figures are the
+training sessions' only: eval sessions' rewards are held-out scores (``server.store.evaluation``).
 """
 
 from __future__ import annotations
@@ -57,11 +58,15 @@ async def session_counts(db: AsyncSession, run_ids: list[str]) -> dict[str, dict
 
 
 async def reward_means(db: AsyncSession, run_ids: list[str]) -> dict[str, tuple[float, int]]:
-    """{run_id: (mean session reward, rewarded sessions)} for runs with a session reward."""
+    """{run_id: (mean session reward, rewarded sessions)} of the runs' training sessions."""
     query = (
         select(Session.run_id, func.avg(Reward.value), func.count())
         .join(Reward, Reward.session_id == Session.id)
-        .where(Session.run_id.in_(run_ids), Reward.target == SESSION_TARGET)
+        .where(
+            Session.run_id.in_(run_ids),
+            Reward.target == SESSION_TARGET,
+            Session.eval.is_(False),
+        )
         .group_by(Session.run_id)
     )
     return {r: (float(mean), int(n)) for r, mean, n in (await db.execute(query)).all()}
@@ -112,7 +117,7 @@ class RewardBucket:
 
 
 async def reward_buckets(db: AsyncSession, run_id: str, width: int) -> list[RewardBucket]:
-    """Session rewards of the run by the ``width``-second bucket they arrived in."""
+    """Training sessions' rewards of the run by the ``width``-second bucket they arrived in."""
     bucket = bucket_of(Reward.created_at, width, _dialect(db)).label("bucket")
     query = (
         select(
@@ -124,7 +129,7 @@ async def reward_buckets(db: AsyncSession, run_id: str, width: int) -> list[Rewa
             func.max(Reward.value),
         )
         .join(Session, Session.id == Reward.session_id)
-        .where(Session.run_id == run_id, Reward.target == SESSION_TARGET)
+        .where(Session.run_id == run_id, Reward.target == SESSION_TARGET, Session.eval.is_(False))
         .group_by(bucket)
         .order_by(bucket)
     )

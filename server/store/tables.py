@@ -15,6 +15,7 @@ from sqlalchemy import (
     LargeBinary,
     String,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -68,7 +69,8 @@ class Run(Base):
 
 class Session(Base):
     """One agent episode in a run; its status moves open -> ended -> trainable -> claimed ->
-    consumed, or to dropped (with a ``drop_reason``) when it cannot be trained."""
+    consumed, or to dropped (with a ``drop_reason``) when it cannot be trained. An evaluation
+    session (``eval``) is never trained: it moves open -> ended -> evaluated."""
 
     __tablename__ = "sessions"
     __table_args__ = (
@@ -97,6 +99,7 @@ class Session(Base):
     claim_expires_at: Mapped[datetime | None]
     consumed_at: Mapped[datetime | None]
     drop_reason: Mapped[str | None] = mapped_column(String(DROP_REASON_LENGTH))
+    eval: Mapped[bool] = mapped_column(default=False, server_default=false())
 
 
 class Turn(Base):

@@ -226,3 +226,41 @@ def test_a_429_is_raised_once_retries_are_spent(proxy, client, retry_log):
     assert error.retry_after == 1.0 and error.response.status_code == 429
     assert len(retry_log.errors) == 1
     assert client.run_metrics(run["id"])["sessions"] == {"open": 1}
+
+
+# --------------------------------------------------------------------------------------------
+# evaluation sessions
+
+
+def test_eval_sessions_pass_a_full_bound_and_are_charted_by_version(proxy, client):
+    """``session(eval=True)``, sync and async: admitted with the bound full, never trainable,
+    and their rewards in the run's ``eval`` figures."""
+    run = client.create_run(config=ONE_SESSION)
+    client.session(run_id=run["id"])  # the bound is full now
+    with client.session(run_id=run["id"], task_id="heldout", eval=True) as session:
+        session.openai(max_retries=0).chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=4
+        )
+        session.reward(1.0)
+
+    async def async_eval() -> str:
+        async with AsyncClient(proxy.url, ADMIN_KEY) as async_client:
+            async with async_client.session(run_id=run["id"], eval=True) as evaluated:
+                async with evaluated.async_openai(max_retries=0) as model:
+                    await model.chat.completions.create(
+                        model="tiny", messages=MESSAGES, max_tokens=4
+                    )
+                await evaluated.reward(0.0)
+            return evaluated.id
+
+    async_id = asyncio.run(async_eval())
+    for session_id in (session.id, async_id):
+        detail = client.get_session(session_id)
+        assert (detail["eval"], detail["status"]) == (True, "evaluated")
+    figures = client.get_run(run["id"])["eval"]
+    version = client.get_session(session.id)["turns"][0]["versions"][0]
+    assert [(f["version"], f["task_id"], f["count"], f["mean"]) for f in figures["tasks"]] == [
+        (version, None, 1, 0.0),
+        (version, "heldout", 1, 1.0),
+    ]
+    assert [(f["count"], f["mean"], f["std"]) for f in figures["versions"]] == [(2, 0.5, 0.5)]

@@ -35,6 +35,8 @@ SCHEMAS = {
     "Row": "RowOut",
     "RewardResult": "RewardOut",
     "SessionEnded": "SessionEnded",
+    "EvalFigures": "EvalFigures",
+    "RunEval": "RunEval",
 }
 # Types the SDK builds from another answer: the schema, and each field's name there.
 SAME = "policy_version", "sessions", "totals"
@@ -187,6 +189,7 @@ class DriftedRun(TypedDict):
     created_at: str
     sessions: dict[str, int]
     totals: dict[str, float]
+    eval: _types.RunEval
     note: str
 
 
