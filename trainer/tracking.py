@@ -210,7 +210,10 @@ class WandbTracker:
 
     def close(self) -> None:
         if self.run is not None:
+            import wandb
+
             self.run.finish()
+            wandb.teardown()  # waits for W&B's service to write (or send) all it was given
 
 
 class MlflowTracker:
