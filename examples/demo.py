@@ -6,10 +6,15 @@
    (max_staleness > 0), publishing each new version into the engine while it serves.
 3. The math agent (examples/agents/math_agent.py) runs many concurrent sessions through the
    real proxy with the stock openai SDK, in GRPO groups, and posts reward 1 for exact sums.
-4. A live table shows policy version, reward, staleness, sessions/s and trained tokens/s; at
-   the end a summary (also `summary.json`) and a plot of reward against time and version.
+4. Beside it, a held-out set of problems the agent never trains on (examples/agents/heldout.py)
+   is answered greedily in evaluation sessions: at version 0, every ``--eval-every`` versions,
+   and at the end, each answer counted under the policy version that gave it.
+5. A live table shows policy version, reward, held-out accuracy, staleness, sessions/s and
+   trained tokens/s; at the end a summary (also `summary.json`) and a plot of reward and
+   held-out accuracy against time and version. The summary's held-out figures per version are
+   checked against the server's own (`GET /rl/runs/{id}`, its `eval` list).
 
-Ctrl-C stops everything cleanly (the trainer checkpoints first).
+Ctrl-C stops everything cleanly: the trainer checkpoints, then the final evaluation runs.
 """
 
 from __future__ import annotations
@@ -19,16 +24,23 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import httpx
+
+from client_sdk import AsyncClient
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "agents"))
 
 import arithmetic  # noqa: E402  (examples/agents, on the path above)
+import heldout  # noqa: E402
 from math_agent import MathAgent  # noqa: E402
 
 log = logging.getLogger("proxrl.demo")
@@ -50,6 +62,30 @@ class Outcome:
     version: int  # the policy version served when the session started
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """One pass over the held-out set."""
+
+    at: float  # seconds since the start, when its last answer came
+    answers: list[heldout.Answer]
+
+    @property
+    def accuracy(self) -> float:
+        return _mean([answer.reward for answer in self.answers])
+
+    @property
+    def versions(self) -> tuple[int, int]:
+        """The lowest and highest answering version (they differ when the weights changed
+        while it ran)."""
+        versions = [answer.version for answer in self.answers]
+        return min(versions), max(versions)
+
+    @property
+    def label(self) -> str:
+        low, high = self.versions
+        return f"v{low}" if low == high else f"v{low}-{high}"
+
+
 @dataclass
 class Board:
     """What the live table and the summary show."""
@@ -59,10 +95,16 @@ class Board:
     recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     version: int = 0
     steps: list[dict] = field(default_factory=list)
+    evaluations: list[Evaluation] = field(default_factory=list)
+    server_heldout: list[dict] | None = None  # GET /rl/runs/{id}'s held-out rows, at the end
+    seconds: float | None = None  # how long the agent trained
 
     def add(self, reward: float) -> None:
         self.outcomes.append(Outcome(time.monotonic() - self.started, reward, self.version))
         self.recent.append(reward)
+
+    def add_evaluation(self, answers: list[heldout.Answer]) -> None:
+        self.evaluations.append(Evaluation(time.monotonic() - self.started, answers))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -76,6 +118,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64, help="Sessions per training step.")
     p.add_argument("--max-staleness", type=int, default=2, help="Versions a token may lag.")
     p.add_argument("--lr", type=float, default=3e-4, help="The trainer's learning rate.")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=50,
+        help="Policy versions between held-out evaluations (also one at the start and the end).",
+    )
+    p.add_argument(
+        "--heldout", type=int, default=32, help="Held-out problems (of 100), never trained on."
+    )
     args = p.parse_args(argv)
     if not args.minutes > 0:
         p.error("--minutes must be positive")
@@ -85,6 +136,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--batch-size and --concurrency must be multiples of --group-size")
     if args.max_staleness < 0:
         p.error("--max-staleness must be at least 0 (0: synchronous)")
+    if args.eval_every < 1:
+        p.error("--eval-every must be at least 1")
+    if not 1 <= args.heldout <= 50:
+        p.error("--heldout must be 1 to 50: the training problems are the other 50 or more")
     return args
 
 
@@ -127,6 +182,7 @@ def table(board: Board, args: argparse.Namespace):
         ("policy version", str(board.version)),
         (f"mean reward (last {WINDOW} sessions)", f"{_mean(recent):.3f}"),
         ("mean reward at start", f"{_mean(start):.3f}"),
+        (f"held-out accuracy ({args.heldout} problems, greedy)", heldout_line(board)),
         ("sessions", f"{len(board.outcomes)} ({len(board.outcomes) / max(elapsed, 1e-9):.1f}/s)"),
         ("sessions trained", str(sum(s["sessions"] for s in board.steps))),
         ("trained tokens/s (last step)", f"{last.get('tokens_per_second', 0):.0f}"),
@@ -140,11 +196,19 @@ def table(board: Board, args: argparse.Namespace):
     return t
 
 
+def heldout_line(board: Board) -> str:
+    if not board.evaluations:
+        return "(the first evaluation is running)"
+    first, last = board.evaluations[0], board.evaluations[-1]
+    line = f"{last.accuracy:.3f} at {last.label}"
+    return line if last is first else f"{line} (first {first.accuracy:.3f} at {first.label})"
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def summarize(board: Board, seconds: float, out: Path) -> dict:
+def summarize(board: Board, out: Path) -> dict:
     rewards = [o.reward for o in board.outcomes]
     summary = {
         "reward_start": _mean(rewards[:WINDOW]),
@@ -152,11 +216,43 @@ def summarize(board: Board, seconds: float, out: Path) -> dict:
         "versions_published": board.version,
         "sessions_trained": sum(s["sessions"] for s in board.steps),
         "sessions": len(rewards),
-        "seconds": round(seconds, 1),
+        "seconds": round(board.seconds or 0.0, 1),
         "window": WINDOW,
+        "heldout": summarize_heldout(board),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def summarize_heldout(board: Board) -> dict:
+    """The evaluations (first, last, best, each), accuracy per answering version, and the
+    server's figures for the same versions."""
+    evaluations: list[dict[str, Any]] = [
+        {
+            "versions": list(e.versions),
+            "accuracy": e.accuracy,
+            "count": len(e.answers),
+            "at_s": round(e.at, 1),
+        }
+        for e in board.evaluations
+    ]
+    ours = heldout.by_version(a for e in board.evaluations for a in e.answers)
+    theirs = board.server_heldout
+    differences = heldout.disagreements(ours, theirs) if theirs is not None else None
+    for difference in differences or []:
+        log.warning("held-out accuracy differs from the server's: %s", difference)
+    return {
+        "task_id": heldout.TASK_ID,
+        "seed": heldout.HELDOUT_SEED,
+        "problems": len(board.evaluations[0].answers) if board.evaluations else 0,
+        "first": evaluations[0] if evaluations else None,
+        "last": evaluations[-1] if evaluations else None,
+        "best": max(evaluations, key=lambda e: e["accuracy"]) if evaluations else None,
+        "evaluations": evaluations,
+        "by_version": ours,
+        "server_by_version": theirs,
+        "server_agrees": None if differences is None else not differences,
+    }
 
 
 def plot(board: Board, out: Path) -> Path:
@@ -171,14 +267,22 @@ def plot(board: Board, out: Path) -> Path:
     rewards = [o.reward for o in board.outcomes]
     window = max(1, min(WINDOW, len(rewards) // 4 or 1))
     rolling = [_mean(rewards[max(0, i - window + 1) : i + 1]) for i in range(len(rewards))]
-    by_time.plot(times, rolling)
-    by_time.set(xlabel="seconds", ylabel=f"mean reward (last {window} sessions)", ylim=(0, 1))
-    by_time.set_title("reward against time")
+    by_time.plot(times, rolling, label=f"training reward (last {window} sessions)")
+    by_time.set(xlabel="seconds", ylabel="reward / accuracy", ylim=(0, 1))
+    by_time.set_title("against time")
     versions = sorted({o.version for o in board.outcomes})
     means = [_mean([o.reward for o in board.outcomes if o.version == v]) for v in versions]
-    by_version.plot(versions, means, marker="o")
-    by_version.set(xlabel="policy version", ylabel="mean reward", ylim=(0, 1))
-    by_version.set_title("reward against policy version")
+    by_version.plot(versions, means, marker=".", label="training reward (sampled)")
+    by_version.set(xlabel="policy version", ylabel="reward / accuracy", ylim=(0, 1))
+    by_version.set_title("against policy version")
+    if board.evaluations:
+        label = "held-out accuracy (greedy)"
+        accuracy = [e.accuracy for e in board.evaluations]
+        by_time.plot([e.at for e in board.evaluations], accuracy, marker="o", label=label)
+        answered = [_mean([a.version for a in e.answers]) for e in board.evaluations]
+        by_version.plot(answered, accuracy, marker="o", label=label)
+    for axes in (by_time, by_version):
+        axes.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -188,44 +292,85 @@ def plot(board: Board, out: Path) -> Path:
 # ----- the run -------------------------------------------------------------------------------
 
 
-async def watch(board: Board, server, trainer, args: argparse.Namespace, agent: asyncio.Task):
-    """Refresh the live table every second until time is up or the agent stops."""
-    from rich.live import Live
+@dataclass
+class Evaluator:
+    """The held-out evaluations: one before training moves, one whenever the policy is
+    ``every`` versions past the last one's (beside the training agent, never stopping it), one
+    at the end. One at a time."""
 
-    from client_sdk import AsyncClient
+    board: Board
+    client: AsyncClient
+    http: httpx.AsyncClient
+    run: dict
+    problems: list[arithmetic.Problem]
+    every: int
+    running: asyncio.Task | None = None
+    due_at: int = 0  # the version that starts the next one
+
+    async def evaluate(self) -> None:
+        answers = await heldout.evaluate(
+            self.client, self.http, self.run["model"], self.run["id"], self.problems,
+            max_tokens=MAX_TOKENS,
+        )  # fmt: skip
+        self.board.add_evaluation(answers)
+        self.due_at = max(answer.version for answer in answers) + self.every
+
+    def start_if_due(self, version: int) -> None:
+        if self.running is not None and self.running.done():
+            self.running.result()  # its error, if it failed
+            self.running = None
+        if self.running is None and version >= self.due_at:
+            self.running = asyncio.create_task(self.evaluate())
+
+    async def finish(self) -> None:
+        """Wait for the one in flight, if any."""
+        if self.running is not None:
+            await self.running
+            self.running = None
+
+
+async def watch(
+    board: Board,
+    server,
+    trainer,
+    args: argparse.Namespace,
+    agent: asyncio.Task,
+    evaluator: Evaluator,
+    stop: asyncio.Event,
+) -> None:
+    """Refresh the live table every second, starting evaluations when due, until time is up,
+    the agent stops, or Ctrl-C."""
+    from rich.live import Live
 
     deadline = board.started + args.minutes * 60
     async with AsyncClient(server.url, server.admin_key, timeout=30) as client:
-        run = next(r for r in await client.list_runs() if r["is_default"])
         with Live(table(board, args), refresh_per_second=2) as live:
-            while time.monotonic() < deadline and not agent.done():
-                await asyncio.sleep(1.0)
+            while time.monotonic() < deadline and not agent.done() and not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=1.0)
                 if trainer.exited() is not None:
                     raise RuntimeError(f"proxrl train stopped; see {trainer.log_path}")
-                board.version = (await client.get_run(run["id"]))["policy_version"]
+                board.version = (await client.get_run(evaluator.run["id"]))["policy_version"]
                 board.steps = trainer.steps()
+                evaluator.start_if_due(board.version)
                 live.update(table(board, args))
 
 
-async def run_agent(board: Board, server, args: argparse.Namespace) -> None:
-    """The math agent, ``--concurrency`` sessions in flight, until cancelled."""
-    import httpx
-
-    from client_sdk import AsyncClient
-
+async def run_agent(board: Board, client: AsyncClient, run: dict, args: argparse.Namespace) -> None:
+    """The math agent, ``--concurrency`` sessions in flight, until cancelled; it never sees a
+    held-out problem."""
     limits = httpx.Limits(max_connections=args.concurrency + 8)
-    async with (
-        AsyncClient(server.url, server.admin_key, max_retries=1000, timeout=300) as client,
-        httpx.AsyncClient(limits=limits, timeout=300) as http,
-    ):
-        run = next(r for r in await client.list_runs() if r["is_default"])
+    async with httpx.AsyncClient(limits=limits, timeout=300) as http:
         await wait_configured(client, run["id"])
+        training = heldout.training_problems(
+            arithmetic.problems(args.seed), heldout.heldout_set(args.heldout)
+        )
         agent = MathAgent(
             client,
             http,
             run["model"],
             run["id"],
-            arithmetic.problems(args.seed),
+            training,
             concurrency=args.concurrency,
             group_size=args.group_size,
             max_tokens=MAX_TOKENS,
@@ -242,16 +387,39 @@ async def wait_configured(client, run_id: str) -> None:
         await asyncio.sleep(0.5)
 
 
-async def demo(board: Board, server, trainer, args: argparse.Namespace) -> None:
-    agent = asyncio.create_task(run_agent(board, server, args))
-    try:
-        await watch(board, server, trainer, args, agent)
-    finally:
-        agent.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await agent
-    if agent.done() and not agent.cancelled() and agent.exception() is not None:
-        raise agent.exception()  # type: ignore[misc]
+async def demo(board: Board, server, trainer, args: argparse.Namespace) -> bool:
+    """Evaluate, train while evaluating, stop the trainer, evaluate the last version, read the
+    server's held-out figures. True when Ctrl-C ended the training (a second Ctrl-C stops
+    everything at once: KeyboardInterrupt)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    limits = httpx.Limits(max_connections=max(args.concurrency, args.heldout) + 8)
+    async with (
+        AsyncClient(server.url, server.admin_key, max_retries=1000, timeout=300) as client,
+        httpx.AsyncClient(limits=limits, timeout=300) as http,
+    ):
+        run: dict[str, Any] = dict(next(r for r in await client.list_runs() if r["is_default"]))
+        problems = heldout.heldout_set(args.heldout)
+        evaluator = Evaluator(board, client, http, run, problems, args.eval_every)
+        await evaluator.evaluate()  # before any training session: the policy has not moved
+        agent = asyncio.create_task(run_agent(board, client, run, args))
+        try:
+            await watch(board, server, trainer, args, agent, evaluator, stop)
+        finally:
+            board.seconds = time.monotonic() - board.started
+            loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C stops at once
+            agent.cancel()
+            await asyncio.gather(agent, return_exceptions=True)
+        if not agent.cancelled() and agent.exception() is not None:
+            raise agent.exception()  # type: ignore[misc]
+        await evaluator.finish()
+        await asyncio.to_thread(trainer.stop)  # it checkpoints; the version stops moving
+        board.steps = trainer.steps()
+        board.version = (await client.get_run(run["id"]))["policy_version"]
+        await evaluator.evaluate()  # the last version
+        board.server_heldout = heldout.server_by_version(await client.get_run(run["id"]))
+    return stop.is_set()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         "[bold]proxrl demo[/]: a tiny model that half-knows addition answers many concurrent "
         "agent sessions through the proxy; each exact sum earns reward 1; the trainer turns "
         f"those rewards into new weights every {args.batch_size} sessions and swaps them into "
-        "the engine while it keeps serving. Watch the reward go up."
+        "the engine while it keeps serving. Watch the reward go up, and the accuracy on "
+        f"{args.heldout} problems it never trains on."
     )
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -285,22 +454,37 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"server {server.url}; trainer log {out / 'trainer.log'}")
         board = Board()
         try:
-            asyncio.run(demo(board, server, trainer, args))
+            interrupted = asyncio.run(demo(board, server, trainer, args))
         except KeyboardInterrupt:
             interrupted = True
             console.print("\nstopping (Ctrl-C) ...")
-        seconds = time.monotonic() - board.started
+        if board.seconds is None:
+            board.seconds = time.monotonic() - board.started
         trainer.stop()
         board.steps = trainer.steps()
-    summary = summarize(board, seconds, out)
+    summary = summarize(board, out)
     image = plot(board, out) if board.outcomes else None
     console.print(
         f"reward {summary['reward_start']:.3f} → {summary['reward_end']:.3f} "
         f"(first and last {WINDOW} sessions) · {summary['versions_published']} versions "
-        f"published · {summary['sessions_trained']} sessions trained · {seconds:.0f}s"
+        f"published · {summary['sessions_trained']} sessions trained · {board.seconds:.0f}s"
     )
+    console.print(heldout_report(summary["heldout"]))
     console.print(f"summary: {out / 'summary.json'}" + (f" · plot: {image}" if image else ""))
     return 130 if interrupted else 0
+
+
+def heldout_report(figures: dict) -> str:
+    if figures["first"] is None:
+        return "held-out accuracy: no evaluation finished"
+    first, last, best = figures["first"], figures["last"], figures["best"]
+    agrees = {True: "the server agrees", False: "the server DISAGREES (see the log)"}
+    return (
+        f"held-out accuracy (greedy, {figures['problems']} problems) {first['accuracy']:.3f} "
+        f"(v{first['versions'][1]}) → {last['accuracy']:.3f} (v{last['versions'][1]}), best "
+        f"{best['accuracy']:.3f} (v{best['versions'][1]}) · {len(figures['evaluations'])} "
+        f"evaluations · {agrees.get(figures['server_agrees'], 'not checked with the server')}"
+    )
 
 
 if __name__ == "__main__":

@@ -138,9 +138,10 @@ def by_version(answers: Iterable[Answer]) -> list[dict[str, Any]]:
 
 
 def server_by_version(run: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The held-out task's rows of ``GET /rl/runs/{id}``'s ``eval`` list, as ``by_version``
-    gives them."""
-    rows = [row for row in run.get("eval", []) if row.get("task_id") == TASK_ID]
+    """The held-out task's rows of ``GET /rl/runs/{id}``'s ``eval`` figures (its per version
+    and task list), as ``by_version`` gives them."""
+    tasks = run.get("eval", {}).get("tasks", [])
+    rows = [row for row in tasks if row["task_id"] == TASK_ID]
     return [
         {"version": row["version"], "count": row["count"], "mean": row["mean"]}
         for row in sorted(rows, key=lambda row: row["version"])

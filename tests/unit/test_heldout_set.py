@@ -63,13 +63,13 @@ def test_by_version_groups_answers_by_the_version_that_gave_them():
 
 def test_the_servers_rows_are_read_for_the_heldout_task_and_compared():
     ours = [{"version": 0, "count": 2, "mean": 0.5}, {"version": 4, "count": 3, "mean": 2 / 3}]
-    run = {
-        "eval": [
-            {"version": 4, "task_id": "heldout", "count": 3, "mean": 2 / 3, "std": 0.47},
-            {"version": 0, "task_id": "other", "count": 9, "mean": 0.1, "std": 0.3},
-            {"version": 0, "task_id": "heldout", "count": 2, "mean": 0.5, "std": 0.5},
-        ]
-    }
+    tasks = [
+        {"version": 4, "task_id": "heldout", "count": 3, "mean": 2 / 3, "std": 0.47},
+        {"version": 0, "task_id": "other", "count": 9, "mean": 0.1, "std": 0.3},
+        {"version": 0, "task_id": "heldout", "count": 2, "mean": 0.5, "std": 0.5},
+    ]
+    totals = [{"version": 0, "task_id": None, "count": 11, "mean": 0.18, "std": 0.38}]
+    run = {"eval": {"tasks": tasks, "versions": totals}}
     theirs = heldout.server_by_version(run)
     assert theirs == ours
     assert heldout.disagreements(ours, theirs) == []
