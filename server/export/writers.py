@@ -17,15 +17,10 @@ from typing import Any, Protocol
 from server.errors import InvalidRequest
 from server.export.schema import arrow_schema
 
-
-class ParquetUnavailable(InvalidRequest):
-    def __init__(self) -> None:
-        super().__init__(
-            "Parquet export needs pyarrow, which is not installed here: "
-            "pip install 'proxrl[export]', or export as jsonl.",
-            param="format",
-            code="parquet_unavailable",
-        )
+PARQUET_UNAVAILABLE = (
+    "Parquet export needs pyarrow, which is not installed here: pip install 'proxrl[export]', "
+    "or export as jsonl."
+)
 
 
 class Writer(Protocol):
@@ -89,7 +84,9 @@ class ParquetWriter:
             import pyarrow as pa
             import pyarrow.parquet as pq
         except ImportError:
-            raise ParquetUnavailable() from None
+            raise InvalidRequest(
+                PARQUET_UNAVAILABLE, param="format", code="parquet_unavailable"
+            ) from None
         self._table = pa.Table.from_pylist
         self._schema = arrow_schema()
         self._sink = _Sink()

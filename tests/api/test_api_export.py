@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import io
 import json
-from datetime import datetime
 
 import datasets
 import pyarrow.parquet as pq
 import pytest
 
 from server.cli import main as proxrl
-from server.export.schema import SESSION, arrow_schema, features, markdown_table, names
+from server.export.schema import SESSION, arrow_schema, features, markdown_table
 from tests.api.api_support import ADMIN_KEY, Api, assert_error
+from tests.export_support import assert_record_is_the_session, time_of
 
 TOOLS = [
     {
@@ -169,58 +169,10 @@ def _export(api: Api, run_id: str, **params: str) -> bytes:
     return reply.content
 
 
-def _time(text: str) -> datetime:
-    return datetime.fromisoformat(text.replace("Z", "+00:00"))
-
-
-def _masks(view: dict) -> dict[str, list[int]]:
-    """Per turn, the completion tokens the trainer trains: its row's loss mask over it, none of
-    an alternative without a reward of its own."""
-    masks = {}
-    for row in view["rows"]:
-        for turn in row["turns"]:
-            mask = row["loss_mask"][turn["start"] : turn["end"]]
-            masks[turn["completion_id"]] = (
-                [0] * len(mask) if (turn["alternative"] and turn["reward"] is None) else mask
-            )
-    return masks
-
-
-def assert_record_is_the_session(record: dict, view: dict) -> None:
-    """Every field of the record against GET /rl/sessions/{id}."""
-    assert list(record) == names()
-    plain = "session_id run_id task_id group_id eval status drop_reason turn_count row_count "
-    plain += "breaks retries reward"
-    for name in plain.split():
-        assert record[name] == view[name], name
-    assert json.loads(record["metadata_json"]) == view["metadata"]
-    assert _time(record["created_at"]) == _time(view["created_at"])
-    ended = record["ended_at"]
-    assert (ended and _time(ended)) == (view["ended_at"] and _time(view["ended_at"]))
-    assert {r["target"]: r["reward"] for r in record["rewards"]} == view["rewards"]
-    assert len(record["rewards"]) == len(view["rewards"])
-    masks = _masks(view)
-    alternatives = {t["completion_id"]: t["alternative"] for r in view["rows"] for t in r["turns"]}
-    assert len(record["turns"]) == len(view["turns"])
-    for got, want in zip(record["turns"], view["turns"], strict=True):
-        exact = "completion_id request_id turn_index row_index surface model finish_reason "
-        exact += "extends_previous prompt_ids completion_ids logprobs versions reward engine "
-        exact += "resubmits"
-        for name in exact.split():
-            assert got[name] == want[name], name
-        for name in ("messages", "tools", "response", "sampling"):
-            assert json.loads(got[f"{name}_json"]) == want[name], name
-        assert _time(got["created_at"]) == _time(want["created_at"])
-        assert got["alternative"] == alternatives[want["completion_id"]]
-        assert got["loss_mask"] == masks[want["completion_id"]]
-        assert len(got["loss_mask"]) == len(want["completion_ids"])
-    assert record["rows"] == view["rows"]
-
-
 def _check_all(rows: list[dict], run: dict) -> None:
     views = run["views"]
     assert [r["session_id"] for r in rows] == sorted(
-        views, key=lambda sid: (_time(views[sid]["created_at"]), sid)
+        views, key=lambda sid: (time_of(views[sid]["created_at"]), sid)
     )
     for record in rows:
         assert_record_is_the_session(record, views[record["session_id"]])
@@ -296,7 +248,7 @@ def test_status_and_since_choose_the_sessions(api: Api, run: dict):
     since = views[ids["mixed"]]["created_at"]
     later = {ids["mixed"], ids["retry"], ids["open"], ids["eval"]}
     assert _ids(_export(api, run["id"], status="all", since=since)) == later
-    naive = _time(since).replace(tzinfo=None).isoformat()  # no zone: UTC
+    naive = time_of(since).replace(tzinfo=None).isoformat()  # no zone: UTC
     assert _ids(_export(api, run["id"], status="all", since=naive)) == later
     assert _ids(_export(api, run["id"], status="all", since="1h")) == set(ids.values())
     assert _export(api, run["id"], status="all", since="2999-01-01T00:00:00Z") == b""
