@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from server.rl.schemas import ROW_TURNS, SessionOut, SessionSummary
+from server.rl.schemas import ROW_TURNS, RunEval, SessionOut, SessionSummary
 
 
 class RunSummary(BaseModel):
@@ -84,6 +84,10 @@ class RunSeries(BaseModel):
     sessions: list[SessionPoint] = Field(description="Sessions started and ended by time.")
     swaps: list[SwapPoint] = Field(
         description="Weight swaps this server process made for the run, with their pauses."
+    )
+    eval: RunEval = Field(
+        description="Held-out rewards of eval sessions by policy version and task, as GET "
+        "/rl/runs/{id} shows them (the reward buckets are the training sessions' only)."
     )
 
 

@@ -133,6 +133,7 @@ async def run_series(
         width = bucket_width(time.time() - span[0] if span else 0.0)
         rewards = await stats.reward_buckets(db, run.id, width) if span else []
         sessions = await stats.session_buckets(db, run.id, width) if span else {}
+        eval_figures = await run_views.run_eval(db, run.id)
     swaps = [swap for swap in ctx.pool.swaps if swap.get("run_id") == run.id]
     return RunSeries(
         run_id=run.id,
@@ -159,6 +160,7 @@ async def run_series(
             SwapPoint(version=s["version"], pause_seconds=s["pause_seconds"], time=s["at"])
             for s in swaps
         ],
+        eval=eval_figures,
     )
 
 

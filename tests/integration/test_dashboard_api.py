@@ -357,6 +357,7 @@ def test_a_run_without_data_has_clear_empty_answers(proxy):
     assert detail["last_step"] is None and detail["trainer_active"] is False
     data = series(proxy, run_id)
     assert (data["steps"], data["rewards"], data["sessions"], data["swaps"]) == ([], [], [], [])
+    assert data["eval"] == {"tasks": [], "versions": []}
     found = proxy.ok("GET", "/admin/api/sessions", params={"run_id": run_id})
     assert found == {"items": [], "total": 0, "limit": 50, "offset": 0}
     assert error_of(proxy.call("GET", "/admin/api/runs/run-nope"), 404)
@@ -543,6 +544,40 @@ def test_pages_show_the_seeded_run_and_session(proxy, seeded):
             "/admin/static/plotly.min.js", headers={"If-None-Match": script.headers["etag"]}
         )
         assert again.status_code == 304
+
+
+def test_eval_figures_are_served_and_eval_sessions_marked(proxy):
+    """The run's series carries the eval figures GET /rl/runs/{id} shows; its training reward
+    buckets leave eval sessions out; the sessions list and page mark them; the run page has
+    the held-out chart."""
+    run_id = proxy.new_run()["id"]
+    ids = []
+    for value, task, flag in [(1.0, "heldout", True), (0.0, "heldout", True), (0.5, "t", False)]:
+        session = proxy.new_session(run_id, task_id=task, eval=flag)
+        chat(session, [{"role": "user", "content": "2+2?"}])
+        proxy.ok("POST", f"/rl/sessions/{session['session_id']}/reward", json={"reward": value})
+        proxy.ok("POST", f"/rl/sessions/{session['session_id']}/end")
+        ids.append(session["session_id"])
+    data = series(proxy, run_id)
+    figures = proxy.ok("GET", f"/rl/runs/{run_id}")["eval"]
+    assert data["eval"] == figures
+    (per_task,) = figures["tasks"]
+    assert (per_task["task_id"], per_task["count"], per_task["mean"]) == ("heldout", 2, 0.5)
+    assert (per_task["std"], per_task["min"], per_task["max"]) == (0.5, 0.0, 1.0)
+    assert [(b["count"], b["mean"]) for b in data["rewards"]] == [(1, 0.5)]
+    found = proxy.ok("GET", "/admin/api/sessions", params={"run_id": run_id})["items"]
+    assert {item["session_id"]: item["eval"] for item in found} == dict(
+        zip(ids, [True, True, False], strict=True)
+    )
+    evaluated = proxy.ok("GET", "/admin/api/sessions", params={"status": "evaluated"})["items"]
+    assert set(ids[:2]) <= {item["session_id"] for item in evaluated}
+    cookies = {"proxrl_admin": login(proxy, ADMIN_KEY).cookies["proxrl_admin"]}
+    with httpx.Client(base_url=proxy.url, cookies=cookies) as browser:
+        assert 'data-chart="eval"' in browser.get(f"/admin/runs/{run_id}").text
+        listed = browser.get("/admin/sessions", params={"run_id": run_id}).text
+        assert listed.count('class="pill eval"') == 2
+        assert 'class="pill eval"' in browser.get(f"/admin/sessions/{ids[0]}").text
+        assert 'class="pill eval"' not in browser.get(f"/admin/sessions/{ids[2]}").text
 
 
 def _attributes(html: str, prefix: str) -> list[str]:

@@ -117,6 +117,32 @@ function band(steps) {
   ];
 }
 
+function evalTraces() {
+  // eval sessions' rewards by the policy version that answered: one line per task, then all
+  const figures = state.series.eval;
+  const byTask = new Map();
+  for (const f of figures.tasks) {
+    const name = f.task_id === null ? "no task" : `task ${f.task_id}`;
+    if (!byTask.has(name)) byTask.set(name, []);
+    byTask.get(name).push(f);
+  }
+  const hover = "v%{x}: %{y:.3f} (%{customdata} sessions)<extra>%{fullData.name}</extra>";
+  const trace = (name, points, extra) => ({
+    name, x: points.map((p) => p.version), y: points.map((p) => p.mean),
+    customdata: points.map((p) => p.count), hovertemplate: hover,
+    mode: "lines+markers", type: "scatter", ...extra,
+  });
+  const traces = [...byTask.entries()].map(([name, points], i) =>
+    trace(name, points, { line: { color: COLOURS[(i + 1) % COLOURS.length] } }));
+  if (figures.versions.length) {
+    traces.push(trace("all tasks (± std)", figures.versions, {
+      line: { color: COLOURS[0], width: 3 },
+      error_y: { type: "data", array: figures.versions.map((p) => p.std), visible: true, color: "#3b5bdb55" },
+    }));
+  }
+  return traces;
+}
+
 function charts() {
   const steps = state.steps;
   const series = state.series;
@@ -145,6 +171,12 @@ function charts() {
           mode: "markers", type: "scatter", marker: { color: COLOURS[1] } },
       ],
       empty: "No rewards yet: post them with POST /rl/sessions/{id}/reward.",
+    },
+    eval: {
+      traces: evalTraces(),
+      layout: { xaxis: { type: "linear", title: { text: "policy version" }, dtick: 1 },
+        yaxis: { title: { text: "reward" } } },
+      empty: 'No rewarded eval sessions yet: create sessions with "eval": true (POST /rl/sessions) and reward them.',
     },
     throughput: {
       traces: [
