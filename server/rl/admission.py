@@ -3,7 +3,8 @@
 A run admits a new session only while ``admitted < (max_staleness + version + 1) * batch_size``,
 where ``admitted`` counts the run's sessions that may still be trained. Otherwise the caller
 waits (up to the run's ``admission_wait_s``) for the trainer to publish a new version, then
-gets a 429 with Retry-After. Runs without a ``batch_size`` admit everything.
+gets a 429 with Retry-After. Runs without a ``batch_size`` admit everything. Evaluation sessions
+are never trained: they neither count in ``admitted`` nor wait (``server.rl.sessions``).
 """
 
 from __future__ import annotations
