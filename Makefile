@@ -57,6 +57,7 @@ bench: venv
 	$(PY) bench/trainer.py
 	$(PY) bench/dashboard.py
 	$(PY) bench/async_vs_sync.py
+	$(PY) bench/staleness_ablation.py
 
 demo: venv
 	$(VENV)/bin/proxrl demo

@@ -59,6 +59,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,11 +197,76 @@ async def until_trained(trainer: TrainerProcess, steps: int, timeout_s: float) -
         await asyncio.sleep(0.25)
 
 
-async def drive_mode(server: LocalServer, mode: Mode, out: Path, args, stack: ExitStack):
+@dataclass(frozen=True)
+class Trained:
+    steps: list[dict]  # the trainer's metrics.jsonl lines, one per step
+    agent: AgentLog
+    started: float  # time.time() when the agent started (the trainer's workers up)
+    trainer: TrainerProcess  # still running until the caller's stack stops it
+
+    @property
+    def wall_s(self) -> float:
+        """From the agent's start to the trainer's last step."""
+        return self.steps[-1]["time"] - self.started
+
+
+async def train_alongside(
+    client: AsyncClient,
+    http: httpx.AsyncClient,
+    server: LocalServer,
+    run: dict,
+    mode: Mode,
+    out: Path,
+    args,
+    stack: ExitStack,
+    concurrency: int,
+    problems: Iterator[arithmetic.Problem],
+) -> Trained:
+    """Start ``proxrl train`` on ``run`` (stopped by ``stack``), and once its workers are up
+    the agent with ``concurrency`` sessions in flight, until the trainer logged ``args.steps``
+    steps. The agent is stopped then; the trainer keeps running until ``stack`` closes."""
+    trainer = start_trainer(server, mode, out, args)
+    stack.callback(trainer.stop)
+    print("  trainer starting ...", flush=True)
+    launched = time.monotonic()
+    await wait_configured(client, run["id"], args.batch_size, trainer)
+    started = time.time()
+    print(f"  trainer ready in {time.monotonic() - launched:.1f}s; agent started", flush=True)
+    agent = MathAgent(
+        client, http, run["model"], run["id"], problems,
+        concurrency=concurrency, group_size=args.group_size,
+        max_tokens=args.max_tokens, temperature=TEMPERATURE, seed=args.seed,
+    )  # fmt: skip
+    running = asyncio.create_task(agent.run())
+    watch = asyncio.create_task(until_trained(trainer, args.steps, args.mode_timeout))
+    try:
+        await asyncio.wait({running, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if running.done():
+            running.result()  # the agent failed: raise its error
+            raise RuntimeError("the agent stopped before the trainer finished")
+        watch.result()
+    except Exception:
+        print(tail(out / "trainer.log"), file=sys.stderr)
+        raise
+    finally:
+        for task in (running, watch):
+            task.cancel()
+        await asyncio.gather(running, watch, return_exceptions=True)
+    return Trained(trainer.steps()[: args.steps], agent.log, started, trainer)
+
+
+def connect(server: LocalServer, concurrency: int) -> tuple[AsyncClient, httpx.AsyncClient]:
+    """The admin client (retrying admission waits and 429s) and the HTTP pool the agent's
+    sessions share, sized for ``concurrency`` sessions in flight; both to be entered."""
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
-    limits = httpx.Limits(max_connections=4 * args.concurrency)
+    limits = httpx.Limits(max_connections=4 * concurrency)
     client = AsyncClient(server.url, server.admin_key, timeout=timeout, max_retries=MAX_RETRIES)
-    async with client, httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+    return client, httpx.AsyncClient(timeout=timeout, limits=limits)
+
+
+async def drive_mode(server: LocalServer, mode: Mode, out: Path, args, stack: ExitStack):
+    client, http = connect(server, args.concurrency)
+    async with client, http:
         default = next(r for r in await client.list_runs() if r["is_default"])
         model = default["model"]
         await client.update_run_config(default["id"], {"admission_wait_s": ADMISSION_WAIT_S})
@@ -226,40 +292,15 @@ async def drive_mode(server: LocalServer, mode: Mode, out: Path, args, stack: Ex
             flush=True,
         )
 
-        trainer = start_trainer(server, mode, out, args)
-        stack.callback(trainer.stop)
-        print("  trainer starting ...", flush=True)
-        launched = time.monotonic()
-        await wait_configured(client, default["id"], args.batch_size, trainer)
-        started = time.time()
-        print(f"  trainer ready in {time.monotonic() - launched:.1f}s; agent started", flush=True)
-        agent = MathAgent(
-            client, http, model, default["id"],
-            arithmetic.problems(args.seed, max_operand=MAX_OPERAND, length_varying=True),
-            concurrency=args.concurrency, group_size=args.group_size,
-            max_tokens=args.max_tokens, temperature=TEMPERATURE, seed=args.seed,
-        )  # fmt: skip
-        running = asyncio.create_task(agent.run())
-        watch = asyncio.create_task(until_trained(trainer, args.steps, args.mode_timeout))
-        try:
-            await asyncio.wait({running, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if running.done():
-                running.result()  # the agent failed: raise its error
-                raise RuntimeError("the agent stopped before the trainer finished")
-            watch.result()
-        except Exception:
-            print(tail(out / "trainer.log"), file=sys.stderr)
-            raise
-        finally:
-            for task in (running, watch):
-                task.cancel()
-            await asyncio.gather(running, watch, return_exceptions=True)
-    steps = trainer.steps()[: args.steps]
+        problems = arithmetic.problems(args.seed, max_operand=MAX_OPERAND, length_varying=True)
+        trained = await train_alongside(
+            client, http, server, default, mode, out, args, stack, args.concurrency, problems
+        )
     return ModeResult(
         mode=mode,
-        wall_s=steps[-1]["time"] - started,
-        steps=steps,
-        agent=agent.log,
+        wall_s=trained.wall_s,
+        steps=trained.steps,
+        agent=trained.agent,
         calibration_s=calibration_s,
         calibration_reward=statistics.mean(calibrated.rewards),
         calibration_tokens=sum(calibrated.completion_tokens),
