@@ -19,9 +19,11 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from openai import OpenAI
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from client_sdk import Client
 from tests.support import ROOT, ProxyProcess
@@ -189,6 +191,14 @@ def test_the_trainer_learns_publishes_and_resumes_exactly(proxy, tiny_model_dir,
     # The killed step's sessions went back to the pool and were trained in the new lineage.
     assert set(killed[2]["session_ids"]) <= set(lineage)
     assert (out / "claims.jsonl").read_text() == ""
+
+    # TensorBoard holds every step of that lineage once: the killed run's step 3 is replaced
+    # by the resumed one's (trainer/tracking.py; TensorBoard keeps float32).
+    board = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    board.Reload()
+    assert [(e.step, e.value) for e in board.Scalars("reward/mean")] == [
+        (m["step"], float(np.float32(m["reward_mean"]))) for m in killed[:2] + resumed
+    ]
 
     # The weights moved, and the published directory is what the engine serves.
     base = load_file(Path(tiny_model_dir) / "model.safetensors")
