@@ -167,19 +167,15 @@ class ExportCommand(BaseModel):
     def cli_cmd(self) -> None:
         import asyncio
 
-        from sqlalchemy.engine import make_url
-
         from server.errors import ProxrlError
         from server.export.writers import FORMATS
         from server.rl.export import chosen_sessions, export_file
-        from server.store.database import default_url
+        from server.store.database import default_url, sqlite_file
 
         url = self.db or default_url(self.data_dir)
-        parsed = make_url(url)
-        if parsed.get_backend_name() == "sqlite" and not Path(parsed.database or "").is_file():
-            raise SystemExit(
-                f"proxrl export: no store at {parsed.database} (give --db or --data-dir)"
-            )
+        store = sqlite_file(url)
+        if store is not None and not store.is_file():  # connecting would create an empty one
+            raise SystemExit(f"proxrl export: no store at {store} (give --db or --data-dir)")
         with export_progress() as progress:
             task = progress.add_task(self.run, total=None)
             try:

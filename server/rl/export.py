@@ -1,7 +1,7 @@
 """A run's sessions as export records (``server.export.schema``), read a page at a time.
 
 Each session is read by the very code that answers GET /rl/sessions/{id}
-(``sessions.session_out``) and flattened into a record: free-form values become JSON text,
+(``sessions.session_views``) and flattened into a record: free-form values become JSON text,
 times ISO-8601, and each turn gets its ``alternative`` flag and ``loss_mask`` from the session's
 rows. Pages follow ``(created_at, id)`` (``server.store.session_pages``), so memory holds one
 page, whatever the run's size. Used by ``proxrl export`` (reading the store directly) and by
@@ -21,7 +21,7 @@ from server.errors import RunNotFound
 from server.export.options import ExportStatus
 from server.export.writers import Writer
 from server.rl.schemas import RowOut, SessionOut
-from server.rl.sessions import session_out
+from server.rl.sessions import session_views
 from server.store import database
 from server.store import runs as store_runs
 from server.store import sessions as status
@@ -54,7 +54,7 @@ async def record_pages(
         async with sessionmaker() as db:
             page = await session_page(db, chosen, after, page_size)
         if page:
-            yield [session_record(await session_out(sessionmaker, s)) for s in page]
+            yield [session_record(view) for view in await session_views(sessionmaker, page)]
         if len(page) < page_size:
             return
         after = cursor_after(page)

@@ -20,7 +20,7 @@ from server.store.database import Sessionmaker
 from server.store.rewards import SESSION_TARGET
 from server.store.run_config import RunConfig
 from server.store.tables import Session
-from server.store.turns import served_fields, session_turns
+from server.store.turns import served_fields, turns_by_session
 
 
 async def create_session(
@@ -107,29 +107,37 @@ def summary_fields(session: Session) -> dict[str, Any]:
 
 async def session_view(ctx: ServerContext, session: Session) -> SessionOut:
     """The session with its turns (exact tokens) and the training rows built from them."""
-    return await session_out(ctx.sessionmaker, session)
+    (view,) = await session_views(ctx.sessionmaker, [session])
+    return view
 
 
-async def session_out(sessionmaker: Sessionmaker, session: Session) -> SessionOut:
-    """:func:`session_view` from the store itself (``proxrl export`` reads it without a server)."""
+async def session_views(sessionmaker: Sessionmaker, found: list[Session]) -> list[SessionOut]:
+    """:func:`session_view` of several sessions, a few queries for them all, from the store
+    itself (``proxrl export`` reads a page of sessions at a time, without a server)."""
+    ids = [session.id for session in found]
     async with sessionmaker() as db:
-        turns = await session_turns(db, session.id)
-        targets = (await rewards.rewards_of(db, [session.id]))[session.id]
-        (claimed,) = await claims.sessions_with_rows(db, [session])
-    return SessionOut(
-        **summary_fields(session),
-        metadata=session.meta,
-        reward=targets.get(SESSION_TARGET),
-        rewards=targets,
-        turns=[
-            TurnOut(
-                **served_fields(t), reward=targets.get(t.completion_id), created_at=t.created_at
-            )
-            for t in turns
-        ],
-        rows=[RowOut(**vars(row)) for row in claimed.rows],
-        retries=claimed.retries,
-    )
+        turns = await turns_by_session(db, ids)
+        targets = await rewards.rewards_of(db, ids)
+        claimed = await claims.sessions_with_rows(db, found)
+    return [
+        SessionOut(
+            **summary_fields(session),
+            metadata=session.meta,
+            reward=targets[session.id].get(SESSION_TARGET),
+            rewards=targets[session.id],
+            turns=[
+                TurnOut(
+                    **served_fields(t),
+                    reward=targets[session.id].get(t.completion_id),
+                    created_at=t.created_at,
+                )
+                for t in turns[session.id]
+            ],
+            rows=[RowOut(**vars(row)) for row in with_rows.rows],
+            retries=with_rows.retries,
+        )
+        for session, with_rows in zip(found, claimed, strict=True)
+    ]
 
 
 async def post_reward(

@@ -32,8 +32,8 @@ from server.store import sessions as status
 from server.store.keys import new_id
 from server.store.rewards import SESSION_TARGET, rewards_of
 from server.store.rows import Row, assemble_rows, retries
-from server.store.tables import Session, Turn, utcnow
-from server.store.turns import tokens_of
+from server.store.tables import Session, utcnow
+from server.store.turns import tokens_of, turns_by_session
 
 HELD = (status.CLAIMED, status.TRAINABLE)  # with the claim's id: held, or lapsed and not retaken
 SETTLED = (status.CONSUMED, status.DROPPED)
@@ -202,10 +202,7 @@ async def sessions_with_rows(db: AsyncSession, claimed: list[Session]) -> list[C
     if not ids:
         return []
     rewards = await rewards_of(db, ids)
-    turns: dict[str, list[Turn]] = {sid: [] for sid in ids}
-    query = select(Turn).where(Turn.session_id.in_(ids)).order_by(Turn.turn_index)
-    for turn in await db.scalars(query):
-        turns[turn.session_id].append(turn)
+    turns = await turns_by_session(db, ids)
     out = []
     for session in claimed:
         targets = rewards[session.id]

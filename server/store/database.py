@@ -30,6 +30,14 @@ def default_url(data_dir: Path) -> str:
     return f"sqlite:///{(data_dir / 'proxrl.db').resolve()}"
 
 
+def sqlite_file(url: str) -> Path | None:
+    """The file a SQLite URL names (None: another database, or SQLite in memory)."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database)
+
+
 def _with_driver(url: str, sqlite: str, postgres: str) -> str:
     parsed = make_url(url)
     backend = parsed.get_backend_name()

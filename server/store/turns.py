@@ -203,9 +203,13 @@ class TurnInserter:
             cursor.close()
 
 
-async def session_turns(db: AsyncSession, session_id: str) -> list[Turn]:
-    query = select(Turn).where(Turn.session_id == session_id).order_by(Turn.turn_index)
-    return list(await db.scalars(query))
+async def turns_by_session(db: AsyncSession, session_ids: list[str]) -> dict[str, list[Turn]]:
+    """The turns of each of the sessions, by turn_index, in one query."""
+    turns: dict[str, list[Turn]] = {sid: [] for sid in session_ids}
+    query = select(Turn).where(Turn.session_id.in_(session_ids)).order_by(Turn.turn_index)
+    for turn in await db.scalars(query):
+        turns[turn.session_id].append(turn)
+    return turns
 
 
 async def last_request_turns(db: AsyncSession, session_id: str) -> list[Turn]:

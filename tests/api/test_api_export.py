@@ -301,6 +301,10 @@ def test_bad_input_is_refused_in_our_shape(api: Api, run: dict, tmp_path):
             ]
         )
     assert not (tmp_path / "x.jsonl").exists()
+    nowhere = ["--data-dir", str(tmp_path / "nowhere"), "--run", run["id"], "--format", "jsonl"]
+    with pytest.raises(SystemExit, match="no store at"):
+        proxrl(["export", *nowhere, str(tmp_path / "y.jsonl")])
+    assert not (tmp_path / "nowhere").exists()  # not created empty
 
 
 def test_a_large_jsonl_export_loads_in_chunks_with_the_documented_features(

@@ -84,6 +84,7 @@ ACCESS: dict[tuple[str, str], str] = {
     ("GET", "/rl/runs"): "admin",
     ("GET", "/rl/runs/{run_id}"): "run",
     ("PATCH", "/rl/runs/{run_id}"): "admin",
+    ("GET", "/rl/runs/{run_id}/export"): "admin",
     ("POST", "/rl/runs/{run_id}/claims"): "admin",
     ("POST", "/rl/runs/{run_id}/steps"): "admin",
     ("POST", "/rl/claims/renew"): "admin",
