@@ -34,6 +34,7 @@ TRAIN_TIMEOUT_S = 600
 EXPECTED_REFUSAL = "status of 401"  # the browser logs the wrong-key login's 401 as an error
 CHARTS_WITH_DATA = [
     "reward",
+    "eval",
     "throughput",
     "sessions",
     "staleness",
@@ -110,6 +111,20 @@ def chat_session(
     return sid
 
 
+def eval_session(http: httpx.Client, run_id: str, task_id: str, reward: float) -> None:
+    """A one-turn evaluation session, rewarded and ended (never trained)."""
+    body = {"run_id": run_id, "task_id": task_id, "eval": True}
+    session = http.post("/rl/sessions", json=body)
+    assert session.status_code == 201, session.text
+    session = session.json()
+    with OpenAI(base_url=session["base_url"], api_key=session["api_key"]) as client:
+        messages = [{"role": "user", "content": "2 + 2 = ?"}]
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+    sid = session["session_id"]
+    assert http.post(f"/rl/sessions/{sid}/reward", json={"reward": reward}).is_success
+    assert http.post(f"/rl/sessions/{sid}/end").json()["status"] == "evaluated"
+
+
 def train(proxy: ProxyProcess, run_id: str, out: Path) -> None:
     """A real ``proxrl train`` (Ray, an FSDP2 worker) for STEPS steps on the run; it claims
     the sessions, trains, publishes each version into the engine and reports each step."""
@@ -146,11 +161,14 @@ def live(tiny_model_dir, tmp_path_factory):
         httpx.Client(base_url=proxy.url, headers=proxy.admin, timeout=60) as http,
     ):
         run_id = http.post("/rl/runs", json={"name": "browser-run"}).json()["id"]
+        eval_session(http, run_id, "heldout", 0.0)  # held-out scores at version 0 ...
+        eval_session(http, run_id, "other", 0.5)
         trained = [chat_session(http, run_id, i) for i in range(BATCH * STEPS)]
         straddler = chat_session(
             http, run_id, BATCH * STEPS, between=lambda: train(proxy, run_id, data_dir / "train")
         )
         chat_session(http, run_id, BATCH * STEPS + 1, rewrite=True)
+        eval_session(http, run_id, "heldout", 1.0)  # ... and at version STEPS
         yield Live(proxy, http, run_id, trained[0], straddler)
 
 
@@ -225,6 +243,14 @@ def test_log_in_and_see_the_run_with_its_charts(page, live, shots):
         ".find(t => t.name === 'trainer batch mean').x"
     )
     assert len(page.evaluate(batch_mean)) == STEPS
+    held_out = page.evaluate(
+        "() => document.getElementById('chart-eval').data.map(t => [t.name, t.x, t.y])"
+    )
+    assert held_out == [
+        ["task heldout", [0, STEPS], [0.0, 1.0]],
+        ["task other", [0], [0.5]],
+        ["all tasks (± std)", [0, STEPS], [0.25, 1.0]],
+    ]
     page.screenshot(path=shots / "run-by-time.png", full_page=True)
     page.check('input[name="axis"][value="version"]')
     assert page.evaluate(batch_mean) == list(range(1, STEPS + 1))
