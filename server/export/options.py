@@ -26,15 +26,19 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 def since_time(value: Any) -> Any:
-    """An ISO-8601 time or a duration back from now (``SINCE_HELP``) as an aware datetime;
-    anything else raises ValueError (a 422, or the command line's message)."""
+    """An ISO-8601 time or a duration back from now (``SINCE_HELP``) as a UTC datetime (the
+    store compares times as UTC text); anything else raises ValueError (a 422, or the command
+    line's message)."""
     if not isinstance(value, str):
         return value
     text = value.strip()
     duration = _DURATION.fullmatch(text)
     if duration:
         amount, unit = duration.groups()
-        return datetime.now(UTC) - timedelta(seconds=float(amount) * _UNIT_S[unit])
+        try:
+            return datetime.now(UTC) - timedelta(seconds=float(amount) * _UNIT_S[unit])
+        except OverflowError:
+            raise ValueError(f"{value!r} reaches back before the year 1") from None
     try:
         moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
@@ -42,7 +46,7 @@ def since_time(value: Any) -> Any:
             f"{value!r} is neither an ISO-8601 time (2026-11-24T09:00:00Z) nor a duration "
             "(30m, 2h, 7d)"
         ) from None
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC) if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 Since = Annotated[datetime, BeforeValidator(since_time)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+from datetime import timedelta, timezone
 
 import datasets
 import pyarrow.parquet as pq
@@ -250,6 +251,8 @@ def test_status_and_since_choose_the_sessions(api: Api, run: dict):
     assert _ids(_export(api, run["id"], status="all", since=since)) == later
     naive = time_of(since).replace(tzinfo=None).isoformat()  # no zone: UTC
     assert _ids(_export(api, run["id"], status="all", since=naive)) == later
+    shifted = time_of(since).astimezone(timezone(timedelta(hours=2))).isoformat()
+    assert _ids(_export(api, run["id"], status="all", since=shifted)) == later
     assert _ids(_export(api, run["id"], status="all", since="1h")) == set(ids.values())
     assert _export(api, run["id"], status="all", since="2999-01-01T00:00:00Z") == b""
 
