@@ -13,19 +13,23 @@ resumed trainer writes into the same W&B and MLflow runs. TensorBoard can take s
 (``purge_step``): the replayed steps replace the lost ones. W&B and MLflow cannot, so they keep
 the steps they already hold and take the run up again after them; no step is written twice.
 
-A tracker that fails (network, disk) never stops training: the failure is logged once, the
-tracker is left alone for `RETRY_AFTER_S` and then tried again. One failing call can still hold
-a step as long as the tracker's own timeouts and retries allow. A tracker configured but not
-installed is a `ConfigError` at start (`check_installed`). This module knows nothing about the
-server, Ray or the training itself.
+Each tracker sends from a thread of its own (`Lane`), so a slow or unreachable one never holds
+a step: training only queues the figures. A tracker that fails (network, disk) never stops
+training either: the failure is logged once, the tracker is left alone for `RETRY_AFTER_S` and
+then tried again. Starting is done in line, before the first step (W&B and MLflow create or
+find their run there). A tracker configured but not installed is a `ConfigError` at start
+(`check_installed`). This module knows nothing about the server, Ray or the training itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import os
+import queue
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -38,6 +42,8 @@ from trainer.config import ConfigError, TrackingConfig
 log = logging.getLogger("proxrl.trainer")
 
 RETRY_AFTER_S = 60.0  # a tracker that failed is left alone this long, then tried again
+QUEUED_STEPS = 1000  # steps a slow tracker may fall behind before steps are left out
+CLOSE_WAIT_S = 60.0  # at the end, how long the trackers get to send what is queued
 STATE_FILE = "tracking.json"
 
 # figure in the step's record -> its name in the trackers, grouped by what it measures
@@ -296,16 +302,95 @@ def check_installed(config: TrackingConfig) -> None:
             raise ConfigError(spec.setting, f"the {spec.package} package is not installed: {how}")
 
 
+class Lane:
+    """One tracker's own thread: the steps queue up and it sends them in order, so a slow or
+    hanging tracker holds neither training nor the other trackers."""
+
+    def __init__(self, tracker: Tracker, after: int, sent: Callable[[str, int], None]) -> None:
+        self.tracker = tracker
+        self.after = after  # the last step the tracker holds already
+        self.sent = sent  # told each step the tracker took
+        self.queue: queue.Queue[tuple[int, dict[str, float], float] | None] = queue.Queue(
+            QUEUED_STEPS
+        )
+        self.failed_at: float | None = None
+        self.warned = False
+        self.thread = threading.Thread(
+            target=self._send, name=f"tracking-{tracker.name}", daemon=True
+        )
+        self.thread.start()
+
+    def put(self, step: int, values: dict[str, float], wall_time: float) -> None:
+        if step <= self.after:
+            return
+        try:
+            self.queue.put_nowait((step, values, wall_time))
+        except queue.Full:
+            self.failed(RuntimeError(f"{QUEUED_STEPS} steps wait to be sent; step {step} is not"))
+
+    def _send(self) -> None:
+        while True:
+            item = self.queue.get()
+            try:
+                if item is None:
+                    return
+                step, values, wall_time = item
+                if self.failed_at is not None and time.monotonic() - self.failed_at < (
+                    RETRY_AFTER_S
+                ):
+                    continue  # resting after a failure: this step is not sent
+                try:
+                    self.tracker.log(step, values, wall_time)
+                except Exception as exc:
+                    self.failed(exc)
+                    continue
+                if self.failed_at is not None:
+                    self.failed_at = None
+                    log.info("%s: logging again from step %d", self.tracker.name, step)
+                self.sent(self.tracker.name, step)
+            finally:
+                self.queue.task_done()
+
+    def close(self, deadline: float) -> None:
+        """Send what is queued (until ``deadline``, a monotonic time), then close."""
+        name = self.tracker.name
+        with contextlib.suppress(queue.Full):  # full: the thread is stuck, the join says so
+            self.queue.put(None, timeout=max(deadline - time.monotonic(), 0.01))
+        self.thread.join(max(deadline - time.monotonic(), 0.01))
+        if self.thread.is_alive():
+            log.warning("%s: still sending at the end; what it has not sent is lost", name)
+            return
+        try:
+            self.tracker.close()
+        except Exception as exc:
+            self.failed(exc)
+
+    def failed(self, exc: Exception) -> None:
+        self.failed_at = time.monotonic()
+        if self.warned:
+            return
+        self.warned = True
+        log.warning(
+            "%s failed (%s: %s); training goes on, and it is tried again every %.0f s "
+            "(this is said once)",
+            self.tracker.name,
+            type(exc).__name__,
+            exc,
+            RETRY_AFTER_S,
+        )
+
+
 class Tracking:
-    """The configured trackers, each shielded from the others and from training."""
+    """The configured trackers, each in a `Lane` of its own, shielded from the others and from
+    training."""
 
     def __init__(self, trackers: list[Tracker], run: RunInfo) -> None:
         self.run = run
         self.path = run.output_dir / STATE_FILE
+        self.lock = threading.Lock()  # the lanes report the steps they sent from their threads
         self.state = self._load_state()
-        self.trackers: list[Tracker] = []
-        self.failed_at: dict[str, float] = {}  # tracker -> when it last failed
-        self.warned: set[str] = set()
+        self.state_warned = False
+        self.lanes: list[Lane] = []
         for tracker in trackers:
             entry = self.state.setdefault(tracker.name, {})
             try:
@@ -328,59 +413,41 @@ class Tracking:
                     entry["last_step"],
                     entry["last_step"] + 1,
                 )
-            self.trackers.append(tracker)
-        self._save_state()
+            self.lanes.append(Lane(tracker, entry["last_step"], self._sent))
+        with self.lock:
+            self._save_state()
 
     @classmethod
     def start(cls, config: TrackingConfig, run: RunInfo) -> Tracking:
         trackers = [spec.make(config) for spec in TRACKERS.values() if spec.enabled(config)]
         return cls(trackers, run)
 
+    @property
+    def trackers(self) -> list[str]:
+        return [lane.tracker.name for lane in self.lanes]
+
     def log(self, record: dict[str, Any]) -> None:
-        """Send the step's figures to every tracker that does not hold the step yet."""
-        step = int(record["step"])
+        """Queue the step's figures for every tracker that does not hold the step yet."""
         values = scalars(record)
         wall_time = float(record.get("time", time.time()))
-        for tracker in self.trackers:
-            entry = self.state[tracker.name]
-            if step <= entry["last_step"] or self._resting(tracker.name):
-                continue
-            try:
-                tracker.log(step, values, wall_time)
-            except Exception as exc:
-                self._failed(tracker.name, exc)
-                continue
-            if tracker.name in self.failed_at:
-                del self.failed_at[tracker.name]
-                log.info("%s: logging again from step %d", tracker.name, step)
-            entry["last_step"] = step
-        self._save_state()
+        for lane in self.lanes:
+            lane.put(int(record["step"]), values, wall_time)
 
-    def close(self) -> None:
-        for tracker in self.trackers:
-            try:
-                tracker.close()
-            except Exception as exc:
-                self._failed(tracker.name, exc)
-        self.trackers = []
+    def flush(self) -> None:
+        """Wait until every tracker has taken (or given up on) every step queued so far."""
+        for lane in self.lanes:
+            lane.queue.join()
 
-    def _resting(self, name: str) -> bool:
-        failed = self.failed_at.get(name)
-        return failed is not None and time.monotonic() - failed < RETRY_AFTER_S
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        deadline = time.monotonic() + wait_s
+        for lane in self.lanes:
+            lane.close(deadline)
+        self.lanes = []
 
-    def _failed(self, name: str, exc: Exception) -> None:
-        self.failed_at[name] = time.monotonic()
-        if name in self.warned:
-            return
-        self.warned.add(name)
-        log.warning(
-            "%s failed (%s: %s); training goes on, and it is tried again every %.0f s "
-            "(this is said once)",
-            name,
-            type(exc).__name__,
-            exc,
-            RETRY_AFTER_S,
-        )
+    def _sent(self, name: str, step: int) -> None:
+        with self.lock:
+            self.state[name]["last_step"] = step
+            self._save_state()
 
     def _load_state(self) -> dict[str, Any]:
         """What the trackers kept, if this output directory was this run's (else a fresh
@@ -404,4 +471,6 @@ class Tracking:
             tmp.write_text(text)
             os.replace(tmp, self.path)
         except OSError as exc:
-            self._failed(STATE_FILE, exc)
+            if not self.state_warned:
+                self.state_warned = True
+                log.warning("could not write %s (%s); a restart starts new runs", self.path, exc)

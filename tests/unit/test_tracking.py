@@ -15,6 +15,8 @@ import logging
 import socket
 import struct
 import sys
+import threading
+import time
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -388,6 +390,7 @@ def test_a_failing_tracker_never_stops_the_steps(tmp_path, caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, "proxrl.trainer"):
         for step in (1, 2):  # fails at 1, then rests: step 2 is not tried
             tracked.log(record(step))
+        tracked.flush()
         monkeypatch.setattr(tracking, "RETRY_AFTER_S", 0.0)
         for step in (3, 4, 5, 6):  # fails at 3 and 4, works again from 5
             tracked.log(record(step))
@@ -405,6 +408,47 @@ def test_a_failing_tracker_never_stops_the_steps(tmp_path, caplog, monkeypatch):
     assert len(warnings) == 1 and "flaky failed (OSError: disk full)" in warnings[0]
 
 
+class Hanging:
+    """A tracker of our own protocol whose calls to log wait until it is let go."""
+
+    name = "hanging"
+    rewinds = False
+
+    def __init__(self) -> None:
+        self.let_go = threading.Event()
+        self.logged: list[int] = []
+
+    def open(self, run: RunInfo, kept: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def log(self, step: int, values: dict[str, float], wall_time: float) -> None:
+        self.let_go.wait(30)
+        self.logged.append(step)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_hanging_tracker_holds_neither_the_steps_nor_the_others(tmp_path, caplog):
+    hanging = Hanging()
+    tracked = Tracking([hanging, TensorBoardTracker(TrackingConfig())], run_info(tmp_path))
+    started = time.monotonic()
+    for step in range(1, 6):
+        tracked.log(record(step))
+    assert time.monotonic() - started < 5  # the steps only queue their figures
+    steps = []
+    while len(steps) < 5 and time.monotonic() - started < 30:  # TensorBoard goes on meanwhile
+        time.sleep(0.1)
+        steps = [s for s, _ in tensorboard_scalars(tmp_path / "tensorboard")["reward/mean"]]
+    assert steps == [1, 2, 3, 4, 5]
+    assert hanging.logged == []
+
+    with caplog.at_level(logging.WARNING, "proxrl.trainer"):
+        tracked.close(wait_s=0.5)  # at the end it gets a while, then is left behind
+    assert any("hanging: still sending" in r.getMessage() for r in caplog.records)
+    hanging.let_go.set()
+
+
 def test_an_unreachable_tracking_server_is_skipped_at_start(tmp_path, caplog, monkeypatch):
     """A real refused connection: MLflow cannot start, TensorBoard still takes every step."""
     with socket.socket() as probe:  # a port nothing listens on
@@ -414,7 +458,7 @@ def test_an_unreachable_tracking_server_is_skipped_at_start(tmp_path, caplog, mo
     config = TrackingConfig(mlflow=MlflowConfig(tracking_uri=f"http://127.0.0.1:{port}"))
     with caplog.at_level(logging.WARNING, "proxrl.trainer"):
         tracked = Tracking.start(config, run_info(tmp_path))
-        assert [t.name for t in tracked.trackers] == ["tensorboard"]
+        assert tracked.trackers == ["tensorboard"]
         tracked.log(record(1))
         tracked.close()
     assert any("mlflow: could not start" in r.getMessage() for r in caplog.records)
