@@ -335,10 +335,8 @@ class Lane:
                 if item is None:
                     return
                 step, values, wall_time = item
-                if self.failed_at is not None and time.monotonic() - self.failed_at < (
-                    RETRY_AFTER_S
-                ):
-                    continue  # resting after a failure: this step is not sent
+                if self.resting():
+                    continue  # this step is not sent
                 try:
                     self.tracker.log(step, values, wall_time)
                 except Exception as exc:
@@ -350,6 +348,10 @@ class Lane:
                 self.sent(self.tracker.name, step)
             finally:
                 self.queue.task_done()
+
+    def resting(self) -> bool:
+        """Left alone after a failure (for `RETRY_AFTER_S`)."""
+        return self.failed_at is not None and time.monotonic() - self.failed_at < RETRY_AFTER_S
 
     def close(self, deadline: float) -> None:
         """Send what is queued (until ``deadline``, a monotonic time), then close."""
