@@ -6,13 +6,14 @@
    (max_staleness > 0), publishing each new version into the engine while it serves.
 3. The math agent (examples/agents/math_agent.py) runs many concurrent sessions through the
    real proxy with the stock openai SDK, in GRPO groups, and posts reward 1 for exact sums.
-4. Beside it, a held-out set of problems the agent never trains on (examples/agents/heldout.py)
-   is answered greedily in evaluation sessions: at version 0, every ``--eval-every`` versions,
-   and at the end, each answer counted under the policy version that gave it.
-5. A live table shows policy version, reward, held-out accuracy, staleness, sessions/s and
-   trained tokens/s; at the end a summary (also `summary.json`) and a plot of reward and
-   held-out accuracy against time and version. The summary's held-out figures per version are
-   checked against the server's own (`GET /rl/runs/{id}`, its `eval` list).
+4. Beside it, a held-out set of problems the agent never trains on, and a seen set of problems
+   it does (examples/agents/heldout.py), are answered greedily in evaluation sessions: at
+   version 0, every ``--eval-every`` versions, and at the end, each answer counted under the
+   policy version that gave it.
+5. A live table shows policy version, reward, held-out and seen accuracy, staleness,
+   sessions/s and trained tokens/s; at the end a summary (also `summary.json`) and a plot of
+   reward and accuracy against time and version. The summary's accuracy per version is checked
+   against the server's own (`GET /rl/runs/{id}`, its `eval` figures).
 
 Ctrl-C stops everything cleanly: the trainer checkpoints, then the final evaluation runs.
 """
@@ -69,9 +70,8 @@ class Evaluation:
     at: float  # seconds since the start, when its last answer came
     answers: list[heldout.Answer]
 
-    @property
-    def accuracy(self) -> float:
-        return _mean([answer.reward for answer in self.answers])
+    def accuracy(self, task_id: str) -> float:
+        return _mean([a.reward for a in self.answers if a.task_id == task_id])
 
     @property
     def versions(self) -> tuple[int, int]:
@@ -96,7 +96,7 @@ class Board:
     version: int = 0
     steps: list[dict] = field(default_factory=list)
     evaluations: list[Evaluation] = field(default_factory=list)
-    server_heldout: list[dict] | None = None  # GET /rl/runs/{id}'s held-out rows, at the end
+    server_eval: dict[str, list[dict]] | None = None  # GET /rl/runs/{id}'s, by set, at the end
     seconds: float | None = None  # how long the agent trained
 
     def add(self, reward: float) -> None:
@@ -125,7 +125,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Policy versions between held-out evaluations (also one at the start and the end).",
     )
     p.add_argument(
-        "--heldout", type=int, default=32, help="Held-out problems (of 100), never trained on."
+        "--heldout",
+        type=int,
+        default=32,
+        help="Problems in each evaluation set: held out (never trained on), and seen.",
     )
     args = p.parse_args(argv)
     if not args.minutes > 0:
@@ -139,7 +142,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.eval_every < 1:
         p.error("--eval-every must be at least 1")
     if not 1 <= args.heldout <= 50:
-        p.error("--heldout must be 1 to 50: the training problems are the other 50 or more")
+        p.error("--heldout must be 1 to 50: the two sets come from 100 problems")
     return args
 
 
@@ -182,7 +185,8 @@ def table(board: Board, args: argparse.Namespace):
         ("policy version", str(board.version)),
         (f"mean reward (last {WINDOW} sessions)", f"{_mean(recent):.3f}"),
         ("mean reward at start", f"{_mean(start):.3f}"),
-        (f"held-out accuracy ({args.heldout} problems, greedy)", heldout_line(board)),
+        ("held-out accuracy (greedy; never trained on)", accuracy_line(board, heldout.HELDOUT)),
+        ("seen accuracy (greedy; trained on)", accuracy_line(board, heldout.SEEN)),
         ("sessions", f"{len(board.outcomes)} ({len(board.outcomes) / max(elapsed, 1e-9):.1f}/s)"),
         ("sessions trained", str(sum(s["sessions"] for s in board.steps))),
         ("trained tokens/s (last step)", f"{last.get('tokens_per_second', 0):.0f}"),
@@ -196,12 +200,14 @@ def table(board: Board, args: argparse.Namespace):
     return t
 
 
-def heldout_line(board: Board) -> str:
+def accuracy_line(board: Board, task_id: str) -> str:
     if not board.evaluations:
         return "(the first evaluation is running)"
     first, last = board.evaluations[0], board.evaluations[-1]
-    line = f"{last.accuracy:.3f} at {last.label}"
-    return line if last is first else f"{line} (first {first.accuracy:.3f} at {first.label})"
+    line = f"{last.accuracy(task_id):.3f} at {last.label}"
+    if last is first:
+        return line
+    return f"{line} (first {first.accuracy(task_id):.3f} at {first.label})"
 
 
 def _mean(values: list[float]) -> float:
@@ -218,33 +224,34 @@ def summarize(board: Board, out: Path) -> dict:
         "sessions": len(rewards),
         "seconds": round(board.seconds or 0.0, 1),
         "window": WINDOW,
-        "heldout": summarize_heldout(board),
+        "heldout": summarize_set(board, heldout.HELDOUT),
+        "seen": summarize_set(board, heldout.SEEN),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def summarize_heldout(board: Board) -> dict:
-    """The evaluations (first, last, best, each), accuracy per answering version, and the
-    server's figures for the same versions."""
+def summarize_set(board: Board, task_id: str) -> dict:
+    """One evaluation set: its evaluations (first, last, best, each), its accuracy per
+    answering version, and the server's figures for the same versions."""
     evaluations: list[dict[str, Any]] = [
         {
             "versions": list(e.versions),
-            "accuracy": e.accuracy,
-            "count": len(e.answers),
+            "accuracy": e.accuracy(task_id),
+            "count": sum(a.task_id == task_id for a in e.answers),
             "at_s": round(e.at, 1),
         }
         for e in board.evaluations
     ]
-    ours = heldout.by_version(a for e in board.evaluations for a in e.answers)
-    theirs = board.server_heldout
+    ours = heldout.by_version((a for e in board.evaluations for a in e.answers), task_id)
+    theirs = board.server_eval[task_id] if board.server_eval is not None else None
     differences = heldout.disagreements(ours, theirs) if theirs is not None else None
     for difference in differences or []:
-        log.warning("held-out accuracy differs from the server's: %s", difference)
+        log.warning("%s accuracy differs from the server's: %s", task_id, difference)
     return {
-        "task_id": heldout.TASK_ID,
-        "seed": heldout.HELDOUT_SEED,
-        "problems": len(board.evaluations[0].answers) if board.evaluations else 0,
+        "task_id": task_id,
+        "seed": heldout.EVAL_SEED,
+        "problems": evaluations[0]["count"] if evaluations else 0,
         "first": evaluations[0] if evaluations else None,
         "last": evaluations[-1] if evaluations else None,
         "best": max(evaluations, key=lambda e: e["accuracy"]) if evaluations else None,
@@ -275,12 +282,12 @@ def plot(board: Board, out: Path) -> Path:
     by_version.plot(versions, means, marker=".", label="training reward (sampled)")
     by_version.set(xlabel="policy version", ylabel="reward / accuracy", ylim=(0, 1))
     by_version.set_title("against policy version")
-    if board.evaluations:
-        label = "held-out accuracy (greedy)"
-        accuracy = [e.accuracy for e in board.evaluations]
-        by_time.plot([e.at for e in board.evaluations], accuracy, marker="o", label=label)
-        answered = [_mean([a.version for a in e.answers]) for e in board.evaluations]
-        by_version.plot(answered, accuracy, marker="o", label=label)
+    answered = [_mean([a.version for a in e.answers]) for e in board.evaluations]
+    for task_id, marker in ((heldout.HELDOUT, "o"), (heldout.SEEN, "s")):
+        label = f"{task_id} accuracy (greedy)"
+        accuracy = [e.accuracy(task_id) for e in board.evaluations]
+        by_time.plot([e.at for e in board.evaluations], accuracy, marker=marker, label=label)
+        by_version.plot(answered, accuracy, marker=marker, label=label)
     for axes in (by_time, by_version):
         axes.legend(loc="lower right")
     fig.tight_layout()
@@ -302,14 +309,14 @@ class Evaluator:
     client: AsyncClient
     http: httpx.AsyncClient
     run: dict
-    problems: list[arithmetic.Problem]
+    sets: dict[str, list[arithmetic.Problem]]
     every: int
     running: asyncio.Task | None = None
     due_at: int = 0  # the version that starts the next one
 
     async def evaluate(self) -> None:
         answers = await heldout.evaluate(
-            self.client, self.http, self.run["model"], self.run["id"], self.problems,
+            self.client, self.http, self.run["model"], self.run["id"], self.sets,
             max_tokens=MAX_TOKENS,
         )  # fmt: skip
         self.board.add_evaluation(answers)
@@ -362,9 +369,8 @@ async def run_agent(board: Board, client: AsyncClient, run: dict, args: argparse
     limits = httpx.Limits(max_connections=args.concurrency + 8)
     async with httpx.AsyncClient(limits=limits, timeout=300) as http:
         await wait_configured(client, run["id"])
-        training = heldout.training_problems(
-            arithmetic.problems(args.seed), heldout.heldout_set(args.heldout)
-        )
+        held = heldout.evaluation_sets(args.heldout)[heldout.HELDOUT]
+        training = heldout.training_problems(arithmetic.problems(args.seed), held)
         agent = MathAgent(
             client,
             http,
@@ -394,14 +400,14 @@ async def demo(board: Board, server, trainer, args: argparse.Namespace) -> bool:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    limits = httpx.Limits(max_connections=max(args.concurrency, args.heldout) + 8)
+    limits = httpx.Limits(max_connections=2 * args.heldout + 8)
     async with (
         AsyncClient(server.url, server.admin_key, max_retries=1000, timeout=300) as client,
         httpx.AsyncClient(limits=limits, timeout=300) as http,
     ):
         run: dict[str, Any] = dict(next(r for r in await client.list_runs() if r["is_default"]))
-        problems = heldout.heldout_set(args.heldout)
-        evaluator = Evaluator(board, client, http, run, problems, args.eval_every)
+        sets = heldout.evaluation_sets(args.heldout)
+        evaluator = Evaluator(board, client, http, run, sets, args.eval_every)
         await evaluator.evaluate()  # before any training session: the policy has not moved
         agent = asyncio.create_task(run_agent(board, client, run, args))
         try:
@@ -418,7 +424,8 @@ async def demo(board: Board, server, trainer, args: argparse.Namespace) -> bool:
         board.steps = trainer.steps()
         board.version = (await client.get_run(run["id"]))["policy_version"]
         await evaluator.evaluate()  # the last version
-        board.server_heldout = heldout.server_by_version(await client.get_run(run["id"]))
+        final = await client.get_run(run["id"])
+        board.server_eval = {task: heldout.server_by_version(final, task) for task in sets}
     return stop.is_set()
 
 
@@ -469,18 +476,20 @@ def main(argv: list[str] | None = None) -> int:
         f"(first and last {WINDOW} sessions) · {summary['versions_published']} versions "
         f"published · {summary['sessions_trained']} sessions trained · {board.seconds:.0f}s"
     )
-    console.print(heldout_report(summary["heldout"]))
+    console.print(accuracy_report(summary["heldout"]))
+    console.print(accuracy_report(summary["seen"]))
     console.print(f"summary: {out / 'summary.json'}" + (f" · plot: {image}" if image else ""))
     return 130 if interrupted else 0
 
 
-def heldout_report(figures: dict) -> str:
+def accuracy_report(figures: dict) -> str:
     if figures["first"] is None:
-        return "held-out accuracy: no evaluation finished"
+        return f"{figures['task_id']} accuracy: no evaluation finished"
     first, last, best = figures["first"], figures["last"], figures["best"]
     agrees = {True: "the server agrees", False: "the server DISAGREES (see the log)"}
     return (
-        f"held-out accuracy (greedy, {figures['problems']} problems) {first['accuracy']:.3f} "
+        f"{figures['task_id']} accuracy (greedy, {figures['problems']} problems) "
+        f"{first['accuracy']:.3f} "
         f"(v{first['versions'][1]}) → {last['accuracy']:.3f} (v{last['versions'][1]}), best "
         f"{best['accuracy']:.3f} (v{best['versions'][1]}) · {len(figures['evaluations'])} "
         f"evaluations · {agrees.get(figures['server_agrees'], 'not checked with the server')}"

@@ -1,20 +1,23 @@
 """A held-out evaluation for the arithmetic task: a fixed set of problems the agent never
-trains on, answered greedily in evaluation sessions and scored by the policy version that
-answered.
+trains on, and beside it a fixed set it does train on, both answered greedily in evaluation
+sessions and scored by the policy version that answered.
 
 The plain task has only 100 problems (``a+b`` with ``a, b`` in 0..9), so a training stream
 visits every one of them within a few hundred sessions: a held-out set drawn from another seed
-would still be trained on. Here the set is disjoint by content instead. ``heldout_set`` takes
-the first ``size`` distinct problems of its own seeded stream, and ``training_problems`` drops
-those from the training stream. (The supervised warm-up still sees them: the tiny model cannot
-add pairs it was never shown, so the question the set asks is whether reinforcement learning on
-the other problems carries over to these.)
+would still be trained on. Here the set is disjoint by content instead. ``evaluation_sets``
+takes the first ``size`` distinct problems of its own seeded stream as the held-out set (task
+``"heldout"``) and the next ``size`` distinct ones as the seen set (task ``"seen"``);
+``training_problems`` drops the held-out ones from the training stream. (The supervised warm-up
+still sees every problem: the tiny model cannot add pairs it was never shown.) The two answer
+different questions: the held-out set whether what reinforcement learning teaches on some
+problems carries over to others, the seen set whether the policy's greedy answers improve at
+all on what it practises.
 
-Each problem is one session created with ``eval=True`` and task_id ``"heldout"``: the server
-serves and records it but never trains on it nor counts it against admission, and charts its
-reward per policy version in ``GET /rl/runs/{id}`` (its ``eval`` list). An answer counts under
-the policy version of its first completion token, the rule the server uses, so the figures here
-and the server's can be compared exactly (``disagreements``).
+Each problem is one session created with ``eval=True`` and its set's task_id: the server serves
+and records it but never trains on it nor counts it against admission, and charts its reward
+per policy version and task in ``GET /rl/runs/{id}`` (its ``eval`` figures). An answer counts
+under the policy version of its first completion token, the rule the server uses, so the
+figures here and the server's can be compared exactly (``disagreements``).
 
 Knows the proxy only through ``client_sdk`` and the openai SDK.
 """
@@ -33,42 +36,46 @@ import httpx
 from client_sdk import AsyncClient
 
 __all__ = [
-    "HELDOUT_SEED",
-    "TASK_ID",
+    "EVAL_SEED",
+    "HELDOUT",
+    "SEEN",
     "Answer",
     "by_version",
     "disagreements",
     "evaluate",
-    "heldout_set",
+    "evaluation_sets",
     "server_by_version",
     "training_problems",
 ]
 
-# Its own stream: random.Random(HELDOUT_SEED), far from the small seeds the demo trains on.
-HELDOUT_SEED = 2_017_017
-TASK_ID = "heldout"
+# Its own stream: random.Random(EVAL_SEED), far from the small seeds the demo trains on.
+EVAL_SEED = 2_017_017
+HELDOUT, SEEN = "heldout", "seen"  # the sets' task ids
+PLAIN_PROBLEMS = 100
 REQUEST_TIMEOUT_S = 300.0
 MAX_RETRIES = 1000  # 5xx and 429 only wait (eval sessions are never held back by admission)
 
 
 @dataclass(frozen=True)
 class Answer:
+    task_id: str  # the set: HELDOUT or SEEN
     problem: arithmetic.Problem
     text: str
     reward: float  # 1.0 for the exact answer, else 0.0
     version: int  # the policy version of the first completion token: the weights that answered
 
 
-def heldout_set(size: int, seed: int = HELDOUT_SEED) -> list[arithmetic.Problem]:
-    """The first ``size`` distinct problems of ``arithmetic.problems(seed)`` (plain problems;
-    at most 100 exist)."""
-    if not 0 < size <= 100:
-        raise ValueError(f"a held-out set holds 1 to 100 plain problems, not {size}")
+def evaluation_sets(size: int, seed: int = EVAL_SEED) -> dict[str, list[arithmetic.Problem]]:
+    """``{HELDOUT: ..., SEEN: ...}``: the first ``size`` distinct problems of
+    ``arithmetic.problems(seed)``, then the next ``size`` (plain problems; 100 exist)."""
+    if not 0 < size <= PLAIN_PROBLEMS // 2:
+        raise ValueError(f"each set holds 1 to {PLAIN_PROBLEMS // 2} problems, not {size}")
     chosen: dict[str, arithmetic.Problem] = {}
     for problem in arithmetic.problems(seed):
         chosen.setdefault(problem.task_id, problem)
-        if len(chosen) == size:
-            return list(chosen.values())
+        if len(chosen) == 2 * size:
+            drawn = list(chosen.values())
+            return {HELDOUT: drawn[:size], SEEN: drawn[size:]}
     raise AssertionError("unreachable: the stream is endless")
 
 
@@ -85,16 +92,18 @@ async def evaluate(
     http: httpx.AsyncClient,
     model: str,
     run_id: str,
-    problems: list[arithmetic.Problem],
+    sets: Mapping[str, list[arithmetic.Problem]],
     *,
     max_tokens: int = 16,
 ) -> list[Answer]:
-    """Every problem at once, each in its own evaluation session at temperature 0 (greedy):
-    asked, its version read back, rewarded 1/0, ended. Asked together, the answers mostly come
-    from one policy version; when the weights change mid-way, some come from the next."""
+    """Every problem of every set at once, each in its own evaluation session at temperature 0
+    (greedy): asked, its version read back, rewarded 1/0, ended. Asked together, the answers
+    mostly come from one policy version; when the weights change mid-way, some come from the
+    next."""
+    asked = [(task, problem) for task, problems in sets.items() for problem in problems]
     return list(
         await asyncio.gather(
-            *(answer(client, http, model, run_id, problem, max_tokens) for problem in problems)
+            *(answer(client, http, model, run_id, t, p, max_tokens) for t, p in asked)
         )
     )
 
@@ -104,10 +113,11 @@ async def answer(
     http: httpx.AsyncClient,
     model: str,
     run_id: str,
+    task_id: str,
     problem: arithmetic.Problem,
     max_tokens: int,
 ) -> Answer:
-    session = await client.session(run_id=run_id, task_id=TASK_ID, eval=True)
+    session = await client.session(run_id=run_id, task_id=task_id, eval=True)
     chat = session.async_openai(
         http_client=http, max_retries=MAX_RETRIES, timeout=REQUEST_TIMEOUT_S
     )
@@ -123,25 +133,26 @@ async def answer(
     reward = arithmetic.reward(problem, text)
     await session.reward(reward)
     await session.end()
-    return Answer(problem, text, reward, version)
+    return Answer(task_id, problem, text, reward, version)
 
 
-def by_version(answers: Iterable[Answer]) -> list[dict[str, Any]]:
-    """Accuracy per answering version: [{version, count, mean}], by version."""
+def by_version(answers: Iterable[Answer], task_id: str) -> list[dict[str, Any]]:
+    """One set's accuracy per answering version: [{version, count, mean}], by version."""
     rewards: dict[int, list[float]] = {}
     for item in answers:
-        rewards.setdefault(item.version, []).append(item.reward)
+        if item.task_id == task_id:
+            rewards.setdefault(item.version, []).append(item.reward)
     return [
         {"version": version, "count": len(values), "mean": statistics.fmean(values)}
         for version, values in sorted(rewards.items())
     ]
 
 
-def server_by_version(run: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The held-out task's rows of ``GET /rl/runs/{id}``'s ``eval`` figures (its per version
-    and task list), as ``by_version`` gives them."""
+def server_by_version(run: Mapping[str, Any], task_id: str) -> list[dict[str, Any]]:
+    """One set's rows of ``GET /rl/runs/{id}``'s ``eval`` figures (its per version and task
+    list), as ``by_version`` gives them."""
     tasks = run.get("eval", {}).get("tasks", [])
-    rows = [row for row in tasks if row["task_id"] == TASK_ID]
+    rows = [row for row in tasks if row["task_id"] == task_id]
     return [
         {"version": row["version"], "count": row["count"], "mean": row["mean"]}
         for row in sorted(rows, key=lambda row: row["version"])

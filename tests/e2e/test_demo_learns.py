@@ -17,11 +17,13 @@ to test a 0.1 gain on. Numbers seen in three CI-like runs on this 2-core machine
 square root of 20), so the asked-for +0.10 sits more than 3 standard deviations of the
 difference below what runs reach. The summary's windows in those runs went 0.69 -> 0.78-0.89.
 
-The held-out evaluation (examples/agents/heldout.py) is checked for what it must hold, not for a
-gain: greedy accuracy on 32 problems moves in steps of 1/32 and the demo does not promise that
-it rises within 240 s. It must run at version 0, every --eval-every versions beside training,
-and once more at the last version after the trainer stopped (Ctrl-C included), and its accuracy
-per answering version must be exactly what the server reports in GET /rl/runs/{id}.
+The evaluation sets (examples/agents/heldout.py: 32 problems held out of training, 32 seen in
+it) are checked for what they must hold, not for a gain: greedy accuracy on 32 problems moves
+in steps of 1/32, and on the held-out set it does not rise at all on this task (the tiny model
+learns each sum it practises; the README has the numbers). They must be evaluated at version 0,
+every --eval-every versions beside training, and once more at the last version after the
+trainer stopped (Ctrl-C included), and their accuracy per answering version must be exactly
+what the server reports in GET /rl/runs/{id}.
 """
 
 from __future__ import annotations
@@ -99,13 +101,14 @@ def test_the_demo_raises_the_reward_and_stops_cleanly_on_ctrl_c(tmp_path):
     last = statistics.mean(rewards[-WINDOW_STEPS:])
     assert last - first >= MIN_GAIN, (first, last, summary)
     assert max(step["staleness_max"] for step in steps) >= 1  # asynchronous: stale tokens trained
-    check_heldout(summary)
+    check_evaluation_set(summary, "heldout")
+    check_evaluation_set(summary, "seen")
 
 
-def check_heldout(summary: dict) -> None:
-    figures = summary["heldout"]
+def check_evaluation_set(summary: dict, task_id: str) -> None:
+    figures = summary[task_id]
     problems, evaluations = figures["problems"], figures["evaluations"]
-    assert problems == 32 and figures["task_id"] == "heldout", figures
+    assert problems == 32 and figures["task_id"] == task_id, figures
     assert all(e["count"] == problems for e in evaluations), evaluations
     assert all(0.0 <= e["accuracy"] <= 1.0 for e in evaluations), evaluations
     # the first before training moved; the last after the trainer stopped, all at its version
@@ -115,7 +118,7 @@ def check_heldout(summary: dict) -> None:
     assert figures["best"]["accuracy"] == max(e["accuracy"] for e in evaluations)
     middle = evaluations[1:-1]
     assert middle, "no evaluation ran beside training"
-    assert all(EVAL_EVERY <= e["versions"][0] < final for e in middle), evaluations
+    assert all(EVAL_EVERY <= e["versions"][0] <= final for e in middle), evaluations
     ours = figures["by_version"]
     assert len(ours) >= 2 and sum(row["count"] for row in ours) == problems * len(evaluations)
     theirs = figures["server_by_version"]
