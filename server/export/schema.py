@@ -69,9 +69,9 @@ TURN = (
     Column(
         "messages_json",
         "json",
-        "Its request's conversation in its API's own form (null: a text prompt).",
+        "Its request's conversation in its API's own form (`null`: a text prompt).",
     ),
-    Column("tools_json", "json", "The tools its request offered (null: none)."),
+    Column("tools_json", "json", "The tools its request offered (`null`: none)."),
     Column("response_json", "json", "The answer as the API returned it."),
     Column("sampling_json", "json", "Its sampling settings (temperature, top_p, max_tokens...)."),
     Column("engine", "string", "The engine that served it.", nullable=True),
@@ -153,12 +153,23 @@ def features() -> Any:
     return Features.from_arrow_schema(arrow_schema())
 
 
+_KIND_NAMES = {
+    "string": "string",
+    "json": "string (JSON text)",
+    "int": "int64",
+    "float": "float64",
+    "bool": "bool",
+    "ints": "list of int64",
+    "floats": "list of float64",
+    "records": "list of records",
+}
+
+
 def markdown_table(columns: tuple[Column, ...] = SESSION, prefix: str = "") -> list[str]:
     """The README's table of the record, nested columns as ``turns[].prompt_ids``."""
     lines = [] if prefix else ["| column | type | meaning |", "|---|---|---|"]
     for column in columns:
-        kind: str = "list of records" if column.kind == "records" else column.kind
-        kind += " or null" if column.nullable else ""
+        kind = _KIND_NAMES[column.kind] + (" or null" if column.nullable else "")
         lines.append(f"| `{prefix}{column.name}` | {kind} | {column.doc} |")
         if column.fields:
             lines += markdown_table(column.fields, f"{prefix}{column.name}[].")
