@@ -11,6 +11,7 @@ free-form columns differ in shape from turn to turn in one file.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from datetime import timedelta, timezone
@@ -21,6 +22,8 @@ import pytest
 
 from server.cli import main as proxrl
 from server.export.schema import SESSION, arrow_schema, features, markdown_table
+from server.rl import export
+from server.store import database
 from tests.api.api_support import ADMIN_KEY, Api, assert_error
 from tests.export_support import assert_record_is_the_session, time_of
 
@@ -330,3 +333,25 @@ def test_the_schema_table_covers_every_column():
         assert f"`{column.name}`" in table
         for field in column.fields:
             assert f"`{column.name}[].{field.name}`" in table
+
+
+def test_pages_follow_one_another_without_a_gap_or_a_repeat(api: Api, run: dict):
+    """Small pages over the run (7 sessions: pages of 2, 2, 2, 1) give the one-page export."""
+
+    async def collect(page_size: int) -> list[list[str]]:
+        engine = database.connect(_database(api))
+        try:
+            chosen = export.chosen_sessions(run["id"], "all", None)
+            maker = database.sessionmaker(engine)
+            return [
+                [record["session_id"] for record in page]
+                async for page in export.record_pages(maker, chosen, page_size)
+            ]
+        finally:
+            await engine.dispose()
+
+    (whole,) = asyncio.run(collect(100))
+    pages = asyncio.run(collect(2))
+    assert [len(page) for page in pages] == [2, 2, 2, 1]
+    assert [sid for page in pages for sid in page] == whole
+    assert [len(page) for page in asyncio.run(collect(7))] == [7]  # a full last page, then none
