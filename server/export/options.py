@@ -8,7 +8,7 @@ import re
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, WithJsonSchema
 
 ExportStatus = Literal["consumed", "trainable", "all"]
 ExportFormat = Literal["jsonl", "parquet"]
@@ -21,6 +21,7 @@ SINCE_HELP = (
     "duration back from now (90s, 30m, 2h, 7d, 1w)."
 )
 
+SINCE_LENGTH = 64
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -31,6 +32,8 @@ def since_time(value: Any) -> Any:
     line's message)."""
     if not isinstance(value, str):
         return value
+    if len(value) > SINCE_LENGTH:
+        raise ValueError(f"at most {SINCE_LENGTH} characters")
     text = value.strip()
     duration = _DURATION.fullmatch(text)
     if duration:
@@ -49,4 +52,11 @@ def since_time(value: Any) -> Any:
     return moment.astimezone(UTC) if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
-Since = Annotated[datetime, BeforeValidator(since_time)]
+# A string in the API's document: a duration is no date-time, and must not read as off-schema.
+Since = Annotated[
+    datetime,
+    BeforeValidator(since_time),
+    WithJsonSchema(
+        {"type": "string", "maxLength": SINCE_LENGTH, "examples": ["2026-11-24T09:00:00Z", "2h"]}
+    ),
+]
