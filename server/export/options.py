@@ -30,8 +30,10 @@ def since_time(value: Any) -> Any:
     """An ISO-8601 time or a duration back from now (``SINCE_HELP``) as a UTC datetime (the
     store compares times as UTC text); anything else raises ValueError (a 422, or the command
     line's message)."""
+    if isinstance(value, datetime):
+        return _utc(value)
     if not isinstance(value, str):
-        return value
+        return value  # pydantic refuses it as no datetime
     if len(value) > SINCE_LENGTH:
         raise ValueError(f"at most {SINCE_LENGTH} characters")
     text = value.strip()
@@ -49,6 +51,10 @@ def since_time(value: Any) -> Any:
             f"{value!r} is neither an ISO-8601 time (2026-11-24T09:00:00Z) nor a duration "
             "(30m, 2h, 7d)"
         ) from None
+    return _utc(moment)
+
+
+def _utc(moment: datetime) -> datetime:
     return moment.astimezone(UTC) if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 

@@ -66,6 +66,7 @@ def test_since_takes_iso_times_and_durations():
     now = datetime.now(UTC)
     assert since_time("2026-11-24T09:00:00Z") == datetime(2026, 11, 24, 9, tzinfo=UTC)
     assert since_time("2026-11-24T09:00:00") == datetime(2026, 11, 24, 9, tzinfo=UTC)
+    assert since_time(datetime(2026, 11, 24, 9)) == datetime(2026, 11, 24, 9, tzinfo=UTC)
     offset = since_time("2026-11-24T10:00:00+01:00")
     assert offset == datetime(2026, 11, 24, 9, tzinfo=UTC) and offset.tzinfo is UTC
     for text, back in [("90s", 90), ("30m", 1800), ("2h", 7200), ("7d", 604800), ("1w", 604800)]:
