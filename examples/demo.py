@@ -54,6 +54,7 @@ WARMUP_EXAMPLES = 4000
 # enough that the figures are not one lucky batch (every problem has its own difficulty).
 WINDOW = 256
 MAX_TOKENS = 16  # "4+7=11" is 6 tokens; room for a wrong, longer answer
+NAMES = {heldout.HELDOUT: "held-out", heldout.SEEN: "seen"}  # the evaluation sets, for people
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Evaluation:
-    """One pass over the held-out set."""
+    """One pass over both evaluation sets (held-out and seen)."""
 
     at: float  # seconds since the start, when its last answer came
     answers: list[heldout.Answer]
@@ -121,7 +122,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--eval-every",
         type=int,
-        default=50,
+        default=40,
         help="Policy versions between held-out evaluations (also one at the start and the end).",
     )
     p.add_argument(
@@ -185,8 +186,8 @@ def table(board: Board, args: argparse.Namespace):
         ("policy version", str(board.version)),
         (f"mean reward (last {WINDOW} sessions)", f"{_mean(recent):.3f}"),
         ("mean reward at start", f"{_mean(start):.3f}"),
-        ("held-out accuracy (greedy; never trained on)", accuracy_line(board, heldout.HELDOUT)),
-        ("seen accuracy (greedy; trained on)", accuracy_line(board, heldout.SEEN)),
+        ("held-out accuracy (greedy)", accuracy_line(board, heldout.HELDOUT)),
+        ("seen accuracy (greedy)", accuracy_line(board, heldout.SEEN)),
         ("sessions", f"{len(board.outcomes)} ({len(board.outcomes) / max(elapsed, 1e-9):.1f}/s)"),
         ("sessions trained", str(sum(s["sessions"] for s in board.steps))),
         ("trained tokens/s (last step)", f"{last.get('tokens_per_second', 0):.0f}"),
@@ -284,7 +285,7 @@ def plot(board: Board, out: Path) -> Path:
     by_version.set_title("against policy version")
     answered = [_mean([a.version for a in e.answers]) for e in board.evaluations]
     for task_id, marker in ((heldout.HELDOUT, "o"), (heldout.SEEN, "s")):
-        label = f"{task_id} accuracy (greedy)"
+        label = f"{NAMES[task_id]} accuracy (greedy)"
         accuracy = [e.accuracy(task_id) for e in board.evaluations]
         by_time.plot([e.at for e in board.evaluations], accuracy, marker=marker, label=label)
         by_version.plot(answered, accuracy, marker=marker, label=label)
@@ -444,8 +445,9 @@ def main(argv: list[str] | None = None) -> int:
         "[bold]proxrl demo[/]: a tiny model that half-knows addition answers many concurrent "
         "agent sessions through the proxy; each exact sum earns reward 1; the trainer turns "
         f"those rewards into new weights every {args.batch_size} sessions and swaps them into "
-        "the engine while it keeps serving. Watch the reward go up, and the accuracy on "
-        f"{args.heldout} problems it never trains on."
+        "the engine while it keeps serving. Watch the reward go up, and the greedy accuracy "
+        f"on {args.heldout} problems it trains on (seen) and {args.heldout} it never does "
+        "(held-out)."
     )
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -484,11 +486,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def accuracy_report(figures: dict) -> str:
     if figures["first"] is None:
-        return f"{figures['task_id']} accuracy: no evaluation finished"
+        return f"{NAMES[figures['task_id']]} accuracy: no evaluation finished"
     first, last, best = figures["first"], figures["last"], figures["best"]
     agrees = {True: "the server agrees", False: "the server DISAGREES (see the log)"}
     return (
-        f"{figures['task_id']} accuracy (greedy, {figures['problems']} problems) "
+        f"{NAMES[figures['task_id']]} accuracy (greedy, {figures['problems']} problems) "
         f"{first['accuracy']:.3f} "
         f"(v{first['versions'][1]}) → {last['accuracy']:.3f} (v{last['versions'][1]}), best "
         f"{best['accuracy']:.3f} (v{best['versions'][1]}) · {len(figures['evaluations'])} "
