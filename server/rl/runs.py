@@ -6,12 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncSession
-
 from server.context import ServerContext
 from server.errors import InvalidConfig, RunNotFound
 from server.rl.schemas import EvalFigures, RunEval, RunOut
 from server.store import evaluation, runs
+from server.store.database import Db
 from server.store.run_config import RunConfig
 from server.store.tables import Run
 
@@ -43,7 +42,7 @@ async def run_view(ctx: ServerContext, run: Run) -> dict[str, Any]:
     ).model_dump()
 
 
-async def run_eval(db: AsyncSession, run_id: str) -> RunEval:
+async def run_eval(db: Db, run_id: str) -> RunEval:
     """The run's eval sessions' rewards by version and task (``server.store.evaluation``)."""
     tasks, versions = evaluation.summarize(await evaluation.eval_scores(db, run_id))
     return RunEval(

@@ -15,7 +15,12 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
 
 MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
 SQLITE_PRAGMAS = (
@@ -82,8 +87,10 @@ def connect_sync(url: str) -> Engine:
     return engine
 
 
-# What the layers above the store hold to open a database session, naming no sqlalchemy type.
+# What the layers above the store hold to open a database session, and the session they pass
+# back into it, naming no sqlalchemy type.
 Sessionmaker = async_sessionmaker
+Db = AsyncSession
 
 
 def sessionmaker(engine: AsyncEngine) -> async_sessionmaker:
