@@ -14,7 +14,7 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from server.export.options import Since, since_time
-from server.export.schema import SESSION, arrow_schema, names
+from server.export.schema import SESSION, arrow_schema, markdown_table, names
 from server.export.writers import FORMATS, JsonlWriter, ParquetWriter
 from tests.support import ROOT
 
@@ -97,3 +97,10 @@ def test_parquet_without_pyarrow_says_what_to_install():
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("parquet_unavailable format ")
     assert "pip install 'proxrl[export]'" in done.stdout
+
+
+def test_the_readme_carries_the_schema_as_written():
+    """The README's export table is ``markdown_table()``, line for line, in one block."""
+    readme = (ROOT / "README.md").read_text()
+    table = "\n".join(markdown_table())
+    assert table + "\n" in readme
