@@ -55,7 +55,12 @@ def since_time(value: Any) -> Any:
 
 
 def _utc(moment: datetime) -> datetime:
-    return moment.astimezone(UTC) if moment.tzinfo else moment.replace(tzinfo=UTC)
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=UTC)
+    try:
+        return moment.astimezone(UTC)
+    except OverflowError:  # 0001-01-01T00:00+01:00 is before the year 1 in UTC
+        raise ValueError(f"{moment.isoformat()} is out of range in UTC") from None
 
 
 # A string in the API's document: a duration is no date-time, and must not read as off-schema.

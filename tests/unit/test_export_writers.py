@@ -74,6 +74,10 @@ def test_since_takes_iso_times_and_durations():
     for text in ["yesterday", "2h ago", "-1h", "", "99999999999999w", "1" * 65 + "s"]:
         with pytest.raises(ValidationError):
             TypeAdapter(Since).validate_python(text)
+    # a time whose offset moves it past year 1 or 9999 in UTC: refused (a 422), never a 500
+    for text in ["0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-01:00"]:
+        with pytest.raises(ValidationError, match="UTC"):
+            TypeAdapter(Since).validate_python(text)
 
 
 def test_every_format_is_a_writer():
