@@ -16,9 +16,12 @@ the steps they already hold and take the run up again after them; no step is wri
 Each tracker sends from a thread of its own (`Lane`), so a slow or unreachable one never holds
 a step: training only queues the figures. A tracker that fails (network, disk) never stops
 training either: the failure is logged once, the tracker is left alone for `RETRY_AFTER_S` and
-then tried again. Starting is done in line, before the first step (W&B and MLflow create or
-find their run there). A tracker configured but not installed is a `ConfigError` at start
-(`check_installed`). This module knows nothing about the server, Ray or the training itself.
+then tried again. Starting is done before the first step, every tracker at once in a thread of
+its own (W&B and MLflow create or find their run there); one that has not started after
+`START_WAIT_S` (a tracking server that never answers: MLflow alone retries for minutes) is
+left behind, and training goes on without it. A tracker configured but not installed is a
+`ConfigError` at start (`check_installed`). This module knows nothing about the server, Ray or
+the training itself.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ log = logging.getLogger("proxrl.trainer")
 RETRY_AFTER_S = 60.0  # a tracker that failed is left alone this long, then tried again
 QUEUED_STEPS = 1000  # steps a slow tracker may fall behind before steps are left out
 CLOSE_WAIT_S = 60.0  # at the end, how long the trackers get to send what is queued
+START_WAIT_S = 60.0  # at the start, how long the trackers get to make or find their runs
 STATE_FILE = "tracking.json"
 
 # figure in the step's record -> its name in the trackers, grouped by what it measures
@@ -393,18 +397,12 @@ class Tracking:
         self.state = self._load_state()
         self.state_warned = False
         self.lanes: list[Lane] = []
+        opened = self._open(trackers)
         for tracker in trackers:
             entry = self.state.setdefault(tracker.name, {})
-            try:
-                entry["kept"] = tracker.open(run, entry.get("kept", {}))
-            except Exception as exc:
-                log.warning(
-                    "%s: could not start (%s: %s); training goes on without it",
-                    tracker.name,
-                    type(exc).__name__,
-                    exc,
-                )
+            if tracker.name not in opened:
                 continue
+            entry["kept"] = opened[tracker.name]
             if tracker.rewinds or "last_step" not in entry:
                 entry["last_step"] = run.first_step - 1
             elif entry["last_step"] >= run.first_step:
@@ -418,6 +416,59 @@ class Tracking:
             self.lanes.append(Lane(tracker, entry["last_step"], self._sent))
         with self.lock:
             self._save_state()
+
+    def _open(self, trackers: list[Tracker]) -> dict[str, dict[str, Any]]:
+        """What each tracker that started keeps. All start at once, each in a thread of its own;
+        one not started by `START_WAIT_S` is left behind (said, never raised), and closed if it
+        starts later."""
+        opened: dict[str, dict[str, Any]] = {}
+        left_behind: set[str] = set()
+        lock = threading.Lock()
+
+        def start(tracker: Tracker, kept: dict[str, Any]) -> None:
+            try:
+                made = tracker.open(self.run, kept)
+            except Exception as exc:
+                log.warning(
+                    "%s: could not start (%s: %s); training goes on without it",
+                    tracker.name,
+                    type(exc).__name__,
+                    exc,
+                )
+                return
+            with lock:
+                late = tracker.name in left_behind
+                if not late:
+                    opened[tracker.name] = made
+            if late:
+                with contextlib.suppress(Exception):
+                    tracker.close()
+
+        threads = [
+            threading.Thread(
+                target=start,
+                args=(tracker, self.state.get(tracker.name, {}).get("kept", {})),
+                name=f"tracking-start-{tracker.name}",
+                daemon=True,
+            )
+            for tracker in trackers
+        ]
+        deadline = time.monotonic() + START_WAIT_S
+        for thread in threads:
+            thread.start()
+        for tracker, thread in zip(trackers, threads, strict=True):
+            thread.join(max(deadline - time.monotonic(), 0.0))
+            with lock:
+                if tracker.name in opened or not thread.is_alive():
+                    continue
+                left_behind.add(tracker.name)
+            log.warning(
+                "%s: not started after %.1f s; training goes on without it",
+                tracker.name,
+                START_WAIT_S,
+            )
+        with lock:
+            return dict(opened)
 
     @classmethod
     def start(cls, config: TrackingConfig, run: RunInfo) -> Tracking:

@@ -449,6 +449,33 @@ def test_a_hanging_tracker_holds_neither_the_steps_nor_the_others(tmp_path, capl
     hanging.let_go.set()
 
 
+class SlowToStart(Hanging):
+    """A tracker of our own protocol whose start waits until it is let go (a tracking server
+    that takes the connection and never answers)."""
+
+    name = "slow"
+
+    def open(self, run: RunInfo, kept: dict[str, Any]) -> dict[str, Any]:
+        self.let_go.wait(30)
+        return {}
+
+
+def test_a_tracker_slow_to_start_does_not_hold_training(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(tracking, "START_WAIT_S", 0.5)
+    slow = SlowToStart()
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, "proxrl.trainer"):
+        tracked = Tracking([slow, TensorBoardTracker(TrackingConfig())], run_info(tmp_path))
+    assert time.monotonic() - started < 5  # not the 30 s its start would take
+    assert tracked.trackers == ["tensorboard"]
+    assert any("slow: not started after 0.5 s" in r.getMessage() for r in caplog.records)
+    tracked.log(record(1))
+    tracked.close()
+    slow.let_go.set()
+    assert slow.logged == []
+    assert [s for s, _ in tensorboard_scalars(tmp_path / "tensorboard")["reward/mean"]] == [1]
+
+
 def test_an_unreachable_tracking_server_is_skipped_at_start(tmp_path, caplog, monkeypatch):
     """A real refused connection: MLflow cannot start, TensorBoard still takes every step."""
     with socket.socket() as probe:  # a port nothing listens on
