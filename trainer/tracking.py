@@ -336,7 +336,8 @@ class Lane:
         while True:
             item = self.queue.get()
             try:
-                if item is None:
+                if item is None:  # the end: closing is done here too, so it cannot hang it
+                    self._close_tracker()
                     return
                 step, values, wall_time = item
                 if self.resting():
@@ -358,14 +359,18 @@ class Lane:
         return self.failed_at is not None and time.monotonic() - self.failed_at < RETRY_AFTER_S
 
     def close(self, deadline: float) -> None:
-        """Send what is queued (until ``deadline``, a monotonic time), then close."""
+        """Send what is queued and close the tracker, in its thread, until ``deadline`` (a
+        monotonic time); after that the thread is left behind."""
         name = self.tracker.name
         with contextlib.suppress(queue.Full):  # full: the thread is stuck, the join says so
             self.queue.put(None, timeout=max(deadline - time.monotonic(), 0.01))
         self.thread.join(max(deadline - time.monotonic(), 0.01))
         if self.thread.is_alive():
-            log.warning("%s: still sending at the end; what it has not sent is lost", name)
-            return
+            log.warning(
+                "%s: still sending or closing at the end; what it has not sent is lost", name
+            )
+
+    def _close_tracker(self) -> None:
         try:
             self.tracker.close()
         except Exception as exc:

@@ -449,6 +449,33 @@ def test_a_hanging_tracker_holds_neither_the_steps_nor_the_others(tmp_path, capl
     hanging.let_go.set()
 
 
+class SlowToClose(Hanging):
+    """A tracker of our own protocol whose close waits until it is let go (a run that keeps
+    uploading at the end)."""
+
+    name = "slow_close"
+
+    def log(self, step: int, values: dict[str, float], wall_time: float) -> None:
+        self.logged.append(step)
+
+    def close(self) -> None:
+        self.let_go.wait(30)
+
+
+def test_a_tracker_slow_to_close_holds_the_end_no_longer_than_the_wait(tmp_path, caplog):
+    slow = SlowToClose()
+    tracked = Tracking([slow, TensorBoardTracker(TrackingConfig())], run_info(tmp_path))
+    tracked.log(record(1))
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, "proxrl.trainer"):
+        tracked.close(wait_s=0.5)
+    assert time.monotonic() - started < 5  # not the 30 s its close would take
+    slow.let_go.set()
+    assert slow.logged == [1]
+    assert any("slow_close: still sending" in r.getMessage() for r in caplog.records)
+    assert [s for s, _ in tensorboard_scalars(tmp_path / "tensorboard")["reward/mean"]] == [1]
+
+
 class SlowToStart(Hanging):
     """A tracker of our own protocol whose start waits until it is let go (a tracking server
     that takes the connection and never answers)."""
