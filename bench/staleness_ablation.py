@@ -7,7 +7,8 @@ eta grows, while the decoupled objective keeps it. This script repeats that grid
 tiny model and the demo's task: plain additions ``a+b`` (a, b in 0..9), after the demo's cached
 supervised warm-up, which leaves the model about half right at temperature 1, so there is room
 to improve and room to collapse. (The length-varying chain of ``bench/async_vs_sync.py`` is no
-use here: its warm start scores 0 on it, and GRPO learns nothing from groups that all fail.)
+use here: its warm start gets about 6% of it right, and GRPO learns nothing from groups that
+all fail.)
 The trainer and the asyncio agent are ``bench/async_vs_sync.py``'s. One *cell* is a fresh
 ``proxrl serve`` (its own embedded engine and SQLite), a ``proxrl train`` with
 ``max_staleness=eta`` and one objective, and the agent, until a fixed number of samples
