@@ -170,12 +170,18 @@ class ExportCommand(BaseModel):
         from server.errors import ProxrlError
         from server.export.writers import FORMATS
         from server.rl.export import chosen_sessions, export_file
-        from server.store.database import default_url, sqlite_file
+        from server.store.database import default_url, revision_mismatch, sqlite_file
 
         url = self.db or default_url(self.data_dir)
         store = sqlite_file(url)
         if store is not None and not store.is_file():  # connecting would create an empty one
             raise SystemExit(f"proxrl export: no store at {store} (give --db or --data-dir)")
+        mismatch = revision_mismatch(url)  # the server upgrades its store; this reads it as is
+        if mismatch is not None:
+            raise SystemExit(
+                f"proxrl export: the store is {mismatch}: run `proxrl db upgrade --db URL` (or "
+                "start this proxrl's server on it) first"
+            )
         with export_progress() as progress:
             task = progress.add_task(self.run, total=None)
             try:

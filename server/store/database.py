@@ -113,3 +113,21 @@ def upgrade(url: str, revision: str = "head") -> None:
 
 def downgrade(url: str, revision: str = "base") -> None:
     command.downgrade(alembic_config(url), revision)
+
+
+def revision_mismatch(url: str) -> str | None:
+    """None when the database at ``url`` is at this code's migration head; else what it is at
+    and what the code expects (for a command that reads a store without upgrading it)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    heads = set(ScriptDirectory.from_config(alembic_config(url)).get_heads())
+    engine = connect_sync(url)
+    try:
+        with engine.connect() as connection:
+            current = set(MigrationContext.configure(connection).get_current_heads())
+    finally:
+        engine.dispose()
+    if current == heads:
+        return None
+    return f"at revision {', '.join(sorted(current)) or 'none'}, not {', '.join(sorted(heads))}"
