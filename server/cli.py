@@ -197,6 +197,8 @@ class ExportCommand(BaseModel):
                 )
             except ProxrlError as exc:
                 raise SystemExit(f"proxrl export: {exc.message}") from None
+            except OSError as exc:  # the file could not be written (a full disk, no access)
+                raise SystemExit(f"proxrl export: {self.out}: {exc.strerror or exc}") from None
         print(f"wrote {written} session(s) to {self.out}", file=sys.stderr)
 
 

@@ -156,8 +156,9 @@ async def export_file(
     on_page: Callable[[int], None] = lambda sessions: None,
 ) -> int:
     """Write the chosen sessions of the store at ``url`` to ``out`` (through ``out.partial``,
-    renamed at the end, so ``out`` is never half written); how many sessions it holds.
-    ``on_total`` hears how many there are to write, ``on_page`` each page's count."""
+    renamed at the end, so ``out`` is never half written, and removed if the export fails or
+    is interrupted); how many sessions it holds. ``on_total`` hears how many there are to
+    write, ``on_page`` each page's count."""
     engine = database.connect(url)
     try:
         sessionmaker = database.sessionmaker(engine)
@@ -167,13 +168,17 @@ async def export_file(
         on_total(await count(sessionmaker, chosen))
         partial = out.with_name(out.name + ".partial")
         written = 0
-        with partial.open("wb") as file:
-            async for records in record_pages(sessionmaker, chosen):
-                file.write(await asyncio.to_thread(writer.page, records))
-                written += len(records)
-                on_page(len(records))
-            file.write(writer.close())
-        partial.replace(out)
+        try:
+            with partial.open("wb") as file:
+                async for records in record_pages(sessionmaker, chosen):
+                    file.write(await asyncio.to_thread(writer.page, records))
+                    written += len(records)
+                    on_page(len(records))
+                file.write(writer.close())
+            partial.replace(out)
+        except BaseException:  # a full disk, Ctrl-C: no half file is left behind
+            partial.unlink(missing_ok=True)
+            raise
         return written
     finally:
         await engine.dispose()
