@@ -70,10 +70,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "agents"))
 
 import heldout  # noqa: E402  (examples/agents, on the path above)
+from warm_start import warm_model  # noqa: E402
 
 from bench import async_vs_sync as base  # noqa: E402
 from bench.common import positive_int  # noqa: E402
-from examples.demo import warm_model  # noqa: E402
 from server.common.processes import ProxyProcess  # noqa: E402
 
 arithmetic = base.arithmetic

@@ -43,13 +43,10 @@ sys.path.insert(0, str(ROOT / "examples" / "agents"))
 import arithmetic  # noqa: E402  (examples/agents, on the path above)
 import heldout  # noqa: E402
 from math_agent import MathAgent  # noqa: E402
+from warm_start import warm_model  # noqa: E402
 
 log = logging.getLogger("proxrl.demo")
 
-# The warm-up stops part-way: on this task the tiny model's sampled accuracy climbs from ~0.1
-# at 120 steps to ~0.6 at 200 (measured at temperature 1), so 180 steps leave it partly right.
-WARMUP = {"size": "tiny", "steps": 180, "lr": 3e-3, "batch_size": 32}
-WARMUP_EXAMPLES = 4000
 # Sessions in the rolling reward and in the start and end figures: 32 problems of 8 sessions,
 # enough that the figures are not one lucky batch (every problem has its own difficulty).
 WINDOW = 256
@@ -148,14 +145,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ----- the pieces ----------------------------------------------------------------------------
-
-
-def warm_model(cache: Path, seed: int) -> Path:
-    """The tiny model after a short supervised warm-up on the task (cached)."""
-    from trainer.warmup import cached_warm_start
-
-    examples = arithmetic.warmup_examples(WARMUP_EXAMPLES, seed=1000 + seed)
-    return cached_warm_start(cache, examples, seed=seed, threads=2, **WARMUP)
 
 
 def start_trainer(server, out: Path, args: argparse.Namespace):
