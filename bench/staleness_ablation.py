@@ -161,14 +161,16 @@ def concurrency_of(staleness: int, args) -> int:
 # --- one cell --------------------------------------------------------------------------------
 
 
-async def wait_version(client, run_id: str, version: int) -> int:
-    """Until the run's published version reaches ``version`` (the last step's weights)."""
+async def wait_trainer_done(client, run_id: str, trainer) -> int:
+    """Until the trainer has exited after its last step (its last publish included), then the
+    run's published version: the weights the final evaluation asks. A step whose sessions were
+    all dropped (too stale) publishes nothing, so that version can be below the step count."""
     deadline = time.monotonic() + VERSION_WAIT_S
-    while (current := int((await client.get_run(run_id))["policy_version"])) < version:
+    while trainer.exited() is None:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"version {current} of {version} published in {VERSION_WAIT_S}s")
+            raise RuntimeError(f"the trainer did not exit {VERSION_WAIT_S}s after its last step")
         await asyncio.sleep(0.2)
-    return current
+    return int((await client.get_run(run_id))["policy_version"])
 
 
 @dataclass(frozen=True)
@@ -204,8 +206,7 @@ async def drive_cell(server, cell: Cell, out: Path, sets: dict, args, stack) -> 
             client, http, server, run, cell.mode, out, cell_args, stack, concurrency,
             heldout.training_problems(arithmetic.problems(cell.seed), sets[heldout.HELDOUT]),
         )  # fmt: skip
-        version = await wait_version(client, run["id"], args.steps)
-        trained.trainer.stop()
+        version = await wait_trainer_done(client, run["id"], trained.trainer)
         end = await evaluate(client, http, run, sets, args, version)
     steps = trained.steps
     return CellResult(
