@@ -56,6 +56,7 @@ bench: venv
 	$(PY) bench/proxy.py
 	$(PY) bench/trainer.py
 	$(PY) bench/dashboard.py
+	$(PY) bench/export.py
 	$(PY) bench/async_vs_sync.py
 	$(PY) bench/staleness_ablation.py
 
