@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import ipaddress
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -352,3 +354,15 @@ def turn_out(
         reward=None,
         created_at=created_at,
     )
+
+
+def example_agent_module(name: str):
+    """``examples/agents/<name>.py`` imported as ``name`` (as the agents import each other),
+    once per process."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "examples/agents" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the file runs
+        spec.loader.exec_module(module)
+    return sys.modules[name]

@@ -4,28 +4,15 @@ server's ``eval`` rows."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import statistics
-import sys
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import example_agent_module
 
-
-def _load(name: str):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "examples/agents" / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the file runs
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-arithmetic = _load("arithmetic")
-heldout = _load("heldout")
+arithmetic = example_agent_module("arithmetic")
+heldout = example_agent_module("heldout")
 
 
 def names(problems) -> set[str]:

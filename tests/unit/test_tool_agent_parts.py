@@ -4,28 +4,15 @@ answers from a script (so the SDK parses real JSON, malformed tool calls include
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import httpx
 import openai
 import pytest
 
-from tests.support import ROOT
+from tests.support import example_agent_module
 
-
-def _load(name: str):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "examples/agents" / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the file runs
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-agent = _load("tool_agent")
+agent = example_agent_module("tool_agent")
 
 
 def call(arguments, name="calculator", call_id="call_1"):
