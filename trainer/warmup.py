@@ -22,12 +22,14 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from server.common.cache_argument import cache_keyword
 
 __all__ = [
     "Example",
@@ -41,6 +43,7 @@ __all__ = [
 log = logging.getLogger("proxrl.warmup")
 
 Example = tuple[list[dict[str, Any]], str]  # (chat messages, the assistant's answer text)
+OnStep = Callable[[int, int, float], None]  # (steps done, steps, the last step's loss)
 IGNORE = -100  # label of tokens without loss
 MARKER = "warmup.json"  # written last: a cache entry without it is incomplete
 
@@ -95,13 +98,15 @@ def warm_start(
     threads: int = 1,
     log_every: int = 50,
     template: str = "default",
+    on_step: OnStep | None = None,
 ) -> Path:
     """Create the tiny model of ``size`` (chat template ``template``) in ``out_dir`` and
     fine-tune it on ``examples``.
 
     ``steps`` AdamW updates of ``batch_size`` examples each, drawn by shuffled passes over
     ``examples`` (seeded). Logs a line every ``log_every`` steps with the loss, the rate and
-    the time left. Returns ``out_dir``, an ordinary model directory.
+    the time left, and calls ``on_step`` after every step (a progress bar's hook). Returns
+    ``out_dir``, an ordinary model directory.
     """
     from server.common.tiny_model import create_tiny_model
 
@@ -135,6 +140,8 @@ def warm_start(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        if on_step is not None:
+            on_step(step + 1, steps, loss.item())
         if (step + 1) % log_every == 0 or step + 1 == steps:
             elapsed = time.monotonic() - started
             rate = (step + 1) / elapsed
@@ -194,10 +201,10 @@ def _sample(
     inputs = torch.tensor(prompts)
     outputs: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    past = None
+    cache = DynamicCache(config=model.config)  # every forward extends it in place
+    keyword = cache_keyword(model)
     for _ in range(max_tokens):
-        result = model(input_ids=inputs, past_key_values=past, use_cache=True)
-        past = result.past_key_values
+        result = model(input_ids=inputs, **{keyword: cache}, use_cache=True)
         logits = result.logits[:, -1].float()
         if temperature < 1e-6:
             tokens = logits.argmax(dim=-1)
@@ -242,6 +249,7 @@ def cached_warm_start(
     threads: int = 1,
     log_every: int = 50,
     template: str = "default",
+    on_step: OnStep | None = None,
 ) -> Path:
     """``warm_start`` into ``cache_dir/<key>``, or that directory at once when it is there.
 
@@ -263,7 +271,9 @@ def cached_warm_start(
     shutil.rmtree(staging, ignore_errors=True)
     try:
         started = time.monotonic()
-        warm_start(staging, examples, **settings, threads=threads, log_every=log_every)
+        warm_start(
+            staging, examples, **settings, threads=threads, log_every=log_every, on_step=on_step
+        )
         record = {**settings, "examples": len(examples), "seconds": time.monotonic() - started}
         (staging / MARKER).write_text(json.dumps(record, indent=2) + "\n")
         if (final / MARKER).is_file():  # another process finished the same model meanwhile
