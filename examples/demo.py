@@ -52,6 +52,13 @@ log = logging.getLogger("proxrl.demo")
 WINDOW = 256
 MAX_TOKENS = 16  # "4+7=11" is 6 tokens; room for a wrong, longer answer
 NAMES = {heldout.HELDOUT: "held-out", heldout.SEEN: "seen"}  # the evaluation sets, for people
+NO_DATA = "—"  # a figure with nothing behind it yet, rather than a misleading 0
+# Why the held-out line does not rise (the README's demo section has the measurements).
+HELDOUT_NOTE = (
+    "held-out problems are never trained on: on this task RL raises greedy accuracy on the "
+    "problems it practises (seen), not on held-out ones, so a flat or falling held-out line "
+    "is expected"
+)
 
 
 @dataclass
@@ -128,6 +135,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=32,
         help="Problems in each evaluation set: held out (never trained on), and seen.",
     )
+    p.add_argument(
+        "--keep-serving",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="After the summary, keep the server (and its dashboard) up until Ctrl-C. "
+        "Default: when stdin and stdout are a terminal.",
+    )
     args = p.parse_args(argv)
     if not args.minutes > 0:
         p.error("--minutes must be positive")
@@ -141,6 +155,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--eval-every must be at least 1")
     if not 1 <= args.heldout <= 50:
         p.error("--heldout must be 1 to 50: the two sets come from 100 problems")
+    if args.keep_serving is None:  # a person at a terminal gets to look at the run
+        args.keep_serving = sys.stdin.isatty() and sys.stdout.isatty()
     return args
 
 
@@ -165,24 +181,28 @@ def table(board: Board, args: argparse.Namespace):
 
     elapsed = time.monotonic() - board.started
     total = args.minutes * 60
-    last = board.steps[-1] if board.steps else {}
+    last = board.steps[-1] if board.steps else None
     recent = list(board.recent)
     start = [o.reward for o in board.outcomes[:WINDOW]]
+    sessions = len(board.outcomes)
     t = Table(title=f"proxrl demo · {elapsed:.0f}s of {total:.0f}s", show_header=False)
     t.add_column(justify="right", style="bold")
     t.add_column()
     rows = [
         ("policy version", str(board.version)),
-        (f"mean reward (last {WINDOW} sessions)", f"{_mean(recent):.3f}"),
-        ("mean reward at start", f"{_mean(start):.3f}"),
+        (f"mean reward (last {WINDOW} sessions)", f"{_mean(recent):.3f}" if recent else NO_DATA),
+        ("mean reward at start", f"{_mean(start):.3f}" if start else NO_DATA),
         ("held-out accuracy (greedy)", accuracy_line(board, heldout.HELDOUT)),
         ("seen accuracy (greedy)", accuracy_line(board, heldout.SEEN)),
-        ("sessions", f"{len(board.outcomes)} ({len(board.outcomes) / max(elapsed, 1e-9):.1f}/s)"),
-        ("sessions trained", str(sum(s["sessions"] for s in board.steps))),
-        ("trained tokens/s (last step)", f"{last.get('tokens_per_second', 0):.0f}"),
+        (
+            "sessions",
+            f"{sessions} ({sessions / max(elapsed, 1e-9):.1f}/s)" if sessions else NO_DATA,
+        ),
+        ("sessions trained", str(sum(s["sessions"] for s in board.steps)) if last else NO_DATA),
+        ("trained tokens/s (last step)", f"{last['tokens_per_second']:.0f}" if last else NO_DATA),
         (
             "staleness (mean / max versions)",
-            f"{last.get('staleness_mean', 0):.2f} / {last.get('staleness_max', 0)}",
+            f"{last['staleness_mean']:.2f} / {last['staleness_max']}" if last else NO_DATA,
         ),
     ]
     for name, value in rows:
@@ -280,7 +300,8 @@ def plot(board: Board, out: Path) -> Path:
         by_version.plot(answered, accuracy, marker=marker, label=label)
     for axes in (by_time, by_version):
         axes.legend(loc="lower right")
-    fig.tight_layout()
+    fig.text(0.5, 0.01, HELDOUT_NOTE, ha="center", va="bottom", fontsize=8, wrap=True)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))  # room for the note under the axes
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -449,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(server.stop)
         trainer = start_trainer(server, out, args)
         stack.callback(trainer.stop)
+        console.print(dashboard_line(server))
         console.print(f"server {server.url}; trainer log {out / 'trainer.log'}")
         board = Board()
         try:
@@ -460,6 +482,20 @@ def main(argv: list[str] | None = None) -> int:
             board.seconds = time.monotonic() - board.started
         trainer.stop()
         board.steps = trainer.steps()
+        report(board, out, console)
+        if args.keep_serving:
+            serve_until_interrupted(server, console)
+    return 130 if interrupted else 0
+
+
+def dashboard_line(server) -> str:
+    """Where the dashboard is and how to log in: for the person at the terminal only (the
+    admin key never goes into a log file)."""
+    return f"dashboard at {server.url}/admin (log in with the admin key {server.admin_key})"
+
+
+def report(board: Board, out: Path, console) -> None:
+    """The summary: ``summary.json``, the plot, and its lines on the console."""
     summary = summarize(board, out)
     image = plot(board, out) if board.outcomes else None
     console.print(
@@ -469,8 +505,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     console.print(accuracy_report(summary["heldout"]))
     console.print(accuracy_report(summary["seen"]))
+    console.print(f"({HELDOUT_NOTE})", style="dim")
     console.print(f"summary: {out / 'summary.json'}" + (f" · plot: {image}" if image else ""))
-    return 130 if interrupted else 0
+
+
+def serve_until_interrupted(server, console) -> None:
+    """Keep the server up, its run on the dashboard, until Ctrl-C (the trainer has stopped)."""
+    console.print(f"{dashboard_line(server)}; Ctrl-C to stop")
+    try:
+        while server.process.poll() is None:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        return
+    console.print(f"the server stopped by itself; see {server.log_path}")
 
 
 def accuracy_report(figures: dict) -> str:

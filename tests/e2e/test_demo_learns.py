@@ -59,6 +59,7 @@ def test_the_demo_raises_the_reward_and_stops_cleanly_on_ctrl_c(tmp_path):
     out = tmp_path / "demo"
     log = (tmp_path / "demo.log").open("w")
     arguments = ["--out", str(out), "--seed", "0", "--eval-every", str(EVAL_EVERY)]
+    arguments.append("--no-keep-serving")  # exit after the summary even when run at a terminal
     demo = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "demo", *arguments],
         cwd=ROOT,
