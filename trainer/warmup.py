@@ -27,9 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-
-from server.common.cache_argument import cache_keyword
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 __all__ = [
     "Example",
@@ -201,10 +199,10 @@ def _sample(
     inputs = torch.tensor(prompts)
     outputs: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    cache = DynamicCache(config=model.config)  # every forward extends it in place
-    keyword = cache_keyword(model)
+    past = None
     for _ in range(max_tokens):
-        result = model(input_ids=inputs, **{keyword: cache}, use_cache=True)
+        result = model(input_ids=inputs, past_key_values=past, use_cache=True)
+        past = result.past_key_values
         logits = result.logits[:, -1].float()
         if temperature < 1e-6:
             tokens = logits.argmax(dim=-1)
