@@ -1,7 +1,7 @@
 """The export record: one line (JSONL) or one Parquet row per session, with its turns and rows.
 
 Written once here, as a table of columns: the Parquet schema (:func:`arrow_schema`), the
-``datasets`` features (:func:`features`) and the README's table (:func:`markdown_table`) are all
+``datasets`` features (:func:`features`) and the docs' table (:func:`markdown_table`) are all
 read from it, and a test holds the records ``server.rl.export`` builds to it.
 
 Every column has one fixed type, so Arrow never has to guess. Free-form values (messages, tools,
@@ -166,7 +166,7 @@ _KIND_NAMES = {
 
 
 def markdown_table(columns: tuple[Column, ...] = SESSION, prefix: str = "") -> list[str]:
-    """The README's table of the record, nested columns as ``turns[].prompt_ids``."""
+    """The record as docs/architecture/export.md tables it; nested columns as ``turns[].model``."""
     lines = [] if prefix else ["| column | type | meaning |", "|---|---|---|"]
     for column in columns:
         kind = _KIND_NAMES[column.kind] + (" or null" if column.nullable else "")
