@@ -2,23 +2,23 @@
 shows SGLang's documented quirks, which the embedded engine itself does not (it reports more than
 SGLang does, and refuses bad streamed requests before the stream starts).
 
-Each quirk, with where ``../shared/reference/sglang-protocol.md`` documents it:
+Each quirk, with the section of ``docs/architecture/sglang-protocol.md`` that documents it:
 
 * ``/server_info``: ``context_length`` is the launch argument, ``None`` unless ``--context-length``
-  was given; ``tp_size`` is the launch argument (section 4, section 8.1 "No effective context
-  length in /server_info").
-* ``/v1/models``: the effective context as ``data[0].max_model_len`` (section 4, section 8.1).
+  was given; ``tp_size`` is the launch argument ("Info and health", "Context length").
+* ``/v1/models``: the effective context as ``data[0].max_model_len`` ("Info and health",
+  "Context length").
   ``--advertise-context N`` reports N instead (0: no ``max_model_len`` at all), to face a proxy
   with an engine that reports its context wrongly or not at all.
 * ``/generate`` with ``"stream": true``: a request the engine refuses as a value error (HTTP 400
-  ``{"error": {"message": ...}}``, section 1.3) is answered with HTTP 200 and the error in-band,
+  ``{"error": {"message": ...}}``, "Error shapes") is answered with HTTP 200 and the error in-band,
   ``data: {"error": {"message", "type": "invalid_request_error", "code": 400, "retryable":
-  false}}`` then ``data: [DONE]`` (sections 1.5 and 8.1). Schema errors (``{"error": "<text>"}``)
-  stay HTTP 400: 0.5.23 checks the schema before the stream starts (section 1.1).
+  false}}`` then ``data: [DONE]`` ("In-band errors"). Schema errors (``{"error": "<text>"}``)
+  stay HTTP 400: 0.5.23 checks the schema before the stream starts ("The /generate request").
 * ``/init_weights_update_group``: an engine of tensor-parallel size t joins the group as ranks
-  ``rank_offset .. rank_offset + t - 1`` (sections 2 and 8.1). The engine behind the double holds
-  one rank, so the double cannot take part in a real group of that size: it records the request
-  (see ``GET /_double/stats``) and answers success without joining.
+  ``rank_offset .. rank_offset + t - 1`` ("Ranks under tensor parallelism"). The engine behind the
+  double holds one rank, so the double cannot take part in a real group of that size: it records the
+  request (see ``GET /_double/stats``) and answers success without joining.
 
 Its command line takes the flags proxrl passes to ``python -m sglang.launch_server``
 (``--model-path``, ``--host``, ``--port``, ``--tp-size``, ``--base-gpu-id``, ``--weight-version``,

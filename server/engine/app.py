@@ -1,6 +1,6 @@
 """HTTP routes of the embedded engine: SGLang 0.5.23's native API.
 
-See shared/reference/sglang-protocol.md.
+See docs/architecture/sglang-protocol.md.
 
 Each handler parses its body, calls one :class:`EngineService` method and returns SGLang's
 shape. Bodies of ``/generate`` are checked by hand so bad input gets SGLang's error shapes (see

@@ -1,6 +1,7 @@
 """Request shapes of SGLang 0.5.23's native API, and their validation, for the embedded engine.
 
-See shared/reference/sglang-protocol.md. Three kinds of bad input, three error shapes, as there:
+See docs/architecture/sglang-protocol.md, "Error shapes". Three kinds of bad input, three error
+shapes, as there:
 
 * a known key of the wrong type, an unknown ``sampling_params`` key, malformed JSON:
   400 ``{"error": "<text>"}`` (0.5.23's generated schema check; ``error`` is a string);

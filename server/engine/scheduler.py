@@ -5,7 +5,7 @@ One thread owns the model. Each turn of its loop it runs the commands other thre
 (prefill), and advances every running request by one token in a single batched forward pass.
 Requests join and leave the batch at every step; a finished request frees its slot at once.
 
-Pause modes follow SGLang 0.5.23 (see shared/reference/sglang-protocol.md, section 3):
+Pause modes follow SGLang 0.5.23 (see docs/architecture/sglang-protocol.md, "Pause modes"):
 
 * ``abort``: every in-flight request finishes now with ``finish_reason.type == "abort"`` and the
   tokens it has; nothing resumes.

@@ -6,9 +6,9 @@ token, plus the finish reason when the request ended. Failures come out as two e
 ``server.errors``' tree:
 :class:`EngineUnavailable` (the engine is gone, timed out or broke: try another) and
 :class:`EngineRejected` (it refused the request: do not retry). A streamed request SGLang
-refuses is answered with HTTP 200 and the error in-band (sglang-protocol.md, sections 1.5 and
-8.1); an in-band error with a 4xx code that is not marked retryable is a refusal too. Every
-call has a timeout.
+refuses is answered with HTTP 200 and the error in-band (docs/architecture/sglang-protocol.md,
+"In-band errors"); an in-band error with a 4xx code that is not marked retryable is a refusal
+too. Every call has a timeout.
 
 It runs on aiohttp: on this hot path (every request, every streamed token) it took a third of
 httpx's CPU time per request in our measurement.

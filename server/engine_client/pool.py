@@ -5,8 +5,8 @@ session stays on the engine that served its last turn (prefix caches) while that
 healthy and not clearly busier than the rest. An engine that fails a request or a health check
 leaves the rotation until a health check succeeds again. An engine enters the rotation only once
 its context length is known (SGLang 0.5.23 reports it in ``/v1/models``, not ``/server_info``:
-sglang-protocol.md, section 8.1): requests are sized against it. This module knows nothing
-about sessions, chat or the store.
+docs/architecture/sglang-protocol.md, "Context length"): requests are sized against it. This module
+knows nothing about sessions, chat or the store.
 """
 
 from __future__ import annotations

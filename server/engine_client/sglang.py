@@ -2,12 +2,12 @@
 processes.
 
 Each server is ``python -m sglang.launch_server`` on loopback with the flags proxrl relies on
-(sglang-protocol.md): the model, a free port, its tensor-parallel size and first GPU, and the
-weight version proxrl counts from (``--weight-version 0``; the proxy reads versions back from
-``/model_info`` and ``meta_info.weight_version``); then the user's ``--sglang-args``. They are
-supervised as the embedded engines are: each must answer ``/health`` within
-``--sglang-start-timeout-s``, dies with the proxy (and takes its own scheduler processes with
-it), and leaves the rotation while the pool's health checks fail. Nothing here imports SGLang.
+(docs/architecture/sglang-protocol.md): the model, a free port, its tensor-parallel size and
+first GPU, and the weight version proxrl counts from (``--weight-version 0``; the proxy reads
+versions back from ``/model_info`` and ``meta_info.weight_version``); then the user's
+``--sglang-args``. They are supervised as the embedded engines are: each must answer ``/health``
+within ``--sglang-start-timeout-s``, dies with the proxy (and takes its own scheduler processes
+with it), and leaves the rotation while the pool's health checks fail. Nothing here imports SGLang.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class SGLangProcess(ServerProcess):
     """One SGLang server (``command``), in a process group of its own."""
 
     name = "sglang"
-    ready_path = "/health"  # 503 until the model is loaded (sglang-protocol.md, section 4)
+    ready_path = "/health"  # 503 until the model is loaded (docs/architecture/sglang-protocol.md)
     own_process_group = True
 
 

@@ -345,7 +345,7 @@ class MessagesRenderer:
         self.calls = ToolCallStream(self.names) if self.forced else None
         if self.calls is not None:
             self.calls.feed(self.forced)
-        # The answer names the served model, as every surface's does (README: Model names).
+        # The answer names the served model, as every surface's does (docs/concepts.md#model-names).
         self.model, self.stops, self.streamed = ctx.model_name, body.stops, body.stream
         self.context_cut = plan.sampling.max_tokens < body.max_tokens  # see _token_limit
         self.blocks = _Blocks()

@@ -122,7 +122,7 @@ class ResponsesRenderer:
             "incomplete_details": {"reason": "max_output_tokens"} if length else None,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
-            "model": self.served_model,  # what produced the tokens (see README: Model names)
+            "model": self.served_model,  # what produced the tokens (docs/concepts.md: Model names)
             "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,

@@ -115,7 +115,7 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
 def group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
     """Each engine's first rank in the trainer's weight group, and the group's size. The trainer
     is rank 0; an engine of tensor-parallel size t holds the t ranks from its offset on
-    (sglang-protocol.md, sections 2 and 8.1)."""
+    (docs/architecture/sglang-protocol.md, "Ranks under tensor parallelism")."""
     offsets, next_rank = [], 1
     for tp_size in tp_sizes:
         offsets.append(next_rank)

@@ -1,12 +1,12 @@
 """The import rules between our packages, read from the source.
 
-Every module of ``server/``, ``trainer/``, ``client_sdk/`` and ``bench/`` is parsed with
+Every module of ``server/``, ``trainer/``, ``client_sdk/``, ``bench/`` and ``tools/`` is parsed with
 ``ast`` and each of its imports (at the top, inside functions, under ``TYPE_CHECKING``) is held
-to ``LAYERS``: which parts of the project a layer may import. Data flows one way (DESIGN.md):
-the proxy reaches the engines only through the engine client, the store knows nothing above
-it, the engine nothing of the proxy, and the trainer reaches the server over HTTP, importing
-only ``server.common``. A module under ``server/`` that belongs to no layer fails: a new folder
-must be placed in the table first.
+to ``LAYERS``: which parts of the project a layer may import. Data flows one way
+(docs/architecture/index.md): the proxy reaches the engines only through the engine client, the
+store knows nothing above it, the engine nothing of the proxy, and the trainer reaches the server
+over HTTP, importing only ``server.common``. A module under ``server/`` that belongs to no layer
+fails: a new folder must be placed in the table first.
 
 A subprocess check adds what the source alone cannot show: importing the whole proxy
 (``server.main``) or the command line (``server.cli``) loads neither torch, ray nor transformers.
@@ -24,7 +24,7 @@ import pytest
 
 from tests.support import ROOT
 
-PACKAGES = ("server", "trainer", "client_sdk", "bench")
+PACKAGES = ("server", "trainer", "client_sdk", "bench", "tools")
 OURS = {*PACKAGES, "tests", "examples"}
 
 # The app shell: server/'s top-level modules. They compose the layers and may import any of them.
@@ -84,6 +84,8 @@ LAYERS: dict[str, set[str]] = {
     "trainer": {"server.common"},
     "client_sdk": set(),
     "bench": {"server", *SHELL, *SERVER_LAYERS, "trainer", "client_sdk"},
+    # Developer tools (the reference pages' generator): read anything of ours but the tests.
+    "tools": {"server", *SHELL, *SERVER_LAYERS, "trainer", "client_sdk"},
 }  # fmt: skip
 
 # Imports a layer's table does not grant, allowed for one module: the `proxrl train` entry
@@ -230,6 +232,7 @@ def test_the_rules_catch_what_they_forbid():
     assert broken("server.proxy.chat", "torch", lazy=True)
     assert broken("trainer.run", "server.store.tables")
     assert broken("bench.proxy", "tests.support")
+    assert broken("tools.docs_reference.cli", "tests.support")
     assert broken("client_sdk._client", "server.errors")
     assert broken("server.cli", "trainer.cli")  # at the top: `proxrl serve` would load it
     assert not broken("server.cli", "trainer.cli", lazy=True)

@@ -1,6 +1,7 @@
-"""What the proxy makes of SGLang 0.5.23's behaviour (sglang-protocol.md, section 8.1): where the
-context length comes from, in-band errors of a stream, weight-group ranks under tensor
-parallelism; and requests are never sized against an unknown context."""
+"""What the proxy makes of SGLang 0.5.23's behaviour (docs/architecture/sglang-protocol.md, "Where a
+real SGLang differs from the embedded engine"): where the context length comes from, in-band errors
+of a stream, weight-group ranks under tensor parallelism; and requests are never sized against an
+unknown context."""
 
 from __future__ import annotations
 
