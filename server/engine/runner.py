@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from server.common import architecture
+from server.common.cache_argument import cache_keyword
 from server.engine import fast_decode
 from server.engine.kv_cache import SlotKVCache
 
@@ -67,6 +68,7 @@ class ModelRunner:
         )
         self.windows = architecture.layer_windows(model_config)
         self.mask_mapping = architecture.uses_mask_mapping(model_config)
+        self.cache_keyword = cache_keyword(self.model)  # `cache` from transformers 5.24
         self.fast = (
             fast_decode.FastDecoder(self.model)
             if config.fast_decode and fast_decode.supports(self.model)
@@ -142,7 +144,7 @@ class ModelRunner:
             input_ids=ids,
             position_ids=positions,
             attention_mask=self._masks(positions, length),
-            past_key_values=self.cache,
+            **{self.cache_keyword: self.cache},
             use_cache=True,
             logits_to_keep=0 if all_logits else 1,
         )
@@ -160,7 +162,7 @@ class ModelRunner:
             input_ids=tokens.unsqueeze(1),
             position_ids=pos.unsqueeze(1),
             attention_mask=self._masks(pos.unsqueeze(1), self.cache.get_seq_length()),
-            past_key_values=self.cache,
+            **{self.cache_keyword: self.cache},
             use_cache=True,
             logits_to_keep=1,
         )
