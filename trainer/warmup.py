@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from server.common.cache_argument import cache_keyword
 
 __all__ = [
     "Example",
@@ -199,10 +201,10 @@ def _sample(
     inputs = torch.tensor(prompts)
     outputs: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    past = None
+    cache = DynamicCache(config=model.config)  # every forward extends it in place
+    keyword = cache_keyword(model)
     for _ in range(max_tokens):
-        result = model(input_ids=inputs, past_key_values=past, use_cache=True)
-        past = result.past_key_values
+        result = model(input_ids=inputs, **{keyword: cache}, use_cache=True)
         logits = result.logits[:, -1].float()
         if temperature < 1e-6:
             tokens = logits.argmax(dim=-1)
