@@ -53,6 +53,16 @@ class ModelCommands(BaseModel):
         CliApp.run_subcommand(self)
 
 
+def env_in_help(command: type[BaseSettings]) -> type[BaseSettings]:
+    """Name each flag's environment variable in its help (``--port`` reads ``PROXRL_PORT``):
+    the command's own copies of the fields, so the settings class itself stays as it is."""
+    prefix = command.model_config.get("env_prefix", "")
+    for name, field in command.model_fields.items():
+        field.description = f"{field.description} [env {prefix}{name.upper()}]"
+    return command
+
+
+@env_in_help
 class EngineCommand(EngineSettings):
     __doc__ = EngineSettings.__doc__
 
@@ -62,6 +72,7 @@ class EngineCommand(EngineSettings):
         serve(EngineSettings(**self.model_dump()))
 
 
+@env_in_help
 class ServeCommand(ServerSettings):
     __doc__ = ServerSettings.__doc__
 

@@ -65,8 +65,8 @@ class ServerSettings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535, description="Port to bind.")
     admin_key: str | None = Field(
         None,
-        description="Admin API key (env PROXRL_ADMIN_KEY); generated and printed if unset on "
-        "loopback. Off loopback it must be given: 32+ characters, 16+ of them different.",
+        description="Admin API key; generated and printed if unset on loopback. Off loopback it "
+        "must be given: 32+ characters, 16+ of them different.",
     )
     dashboard_login_hours: float = Field(
         12.0, gt=0, le=24 * 365, description="How long a dashboard login lasts."

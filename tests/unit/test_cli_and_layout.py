@@ -4,11 +4,14 @@ between our packages are test_layers.py's)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
+from server.engine.settings import EngineSettings
+from server.settings import ServerSettings
 from tests.support import ROOT
 
 
@@ -44,6 +47,23 @@ def test_help_lists_the_subcommands():
 def test_subcommand_help(args, expected):
     out = run(*args)
     assert out.returncode == 0 and expected in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "settings"), [("serve", ServerSettings), ("engine", EngineSettings)]
+)
+def test_help_names_each_flags_environment_variable(command, settings):
+    prefix = settings.model_config["env_prefix"]
+    out = run(command, "--help", env={**os.environ, "COLUMNS": "1000"})
+    assert out.returncode == 0
+    options = out.stdout.split("\noptions:\n")[1]
+    entries = {  # each option's entry by its flag, its help folded onto one line
+        entry.split()[0].rstrip(","): " ".join(entry.split())
+        for entry in re.split(r"\n(?=  -)", options)
+    }
+    for field in settings.model_fields:
+        entry = entries[f"--{field.replace('_', '-')}"]
+        assert f"[env {prefix}{field.upper()}]" in entry, entry
 
 
 def test_invalid_flags_name_the_field():
