@@ -23,7 +23,7 @@ from server.proxy import routes as proxy_routes
 from server.rl import routes as rl_routes
 from server.rl.schemas import Health
 from server.settings import ServerSettings
-from server.startup import server_context
+from server.startup import first_problem, server_context
 
 
 class SessionPathRedaction(logging.Filter):
@@ -95,6 +95,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
 
 def serve(settings: ServerSettings) -> None:
+    problem = first_problem(settings)  # before anything is created or started
+    if problem is not None:
+        print(f"proxrl serve: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     if settings.engine == "sglang" and not settings.engine_urls:
         problem = sglang.missing(settings.sglang_module)
         if problem is not None:

@@ -5,15 +5,22 @@ In order: migrate the store, load the tokenizer, start engines (embedded or SGLa
 (made once per store), make sure the default run exists (a new one's key is printed once to the
 terminal, never logged) and the engines serve its current version, then keep applying session
 deadlines in the background.
+
+Before any of that, ``first_problem`` checks what would stop it once started (the model
+directory, the store's URL, the address), so ``proxrl serve`` can refuse in one line that names
+the flag before it creates a data folder, a store or an engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 
 from server.common.processes import EngineProcess, ServerProcess, wait_all
 from server.context import ServerContext
@@ -165,3 +172,69 @@ async def server_context(
             await asyncio.to_thread(engine.stop)
         await db_engine.dispose()
         writer_engine.dispose()
+
+
+# ----- before anything is created ----------------------------------------------------------
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
+
+
+def first_problem(settings: ServerSettings) -> str | None:
+    """The first thing that would stop the server once started, as one line that starts with
+    the flag to change; None when the checks pass."""
+    checks: list[Callable[[ServerSettings], str | None]] = [model_problem, db_problem, port_problem]
+    for check in checks:
+        problem = check(settings)
+        if problem is not None:
+            return problem
+    return None
+
+
+def model_problem(settings: ServerSettings) -> str | None:
+    """The proxy reads the tokenizer (``tokenizer.json``); the engines it starts itself (no
+    --engines) also load ``config.json`` and the weights."""
+    flag = f"--model {settings.model}"
+    directory = Path(settings.model)
+    if not directory.exists():
+        return f"{flag}: no such directory (make a model with `proxrl model init DIR`)"
+    if not directory.is_dir():
+        return f"{flag}: not a directory; give the model's folder"
+    if not (directory / "tokenizer.json").is_file():
+        return (
+            f"{flag}: no tokenizer.json in it (the proxy needs the model's fast tokenizer; "
+            "tokenizer.save_pretrained writes it)"
+        )
+    if settings.engine_urls:  # the engines are elsewhere, with their own copy of the weights
+        return None
+    if not (directory / "config.json").is_file():
+        return f"{flag}: no config.json in it (the engines load the model from it)"
+    if not any(next(directory.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        return f"{flag}: no weights in it (*.safetensors or *.bin)"
+    return None
+
+
+def db_problem(settings: ServerSettings) -> str | None:
+    problem = database.url_problem(settings.database_url)
+    return None if problem is None else f"--db: {problem}"  # not the URL: it may hold a password
+
+
+def port_problem(settings: ServerSettings) -> str | None:
+    """Bind the address as uvicorn will (SO_REUSEADDR), then let it go."""
+    where = f"{settings.host}:{settings.port}"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            settings.host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        return f"--host {settings.host}: not an address this machine knows ({exc.strerror})"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"--port {settings.port}: {where} is in use; choose another port"
+            if exc.errno == errno.EACCES:
+                return f"--port {settings.port}: not allowed to bind {where} (ports below 1024)"
+            return f"--host {settings.host}: cannot bind {where} ({exc.strerror or exc})"
+    return None

@@ -15,6 +15,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -59,6 +60,17 @@ def async_url(url: str) -> str:
 
 def sync_url(url: str) -> str:
     return _with_driver(url, "sqlite", "postgresql+psycopg")
+
+
+def url_problem(url: str) -> str | None:
+    """Why the store cannot use ``url``, in a few words (None: it can)."""
+    try:
+        sync_url(url)
+    except ArgumentError:
+        return "not a database URL (e.g. sqlite:///data/proxrl.db or postgresql://...)"
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
