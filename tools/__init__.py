@@ -1,0 +1,1 @@
+"""Developer tools that `make` targets run (the server, trainer and SDK never import them)."""

@@ -1,0 +1,32 @@
+"""``python -m tools.docs_reference [--check]``: write the reference pages, or check them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tools.docs_reference import REFERENCE, ROOT, files, stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.docs_reference", description=__doc__)
+    parser.add_argument(
+        "--check", action="store_true", help="Write nothing; exit 1 if a page is stale."
+    )
+    args = parser.parse_args(argv)
+    made = files()
+    changed = stale(made)
+    where = REFERENCE.relative_to(ROOT)
+    if args.check:
+        for name in changed:
+            print(f"{where}/{name} is stale: run `make docs`", file=sys.stderr)
+        return 1 if changed else 0
+    REFERENCE.mkdir(parents=True, exist_ok=True)
+    for name in changed:
+        (REFERENCE / name).write_text(made[name])
+    print(f"{where}: {len(changed)} of {len(made)} files rewritten")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
