@@ -63,5 +63,13 @@ bench: venv
 demo: venv
 	$(VENV)/bin/proxrl demo
 
+# The documentation site: the reference pages (docs/reference/) regenerated from the code first
+# (tests/unit/test_docs_reference.py fails while a committed one is stale), then built strictly
+# into site/.
+.PHONY: docs
+docs: venv
+	$(PY) -m tools.docs_reference
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
