@@ -163,14 +163,16 @@ def _logits_of_suffixes(model, prefix: list[int], suffixes):
     import torch
     from transformers import DynamicCache
 
+    from server.common.cache_argument import cache_keyword
+
     length = max(len(s) for s in suffixes)
     ids = torch.tensor([s + [0] * (length - len(s)) for s in suffixes])
-    cache = DynamicCache(config=model.config)
+    cache, keyword = DynamicCache(config=model.config), cache_keyword(model)
     with torch.no_grad():  # the stop-gradient
-        model(torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+        model(torch.tensor([prefix]), **{keyword: cache}, use_cache=True)
     cache.batch_repeat_interleave(len(suffixes))
     positions = torch.arange(len(prefix), len(prefix) + length).expand(len(suffixes), -1)
-    return model(ids, past_key_values=cache, position_ids=positions).logits
+    return model(ids, **{keyword: cache}, position_ids=positions).logits
 
 
 def fine_tune_tool_caller(source: Path, out: Path) -> Path:
