@@ -95,15 +95,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
 
 def serve(settings: ServerSettings) -> None:
-    problem = first_problem(settings)  # before anything is created or started
+    # Whatever would stop it once started, before anything is created or started.
+    problem = None
+    if settings.engine == "sglang" and not settings.engine_urls:
+        problem = sglang.missing(settings.sglang_module)
+    problem = problem or first_problem(settings)
     if problem is not None:
         print(f"proxrl serve: {problem}", file=sys.stderr)
         raise SystemExit(2)
-    if settings.engine == "sglang" and not settings.engine_urls:
-        problem = sglang.missing(settings.sglang_module)
-        if problem is not None:
-            print(f"proxrl serve: {problem}", file=sys.stderr)
-            raise SystemExit(2)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
