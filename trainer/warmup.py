@@ -184,8 +184,9 @@ def sample_completions(
             outputs = _sample(
                 model, [encoded[i] for i in chunk], temperature, max_tokens, stop, generator
             )
-            for index, output in zip(chunk, outputs, strict=True):
-                texts[index] = tokenizer.decode(output, skip_special_tokens=True)
+            decoded = tokenizer.batch_decode(outputs, skip_special_tokens=True)
+            for index, text in zip(chunk, decoded, strict=True):
+                texts[index] = text
     return texts
 
 
