@@ -159,6 +159,12 @@ def run_demo(args: list[str]) -> None:
     runpy.run_path(str(DEMO_SCRIPT), run_name="__main__")  # exits with the demo's status
 
 
+RUN_HELP = (
+    "--run takes a run's id (run-...) or its name (the server's first run is 'default'); the "
+    "dashboard's runs page (/admin/runs) lists both, and so does GET /rl/runs with the admin key"
+)
+
+
 class ExportCommand(BaseModel):
     """Write a run's sessions with their turns (token ids, logprobs, versions, rewards, loss
     masks, messages) to a JSONL or Parquet file that `datasets.load_dataset` reads as it is.
@@ -166,7 +172,7 @@ class ExportCommand(BaseModel):
     same file over HTTP."""
 
     out: CliPositionalArg[Path] = Field(description="The file to write (replaced at the end).")
-    run: str = Field(description="The run's id.")
+    run: str = Field(description=RUN_HELP)
     status: ExportStatus = Field("consumed", description=STATUS_HELP)
     since: Since | None = Field(None, description=SINCE_HELP)
     format: ExportFormat = Field(description="jsonl, or parquet (needs proxrl[export]).")
@@ -178,7 +184,7 @@ class ExportCommand(BaseModel):
     def cli_cmd(self) -> None:
         import asyncio
 
-        from server.errors import ProxrlError
+        from server.errors import ProxrlError, RunNotFound
         from server.export.writers import FORMATS
         from server.rl.export import chosen_sessions, export_file
         from server.store.database import default_url, revision_mismatch, sqlite_file
@@ -206,6 +212,10 @@ class ExportCommand(BaseModel):
                         on_page=lambda sessions: progress.advance(task, sessions),
                     )
                 )
+            except RunNotFound:
+                raise SystemExit(
+                    f"proxrl export: no run {self.run!r} in the store; {RUN_HELP}"
+                ) from None
             except ProxrlError as exc:
                 raise SystemExit(f"proxrl export: {exc.message}") from None
             except OSError as exc:  # the file could not be written (a full disk, no access)

@@ -11,13 +11,14 @@ GET /rl/runs/{id}/export (streamed); it knows neither the command line nor HTTP.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from server.errors import RunNotFound
+from server.errors import InvalidRequest, RunNotFound
 from server.export.options import ExportStatus
 from server.export.writers import Writer
 from server.rl.schemas import RowOut, SessionOut
@@ -67,6 +68,21 @@ async def file_chunks(
     async for records in record_pages(sessionmaker, chosen):
         yield await asyncio.to_thread(writer.page, records)
     yield await asyncio.to_thread(writer.close)
+
+
+async def run_id_of(sessionmaker: Sessionmaker, reference: str) -> str:
+    """The id of the run ``reference`` names: its id, or else its name when one run has it
+    (the server's first run is named "default")."""
+    async with sessionmaker() as db:
+        if await store_runs.get_run(db, reference) is not None:
+            return reference
+        named = await store_runs.runs_named(db, reference)
+    if not named:
+        raise RunNotFound(reference)
+    if len(named) > 1:
+        ids = ", ".join(run.id for run in named)
+        raise InvalidRequest(f"{len(named)} runs are named {reference!r}; give one's id: {ids}")
+    return named[0].id
 
 
 def session_record(view: SessionOut) -> dict[str, Any]:
@@ -162,9 +178,7 @@ async def export_file(
     engine = database.connect(url)
     try:
         sessionmaker = database.sessionmaker(engine)
-        async with sessionmaker() as db:
-            if await store_runs.get_run(db, chosen.run_id) is None:
-                raise RunNotFound(chosen.run_id)
+        chosen = dataclasses.replace(chosen, run_id=await run_id_of(sessionmaker, chosen.run_id))
         on_total(await count(sessionmaker, chosen))
         partial = out.with_name(out.name + ".partial")
         written = 0

@@ -33,6 +33,12 @@ async def get_run(db: AsyncSession, run_id: str) -> Run | None:
     return await db.get(Run, run_id)
 
 
+async def runs_named(db: AsyncSession, name: str) -> list[Run]:
+    """The runs called ``name`` (names need not be unique), oldest first."""
+    query = select(Run).where(Run.name == name).order_by(Run.created_at)
+    return list(await db.scalars(query))
+
+
 async def default_run(db: AsyncSession) -> Run | None:
     return (await db.scalars(select(Run).where(Run.is_default))).first()
 

@@ -355,3 +355,25 @@ def test_pages_follow_one_another_without_a_gap_or_a_repeat(api: Api, run: dict)
     assert [len(page) for page in pages] == [2, 2, 2, 1]
     assert [sid for page in pages for sid in page] == whole
     assert [len(page) for page in asyncio.run(collect(7))] == [7]  # a full last page, then none
+
+
+def test_the_run_is_named_by_its_id_or_its_name(api: Api, tmp_path):
+    """`--run default` is the server's first run; a name several runs share, or none has,
+    is refused in one line that says what --run takes and where to find it."""
+    runs = api.ok("GET", "/rl/runs")
+    default = next(r for r in runs if r["is_default"])
+    api.new_session(default["id"], eval=True)  # something to export: ended, never trained
+    db = ["--db", _database(api), "--status", "all", "--format", "jsonl"]
+    proxrl(["export", *db, "--run", default["id"], str(tmp_path / "by-id.jsonl")])
+    proxrl(["export", *db, "--run", "default", str(tmp_path / "by-name.jsonl")])
+    by_name = (tmp_path / "by-name.jsonl").read_bytes()
+    assert by_name and by_name == (tmp_path / "by-id.jsonl").read_bytes()
+    api.new_run(), api.new_run()  # two more runs named "api-test"
+    with pytest.raises(SystemExit, match=r"runs are named 'api-test'; give one's id: run-"):
+        proxrl(["export", *db, "--run", "api-test", str(tmp_path / "x.jsonl")])
+    with pytest.raises(SystemExit) as refused:
+        proxrl(["export", *db, "--run", "no-such-run", str(tmp_path / "x.jsonl")])
+    message = str(refused.value)
+    assert message.startswith("proxrl export: no run 'no-such-run' in the store; --run takes")
+    assert "/admin/runs" in message and "GET /rl/runs" in message and "\n" not in message
+    assert not (tmp_path / "x.jsonl").exists()
