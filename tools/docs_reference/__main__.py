@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from tools.docs_reference import REFERENCE, ROOT, files, stale
 
@@ -13,17 +14,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--check", action="store_true", help="Write nothing; exit 1 if a page is stale."
     )
+    parser.add_argument(
+        "--out", type=Path, default=REFERENCE, help="The folder (default: docs/reference)."
+    )
     args = parser.parse_args(argv)
     made = files()
-    changed = stale(made)
-    where = REFERENCE.relative_to(ROOT)
+    changed = stale(made, args.out)
+    where = args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out
     if args.check:
         for name in changed:
             print(f"{where}/{name} is stale: run `make docs`", file=sys.stderr)
         return 1 if changed else 0
-    REFERENCE.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     for name in changed:
-        (REFERENCE / name).write_text(made[name])
+        (args.out / name).write_text(made[name])
     print(f"{where}: {len(changed)} of {len(made)} files rewritten")
     return 0
 

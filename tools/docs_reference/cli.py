@@ -96,7 +96,7 @@ def _walk(parser: argparse.ArgumentParser, model: type[BaseModel]) -> Iterator[C
             name = action.dest.rsplit(".", 1)[-1]
             flags.append(_settings_flag(action, model, model.model_fields[name], name))
     prog = parser.prog
-    handed = HANDED_OVER.get(prog.removeprefix("proxrl ")) if " " in prog else None
+    handed = HANDED_OVER.get(prog.partition(" ")[2])  # "proxrl train" -> "train"
     if handed is not None:
         build, note = handed
         yield _argparse_command(build(), note)
@@ -137,7 +137,7 @@ def _argparse_command(parser: argparse.ArgumentParser, note: str) -> Command:
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):
             continue
-        positional = not action.option_strings
+        names = ", ".join(action.option_strings) or str(action.metavar or action.dest)
         if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
             kind = "flag"
         else:
@@ -146,9 +146,7 @@ def _argparse_command(parser: argparse.ArgumentParser, note: str) -> Command:
             kind = f"list of {kind}"
         flags.append(
             Flag(
-                names=str(action.metavar or action.dest)
-                if positional
-                else ", ".join(action.option_strings),
+                names=names,
                 type=kind,
                 default="—" if action.default is None else md.value(action.default),
                 required=action.required,
