@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LOCK := requirements/lock.txt
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -10,13 +11,57 @@ export TOKENIZERS_PARALLELISM := false
 
 venv: $(STAMP)
 
-# torch first, pinned: this exact version is a CPU build on local disk; anything looser may pull
-# a multi-GB CUDA build.
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,examples]'
+# The lock pins every package, torch included (torch==2.13.0: a CPU build on local disk), so the
+# venv is exactly the lock: --no-deps resolves nothing anew (nothing else, no CUDA torch, can be
+# pulled in), pip-sync removes what the lock no longer holds, pip check proves it consistent.
+$(STAMP): $(LOCK) pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --no-deps -r $(LOCK)
+	$(VENV)/bin/pip-sync --quiet --python-executable $(PY) $(LOCK)
+	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m pip check
 	touch $(STAMP)
+
+# ----- the lock --------------------------------------------------------------------------------
+# requirements/lock.txt: the dev extra resolved by pip-compile (pip's resolver and this machine's
+# pip.conf) for Linux x86_64, CPython 3.11. pip-tools runs from a venv of its own, so that a
+# pyproject.toml change can be locked before .venv can be built from it.
+LOCK_TOOLS := $(VENV)/.lock-tools
+UPGRADE_DIR := $(VENV)/.upgrade
+PIP_COMPILE = $(LOCK_TOOLS)/bin/pip-compile --quiet --no-header --annotation-style=line \
+	--allow-unsafe --strip-extras --no-emit-index-url --no-emit-find-links --extra dev
+FINISH_LOCK := $(PYTHON) requirements/lockfile.py
+# torch stays at the lock's release through `make upgrade`: PyPI's newer torch is a multi-GB CUDA
+# build. To move it, place the CPU wheel and run `make upgrade TORCH=torch==X.Y.Z`.
+TORCH = $(shell grep -Eo '^torch==[^ ]+' $(LOCK))
+
+.PHONY: lock upgrade
+
+$(LOCK_TOOLS)/bin/pip-compile: $(LOCK)
+	test -x $(LOCK_TOOLS)/bin/python || $(PYTHON) -m venv $(LOCK_TOOLS)
+	$(LOCK_TOOLS)/bin/pip install --quiet "$$(grep -Eo '^pip-tools==[^ ]+' $(LOCK))"
+	touch $@
+
+# After a pyproject.toml change: re-resolve, keeping the lock's pins where they still fit.
+lock: $(LOCK_TOOLS)/bin/pip-compile
+	$(PIP_COMPILE) --output-file $(LOCK) pyproject.toml
+	$(FINISH_LOCK) finish $(LOCK)
+
+# Everything to its newest release (within pyproject's bounds) in a scratch lock and venv; the
+# fast suite runs against it, and only then does it replace the lock.
+upgrade: $(LOCK_TOOLS)/bin/pip-compile
+	rm -rf $(UPGRADE_DIR) && mkdir -p $(UPGRADE_DIR)
+	$(PIP_COMPILE) --upgrade --upgrade-package '$(TORCH)' --output-file $(UPGRADE_DIR)/lock.txt \
+		pyproject.toml
+	$(FINISH_LOCK) finish $(UPGRADE_DIR)/lock.txt
+	$(PYTHON) -m venv $(UPGRADE_DIR)/venv
+	$(UPGRADE_DIR)/venv/bin/pip install --quiet --no-deps -r $(UPGRADE_DIR)/lock.txt
+	$(UPGRADE_DIR)/venv/bin/pip install --quiet --no-deps -e .
+	$(UPGRADE_DIR)/venv/bin/pip check
+	$(UPGRADE_DIR)/venv/bin/python -m pytest -q -m "not slow" -n 2 tests/unit tests/api
+	$(FINISH_LOCK) diff $(LOCK) $(UPGRADE_DIR)/lock.txt
+	cp $(UPGRADE_DIR)/lock.txt $(LOCK)
+	rm -rf $(UPGRADE_DIR)
 
 # PostgreSQL for the tests that run the store on Postgres, Chromium for the dashboard's browser
 # tests (Debian's packages; needs root).

@@ -8,14 +8,45 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NoReturn
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand
+# The extra (pyproject.toml) that brings each subcommand's packages, and the optional packages
+# a command loads only when asked; tests/unit/test_extras.py holds both to the extras.
+COMMAND_EXTRAS = {
+    "model": "engine",
+    "engine": "engine",
+    "serve": "serve",
+    "db": "serve",
+    "export": "serve",
+    "train": "train",
+    "demo": "all",
+}
+OPTIONAL_EXTRAS = {"wandb": "wandb", "mlflow": "mlflow", "pyarrow": "export", "openai": "openai"}
+OURS = {"server", "trainer", "client_sdk", "examples"}
 
-from server.engine.settings import EngineSettings
-from server.export.options import SINCE_HELP, STATUS_HELP, ExportFormat, ExportStatus, Since
-from server.settings import ServerSettings
+
+def missing_extra(exc: ModuleNotFoundError, command: str) -> NoReturn:
+    """One line naming the extra to install, exit 2; a module of ours missing is a bug: raise."""
+    package = (exc.name or "").split(".")[0]
+    if not package or package in OURS:
+        raise exc
+    extra = OPTIONAL_EXTRAS.get(package) or COMMAND_EXTRAS.get(command, "serve")
+    print(
+        f"proxrl {command}: {package} is not installed: pip install 'proxrl[{extra}]'",
+        file=sys.stderr,
+    )
+    raise SystemExit(2)
+
+
+try:
+    from pydantic import BaseModel, Field, ValidationError, field_validator
+    from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand
+
+    from server.engine.settings import EngineSettings
+    from server.export.options import SINCE_HELP, STATUS_HELP, ExportFormat, ExportStatus, Since
+    from server.settings import ServerSettings
+except ModuleNotFoundError as exc:  # an install without the serve extra: no command can parse
+    missing_extra(exc, next((arg for arg in sys.argv[1:] if arg in COMMAND_EXTRAS), "serve"))
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -284,6 +315,13 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if not args:
         args = ["--help"]
+    try:
+        run_command(args)
+    except ModuleNotFoundError as exc:  # e.g. `proxrl engine` in a proxrl[serve] install
+        missing_extra(exc, args[0])
+
+
+def run_command(args: list[str]) -> None:
     if args[0] == "train":  # its options come from the trainer's dataclasses, not pydantic
         from trainer.cli import main as train_main
 
