@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 # The extra (pyproject.toml) that brings each subcommand's packages, and the optional packages
 # a command loads only when asked; tests/unit/test_extras.py holds both to the extras.
@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 
 
 class ModelInit(BaseModel):
-    """Create proxrl's tiny model (tokenizer + randomly initialised LM) in OUT_DIR, offline."""
+    """Create proxrl's tiny model (tokenizer + randomly initialised LM) in OUT_DIR, offline;
+    --warm-start: the demo's model instead, which can already add a little."""
 
     out_dir: CliPositionalArg[Path] = Field(description="Directory to write the model into.")
     size: Literal["tiny", "small"] = Field(
@@ -64,15 +65,46 @@ class ModelInit(BaseModel):
         description="The chat template. reasoning: Qwen3-style, answers open with "
         "<think>...</think> (tokens of their own), history renders without it.",
     )
+    warm_start: bool = Field(
+        False,
+        description="Start from the demo's model: the tiny model after the demo's supervised "
+        "warm-up on an addition task (examples/agents/warm_start.py; about 0.55 of sums right, "
+        "greedy), cached under .proxrl-cache/. Needs the trainer's packages and a clone of proxrl.",
+    )
 
     def cli_cmd(self) -> None:
         from server.common.tiny_model import create_tiny_model, parameter_count
 
+        if self.warm_start:
+            out = self.warm_started()
+            print(
+                f"wrote the tiny model after the demo's warm-up on addition "
+                f"({parameter_count(out):,} parameters; it gets about half the sums right, so "
+                f"an exact-match reward has something to reinforce) to {out}"
+            )
+            return
         out = create_tiny_model(self.out_dir, self.size, self.template)
         print(
             f"wrote the {self.size} model ({parameter_count(out):,} parameters, "
-            f"{self.template} chat template) to {out}"
+            f"{self.template} chat template) to {out}\n"
+            "Its weights are random: it answers nothing right yet, so an exact-match reward "
+            "stays 0 and RL has nothing to reinforce. For a model that can already add a "
+            f"little (the demo's): proxrl model init {self.out_dir} --warm-start"
         )
+
+    def warm_started(self) -> Path:
+        """The demo's warmed-up model (``examples/agents/warm_start.py``), copied to OUT_DIR."""
+        import shutil
+
+        if (self.size, self.template) != ("tiny", "default"):
+            raise SystemExit(
+                "proxrl model init: --warm-start makes the tiny model with the default chat "
+                "template (the demo's); leave out --size and --template"
+            )
+        warm_start = source_tree_module("warm_start", "model init --warm-start")
+        cached = warm_start.warm_model(WARM_CACHE, seed=0)
+        shutil.copytree(cached, self.out_dir, dirs_exist_ok=True)
+        return self.out_dir
 
 
 class ModelCommands(BaseModel):
@@ -173,7 +205,25 @@ class DemoCommand(BaseModel):
         run_demo([])
 
 
-DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+SOURCE_TREE = Path(__file__).resolve().parents[1]
+DEMO_SCRIPT = SOURCE_TREE / "examples" / "demo.py"
+WARM_CACHE = SOURCE_TREE / ".proxrl-cache"  # the demo's warm-up cache (its --cache default)
+
+
+def source_tree_module(name: str, command: str) -> Any:
+    """``examples/agents/<name>.py`` of this source tree, imported as the agents import each
+    other (the examples are not part of the installed packages)."""
+    import importlib
+
+    agents = SOURCE_TREE / "examples" / "agents"
+    if not (agents / f"{name}.py").is_file():
+        raise SystemExit(
+            f"proxrl {command}: {agents / name}.py is missing; it runs from a clone of proxrl "
+            "(pip install -e .)"
+        )
+    if str(agents) not in sys.path:
+        sys.path.insert(0, str(agents))
+    return importlib.import_module(name)
 
 
 def run_demo(args: list[str]) -> None:
@@ -191,8 +241,8 @@ def run_demo(args: list[str]) -> None:
 
 
 RUN_HELP = (
-    "--run takes a run's id (run-...) or its name (the server's first run is 'default'); the "
-    "dashboard's runs page (/admin/runs) lists both, and so does GET /rl/runs with the admin key"
+    "a run's id (run-...) or its name (the server's first run is 'default'); the dashboard's "
+    "runs page (/admin/runs) lists both, and so does GET /rl/runs with the admin key"
 )
 
 
@@ -203,7 +253,7 @@ class ExportCommand(BaseModel):
     same file over HTTP."""
 
     out: CliPositionalArg[Path] = Field(description="The file to write (replaced at the end).")
-    run: str = Field(description=RUN_HELP)
+    run: str = Field(description=f"The run: {RUN_HELP}.")
     status: ExportStatus = Field("consumed", description=STATUS_HELP)
     since: Since | None = Field(None, description=SINCE_HELP)
     format: ExportFormat = Field(description="jsonl, or parquet (needs proxrl[export]).")
@@ -245,7 +295,7 @@ class ExportCommand(BaseModel):
                 )
             except RunNotFound:
                 raise SystemExit(
-                    f"proxrl export: no run {self.run!r} in the store; {RUN_HELP}"
+                    f"proxrl export: no run {self.run!r} in the store; --run takes {RUN_HELP}"
                 ) from None
             except ProxrlError as exc:
                 raise SystemExit(f"proxrl export: {exc.message}") from None

@@ -3,6 +3,7 @@ between our packages are test_layers.py's)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -85,3 +86,28 @@ def test_model_init_writes_a_model(tmp_path):
     assert "parameters" in out.stdout
     assert (tmp_path / "m" / "model.safetensors").exists()
     assert (tmp_path / "m" / "chat_template.jinja").exists()
+
+
+def test_a_random_model_says_so_and_how_to_get_a_warm_start(tmp_path):
+    out = run("model", "init", str(tmp_path / "m"))
+    assert out.returncode == 0, out.stderr
+    assert "weights are random" in out.stdout
+    assert f"proxrl model init {tmp_path / 'm'} --warm-start" in out.stdout
+
+
+def test_warm_start_writes_the_demos_warmed_up_model(tmp_path, monkeypatch, capsys):
+    from server import cli
+    from server.common.tiny_model import create_tiny_model
+
+    warm_start = cli.source_tree_module("warm_start", "test")
+    monkeypatch.setitem(warm_start.WARMUP, "steps", 2)  # the demo's recipe, cut short
+    monkeypatch.setattr(cli, "WARM_CACHE", tmp_path / "cache")
+    cli.main(["model", "init", str(tmp_path / "warm"), "--warm-start"])
+    assert "after the demo's warm-up on addition" in capsys.readouterr().out
+    record = json.loads((tmp_path / "warm" / "warmup.json").read_text())
+    assert record["steps"] == 2 and record["examples"] == warm_start.WARMUP_EXAMPLES
+    random = create_tiny_model(tmp_path / "random", "tiny", "default")
+    trained = (tmp_path / "warm" / "model.safetensors").read_bytes()
+    assert trained != (random / "model.safetensors").read_bytes()  # not the random weights
+    with pytest.raises(SystemExit, match="--warm-start makes the tiny model"):
+        cli.main(["model", "init", str(tmp_path / "x"), "--warm-start", "--size", "small"])
