@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +149,21 @@ def _drop_counts(reasons: Any) -> dict[str, int]:
     return counts
 
 
+ETA_AFTER = 3  # step intervals measured before there is an ETA
+ETA_WINDOW = 20  # the recent step intervals the ETA's pace comes from
+
+
+def eta_seconds(step_ends: Sequence[float], steps_left: int) -> float | None:
+    """Seconds until ``steps_left`` more steps at the recent pace: the mean interval between the
+    last ``ETA_WINDOW`` + 1 step ends (monotonic seconds). None until ``ETA_AFTER`` intervals
+    are measured: the first step carries the start-up (workers loading, the first sessions
+    arriving), so a rate from it, or from the time since the start, says nothing of the rest."""
+    if len(step_ends) <= ETA_AFTER:
+        return None
+    recent = list(step_ends)[-(ETA_WINDOW + 1) :]
+    return (recent[-1] - recent[0]) / (len(recent) - 1) * steps_left
+
+
 class Progress:
     """Every step's figures to ``metrics.jsonl``, the experiment trackers and the server; a
     line every ``log_every`` steps (and on the last) with rates, phase times and an ETA."""
@@ -164,7 +180,7 @@ class Progress:
         self.first_step = first_step
         self.log_every = log_every
         self.reference_kl = reference_kl
-        self.started = time.monotonic()
+        self.step_ends: deque[float] = deque(maxlen=ETA_WINDOW + 1)  # for the ETA
         self.path = path
         self.report: Callable[[dict[str, Any]], None] | None = None  # to the server
         self.track: Callable[[dict[str, Any]], None] | None = None  # to the experiment trackers
@@ -179,6 +195,7 @@ class Progress:
     ) -> dict[str, Any]:
         """Record the step (``temperature``: the one it trained at) and print its line."""
         record = step_record(state, batch, stats, phases, self.reference_kl, temperature)
+        self.step_ends.append(time.monotonic())
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.track is not None:
@@ -192,9 +209,7 @@ class Progress:
         return record
 
     def line(self, record: dict[str, Any]) -> str:
-        elapsed = time.monotonic() - self.started
-        done = record["step"] - self.first_step
-        eta = elapsed / done * (self.max_steps - record["step"]) if done else float("nan")
+        eta = eta_seconds(self.step_ends, self.max_steps - record["step"])
         seconds = " ".join(
             f"{short} {record[f'{name}_seconds']:.2f}" for name, short in PHASES_SHOWN
         )
@@ -233,8 +248,9 @@ def _summary(name: str, values: list[float]) -> dict[str, float]:
     }
 
 
-def _duration(seconds: float) -> str:
-    if seconds != seconds:  # NaN: no step finished yet
-        return "?"
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes}m{secs:02d}s"
+def _duration(seconds: float | None) -> str:
+    if seconds is None:  # too few steps to tell
+        return f"after {ETA_AFTER + 1} steps"
+    hours, rest = divmod(int(seconds), 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"

@@ -18,7 +18,7 @@ import torch
 
 from trainer.checkpoint import TrainerState
 from trainer.config import AlgorithmConfig
-from trainer.figures import Phases, Progress, combine, step_record
+from trainer.figures import ETA_WINDOW, Phases, Progress, combine, eta_seconds, step_record
 from trainer.loss import decoupled_ppo_loss
 from trainer.rollouts import ALTERNATIVE, OFF_TEMPERATURE, STALE, Batch, Sample
 
@@ -223,3 +223,26 @@ def test_figures_do_not_depend_on_how_many_workers_shared_the_sums():
     assert a["grad_norm"] == b["grad_norm"] == pytest.approx(2.0)  # mean, not sum, of the norms
     assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-12)
     assert b["train_seconds"] == one["seconds"] + 0.5
+
+
+def test_no_eta_until_three_intervals_then_the_recent_pace():
+    assert eta_seconds([], 10) is None
+    assert eta_seconds([100.0], 10) is None  # the first step: start-up, not a pace
+    assert eta_seconds([100.0, 102.0, 104.0], 10) is None
+    # start-up of 5 minutes before the first step, then 2 s a step: 2 s a step it is
+    assert eta_seconds([300.0, 302.0, 304.0, 306.0], 10) == pytest.approx(20.0, abs=TOL)
+    # the pace changes: only the last ETA_WINDOW intervals count
+    ends = [10.0 * i for i in range(30)] + [290.0 + i for i in range(1, ETA_WINDOW + 1)]
+    assert eta_seconds(ends, 100) == pytest.approx(100.0, abs=TOL)
+
+
+def test_the_logged_eta_waits_for_steps_and_ignores_the_start_up(tmp_path, caplog, monkeypatch):
+    clock = iter([300.0, 302.0, 304.0, 306.0, 308.0])  # a slow start, then 2 s a step
+    monkeypatch.setattr("trainer.figures.time.monotonic", lambda: next(clock))
+    progress = Progress(max_steps=10_000, first_step=0, path=tmp_path / "m.jsonl", log_every=1)
+    with caplog.at_level(logging.INFO, logger="proxrl.trainer"):
+        for step in range(1, 6):
+            stats = {"seconds": 2.0, "proximal_seconds": 0.5, "tokens": 7.0}
+            progress.step(TrainerState(step=step, version=step), make_batch(), stats, Phases(1, 1))
+    etas = [r.getMessage().rsplit("ETA ", 1)[1] for r in caplog.records if "ETA" in r.getMessage()]
+    assert etas == ["after 4 steps"] * 3 + ["5h33m", "5h33m"]  # 9,996 and 9,995 steps of 2 s
