@@ -16,7 +16,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import Body, Depends, FastAPI, Request
+from fastapi import APIRouter, Body, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -97,168 +97,196 @@ user = [Depends(_user)]
 admin = [Depends(_admin)]
 
 
+async def _validation(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)  # registered for it alone
+    errors = exc.errors()
+    where = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
+    return _bad_request(f"{errors[0]['msg']} at {where}" if errors else "invalid request")
+
+
+async def _unauthorized(request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse({"error": {"message": "Unauthorized"}}, status_code=401)
+
+
+router = APIRouter()
+
+# ----- generation ------------------------------------------------------------------------
+
+
+@router.api_route("/generate", methods=["POST", "PUT"], dependencies=user)
+async def generate(request: Request, engine: Engine) -> Response:
+    raw = await request.body()
+    try:
+        body = protocol.GenerateRequestIn.model_validate(json.loads(raw))
+    except json.JSONDecodeError as exc:
+        return JSONResponse({"error": f"invalid JSON: {exc}"}, status_code=400)
+    except ValidationError as exc:
+        return JSONResponse({"error": _schema_error(exc)}, status_code=400)
+    try:
+        items, batch = engine.parse(body)
+        if body.stream:
+            chunks = engine.generate_stream(body, items, batch)
+            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+        outputs = await _until_disconnect(request, engine.generate(body, items))
+    except EngineInputError as exc:
+        return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+    if outputs is None:
+        return Response(status_code=499)
+    return JSONResponse(outputs if batch else outputs[0])
+
+
+# ----- control ---------------------------------------------------------------------------
+
+
+@router.post("/abort_request", dependencies=admin)
+async def abort_request(body: protocol.AbortRequestIn, engine: Engine) -> Response:
+    await engine.run(lambda: engine.scheduler.abort(body.rid, body.abort_all))
+    return Response(status_code=200)
+
+
+@router.post("/pause_generation", dependencies=admin)
+async def pause_generation(engine: Engine, body: OptionalPauseGeneration):
+    await engine.run(lambda: engine.scheduler.pause(body.mode))
+    return {"message": "Generation paused successfully.", "status": "ok"}
+
+
+@router.post("/continue_generation", dependencies=admin)
+async def continue_generation(engine: Engine, body: OptionalContinueGeneration):
+    await engine.run(engine.scheduler.resume)
+    return {"message": "Generation continued successfully.", "status": "ok"}
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"], dependencies=admin)
+async def flush_cache(engine: Engine) -> PlainTextResponse:
+    # SGLang 0.5.23 takes ``?timeout=<seconds>``, but what it does is UNVERIFIED in the
+    # reference (section 3.4), so we accept it and ignore it: the flush answers at once,
+    # 200 or 400, and callers retry (as slime does).
+    if await engine.run(engine.scheduler.flush_cache):
+        return PlainTextResponse(
+            "Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)"
+        )
+    return PlainTextResponse(
+        "Cache not flushed: there are running or waiting requests.", status_code=400
+    )
+
+
+@router.post("/update_weights_from_disk", dependencies=admin)
+async def update_weights_from_disk(body: protocol.UpdateWeightsFromDiskIn, engine: Engine):
+    return _result(await engine.update_from_disk(body), num_paused_requests=0)
+
+
+@router.post("/init_weights_update_group", dependencies=admin)
+async def init_weights_update_group(body: protocol.InitWeightsUpdateGroupIn, engine: Engine):
+    return _result(await engine.init_group(body))
+
+
+@router.post("/destroy_weights_update_group", dependencies=admin)
+async def destroy_weights_update_group(
+    engine: Engine,
+    body: OptionalDestroyWeightsUpdateGroup,
+):
+    return _result(await engine.destroy_group(body.group_name))
+
+
+@router.post("/begin_weight_update", dependencies=admin)
+async def begin_weight_update(engine: Engine, body: OptionalBeginWeightUpdate):
+    engine.update_session_open = True
+    return {"success": True, "message": "Weight update session begun."}
+
+
+@router.post("/end_weight_update", dependencies=admin)
+async def end_weight_update(engine: Engine):
+    engine.update_session_open = False
+    return {"success": True, "message": "Weight update session ended."}
+
+
+@router.post("/update_weights_from_distributed", dependencies=admin)
+async def update_weights_from_distributed(
+    body: protocol.UpdateWeightsFromDistributedIn, engine: Engine
+):
+    return _result(await engine.update_from_distributed(body))
+
+
+@router.post("/update_weight_version", dependencies=admin)
+async def update_weight_version(body: protocol.UpdateWeightVersionIn, engine: Engine):
+    await engine.run(
+        lambda: engine.scheduler.set_weight_version(body.new_version, body.abort_all_requests)
+    )
+    return {
+        "success": True,
+        "message": f"Weight version updated to {body.new_version}",
+        "new_version": body.new_version,
+    }
+
+
+# ----- info and health -----------------------------------------------------------------
+
+
+@router.get("/model_info", dependencies=user)
+@router.get("/get_model_info", dependencies=user)
+async def model_info(engine: Engine) -> dict:
+    return engine.model_info()
+
+
+@router.get("/server_info", dependencies=user)
+@router.get("/get_server_info", dependencies=user)
+async def server_info(engine: Engine) -> dict:
+    return engine.server_info()
+
+
+@router.get("/v1/loads", dependencies=user)
+@router.get("/get_load", dependencies=user)
+async def loads(engine: Engine) -> dict:
+    return engine.loads()
+
+
+@router.get("/health", dependencies=user)
+async def health(engine: Engine) -> Response:
+    return Response(status_code=200 if await engine.health() else 503)
+
+
+@router.get("/health_generate", dependencies=user)
+async def health_generate(engine: Engine) -> Response:
+    return Response(status_code=200 if await engine.health_generate() else 503)
+
+
+@router.get("/ready", dependencies=user)
+async def ready(engine: Engine) -> Response:
+    ok = engine.scheduler.alive and engine.scheduler.paused is None
+    return Response(status_code=200 if ok else 503)
+
+
+@router.get("/v1/models", dependencies=user)
+async def list_models(engine: Engine) -> dict:
+    return {"object": "list", "data": [_model_card(engine)]}
+
+
+@router.get("/v1/models/{model_id:path}", dependencies=user)
+async def get_model(model_id: str, engine: Engine) -> Response:
+    card = _model_card(engine)
+    if model_id != card["id"]:
+        return JSONResponse(
+            {
+                "error": {
+                    "message": f"The model '{model_id}' does not exist",
+                    "type": "invalid_request_error",
+                    "param": "model",
+                    "code": "model_not_found",
+                }
+            },
+            status_code=404,
+        )
+    return JSONResponse(card)
+
+
 def create_app(service: EngineService) -> FastAPI:
     """The engine's routes over ``service``; whoever made the service runs its scheduler."""
     app = FastAPI(title="proxrl embedded engine")
     app.state.engine = service
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        where = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
-        return _bad_request(f"{errors[0]['msg']} at {where}" if errors else "invalid request")
-
-    @app.exception_handler(_Unauthorized)
-    async def _unauthorized(request: Request, exc: _Unauthorized) -> JSONResponse:
-        return JSONResponse({"error": {"message": "Unauthorized"}}, status_code=401)
-
-    # ----- generation ------------------------------------------------------------------------
-
-    @app.api_route("/generate", methods=["POST", "PUT"], dependencies=user)
-    async def generate(request: Request, engine: Engine) -> Response:
-        raw = await request.body()
-        try:
-            body = protocol.GenerateRequestIn.model_validate(json.loads(raw))
-        except json.JSONDecodeError as exc:
-            return JSONResponse({"error": f"invalid JSON: {exc}"}, status_code=400)
-        except ValidationError as exc:
-            return JSONResponse({"error": _schema_error(exc)}, status_code=400)
-        try:
-            items, batch = engine.parse(body)
-            if body.stream:
-                chunks = engine.generate_stream(body, items, batch)
-                return StreamingResponse(_sse(chunks), media_type="text/event-stream")
-            outputs = await _until_disconnect(request, engine.generate(body, items))
-        except EngineInputError as exc:
-            return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
-        if outputs is None:
-            return Response(status_code=499)
-        return JSONResponse(outputs if batch else outputs[0])
-
-    # ----- control ---------------------------------------------------------------------------
-
-    @app.post("/abort_request", dependencies=admin)
-    async def abort_request(body: protocol.AbortRequestIn, engine: Engine) -> Response:
-        await engine.run(lambda: engine.scheduler.abort(body.rid, body.abort_all))
-        return Response(status_code=200)
-
-    @app.post("/pause_generation", dependencies=admin)
-    async def pause_generation(engine: Engine, body: OptionalPauseGeneration):
-        await engine.run(lambda: engine.scheduler.pause(body.mode))
-        return {"message": "Generation paused successfully.", "status": "ok"}
-
-    @app.post("/continue_generation", dependencies=admin)
-    async def continue_generation(engine: Engine, body: OptionalContinueGeneration):
-        await engine.run(engine.scheduler.resume)
-        return {"message": "Generation continued successfully.", "status": "ok"}
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=admin)
-    async def flush_cache(engine: Engine) -> PlainTextResponse:
-        # SGLang 0.5.23 takes ``?timeout=<seconds>``, but what it does is UNVERIFIED in the
-        # reference (section 3.4), so we accept it and ignore it: the flush answers at once,
-        # 200 or 400, and callers retry (as slime does).
-        if await engine.run(engine.scheduler.flush_cache):
-            return PlainTextResponse(
-                "Cache flushed.\nPlease check backend logs for more details. "
-                "(When there are running or waiting requests, the operation will not be performed.)"
-            )
-        return PlainTextResponse(
-            "Cache not flushed: there are running or waiting requests.", status_code=400
-        )
-
-    @app.post("/update_weights_from_disk", dependencies=admin)
-    async def update_weights_from_disk(body: protocol.UpdateWeightsFromDiskIn, engine: Engine):
-        return _result(await engine.update_from_disk(body), num_paused_requests=0)
-
-    @app.post("/init_weights_update_group", dependencies=admin)
-    async def init_weights_update_group(body: protocol.InitWeightsUpdateGroupIn, engine: Engine):
-        return _result(await engine.init_group(body))
-
-    @app.post("/destroy_weights_update_group", dependencies=admin)
-    async def destroy_weights_update_group(
-        engine: Engine,
-        body: OptionalDestroyWeightsUpdateGroup,
-    ):
-        return _result(await engine.destroy_group(body.group_name))
-
-    @app.post("/begin_weight_update", dependencies=admin)
-    async def begin_weight_update(engine: Engine, body: OptionalBeginWeightUpdate):
-        engine.update_session_open = True
-        return {"success": True, "message": "Weight update session begun."}
-
-    @app.post("/end_weight_update", dependencies=admin)
-    async def end_weight_update(engine: Engine):
-        engine.update_session_open = False
-        return {"success": True, "message": "Weight update session ended."}
-
-    @app.post("/update_weights_from_distributed", dependencies=admin)
-    async def update_weights_from_distributed(
-        body: protocol.UpdateWeightsFromDistributedIn, engine: Engine
-    ):
-        return _result(await engine.update_from_distributed(body))
-
-    @app.post("/update_weight_version", dependencies=admin)
-    async def update_weight_version(body: protocol.UpdateWeightVersionIn, engine: Engine):
-        await engine.run(
-            lambda: engine.scheduler.set_weight_version(body.new_version, body.abort_all_requests)
-        )
-        return {
-            "success": True,
-            "message": f"Weight version updated to {body.new_version}",
-            "new_version": body.new_version,
-        }
-
-    # ----- info and health -----------------------------------------------------------------
-
-    @app.get("/model_info", dependencies=user)
-    @app.get("/get_model_info", dependencies=user)
-    async def model_info(engine: Engine) -> dict:
-        return engine.model_info()
-
-    @app.get("/server_info", dependencies=user)
-    @app.get("/get_server_info", dependencies=user)
-    async def server_info(engine: Engine) -> dict:
-        return engine.server_info()
-
-    @app.get("/v1/loads", dependencies=user)
-    @app.get("/get_load", dependencies=user)
-    async def loads(engine: Engine) -> dict:
-        return engine.loads()
-
-    @app.get("/health", dependencies=user)
-    async def health(engine: Engine) -> Response:
-        return Response(status_code=200 if await engine.health() else 503)
-
-    @app.get("/health_generate", dependencies=user)
-    async def health_generate(engine: Engine) -> Response:
-        return Response(status_code=200 if await engine.health_generate() else 503)
-
-    @app.get("/ready", dependencies=user)
-    async def ready(engine: Engine) -> Response:
-        ok = engine.scheduler.alive and engine.scheduler.paused is None
-        return Response(status_code=200 if ok else 503)
-
-    @app.get("/v1/models", dependencies=user)
-    async def list_models(engine: Engine) -> dict:
-        return {"object": "list", "data": [_model_card(engine)]}
-
-    @app.get("/v1/models/{model_id:path}", dependencies=user)
-    async def get_model(model_id: str, engine: Engine) -> Response:
-        card = _model_card(engine)
-        if model_id != card["id"]:
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": f"The model '{model_id}' does not exist",
-                        "type": "invalid_request_error",
-                        "param": "model",
-                        "code": "model_not_found",
-                    }
-                },
-                status_code=404,
-            )
-        return JSONResponse(card)
-
+    app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(_Unauthorized, _unauthorized)
+    app.include_router(router)
     return app
 
 
