@@ -263,7 +263,7 @@ async def direct_phase(
         return await run_clients(scenario.clients, send, meter)
 
 
-async def proxy_phase(
+async def proxy_phase(  # noqa: C901  # its senders (httpx, SDK; streamed or not) share setup
     proxy: ProxyProcess, model: str, scenario: Scenario, max_tokens: int, meter: CpuMeter
 ) -> PhaseResult:
     """The scenario's requests through the proxy, a session per client, with httpx or the

@@ -278,7 +278,7 @@ def _positive(value: float, name: str) -> None:
         raise ConfigError(name, f"must be > 0, got {value}")
 
 
-def check(config: TrainConfig) -> None:
+def check(config: TrainConfig) -> None:  # noqa: C901, PLR0912  # a flat list of field checks
     """Ranges and contradictions across fields, each failing with the field it is about (the
     algorithm's own bounds are checked when it is made: `check_algorithm`)."""
     for name in ("batch_size", "max_steps", "world_size", "checkpoint_every", "log_every"):
@@ -349,7 +349,7 @@ def check_cluster_auth(cluster: ClusterConfig) -> None:
             raise ConfigError("cluster.auth_token_file", "is not a file")
 
 
-def check_algorithm(algo: AlgorithmConfig) -> None:
+def check_algorithm(algo: AlgorithmConfig) -> None:  # noqa: C901  # a flat list of bounds
     """Every bound the loss, the estimators and the batching rely on, in one place: the loss
     does not check them again."""
     name = "algorithm."
@@ -399,7 +399,7 @@ def _nested_class(hint: Any) -> type | None:
     return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
 
 
-def _coerce(value: Any, hint: Any, name: str) -> Any:
+def _coerce(value: Any, hint: Any, name: str) -> Any:  # noqa: C901, PLR0912  # a case per kind of hint
     """``value`` checked against the type ``hint`` (ints widen to floats, nothing else)."""
     origin = typing.get_origin(hint)
     if origin is Literal:

@@ -86,7 +86,7 @@ def _learning_rate(step: int, steps: int, peak: float) -> float:
     return peak * min(1.0, (step + 1) / warmup)
 
 
-def warm_start(
+def warm_start(  # noqa: PLR0913  # keyword-only hyperparameters
     out_dir: Path,
     examples: Sequence[Example],
     *,
@@ -238,7 +238,7 @@ def warm_start_key(examples: Sequence[Example], **settings: Any) -> str:
     return digest.hexdigest()[:16]
 
 
-def cached_warm_start(
+def cached_warm_start(  # noqa: PLR0913  # warm_start's keyword-only hyperparameters
     cache_dir: Path,
     examples: Sequence[Example],
     *,

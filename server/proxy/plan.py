@@ -38,7 +38,7 @@ class Plan:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def new_plan(
+def new_plan(  # noqa: PLR0913  # keyword-only: one per field a plan records
     prefix: str,
     prompt: Prompt,
     sampling: SamplingRequest,

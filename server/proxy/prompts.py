@@ -126,7 +126,7 @@ def aligned_end(units: Sequence[Unit], text: str, end_texts: tuple[str, ...] = (
 State = tuple[int, int, bool, bool]
 
 
-def _follow(
+def _follow(  # noqa: C901, PLR0912  # one matcher, a branch per unit kind
     units: Sequence[Unit],
     text: str,
     state: State,

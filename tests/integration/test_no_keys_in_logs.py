@@ -42,7 +42,9 @@ class LoggedServe(ServerProcess):
         super().__init__(command, f"http://127.0.0.1:{port}", self.stdout_path, cwd=ROOT)
 
 
-def test_keys_go_to_the_terminal_and_never_to_a_log(tiny_model_dir, tmp_path, monkeypatch):
+def test_keys_go_to_the_terminal_and_never_to_a_log(  # noqa: PLR0915  # one scenario, start to end
+    tiny_model_dir, tmp_path, monkeypatch
+):
     monkeypatch.delenv("PROXRL_ADMIN_KEY", raising=False)
     data = tmp_path / "data"
     secrets_seen: list[str] = []

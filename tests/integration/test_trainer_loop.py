@@ -122,7 +122,9 @@ def proxy(tiny_model_dir, tmp_path):
         yield running
 
 
-def test_the_trainer_learns_publishes_and_resumes_exactly(proxy, tiny_model_dir, tmp_path):
+def test_the_trainer_learns_publishes_and_resumes_exactly(  # noqa: PLR0915  # one scenario
+    proxy, tiny_model_dir, tmp_path
+):
     out = tmp_path / "train"
     agent = Agent(proxy.url, proxy.ADMIN_KEY, limit=3 * BATCH)  # enough for 3 steps, then none
     agent.start()
