@@ -7,7 +7,7 @@ LOCK := requirements/lock.txt
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv system-deps test test-slow test-fast lint format bench demo clean
+.PHONY: venv system-deps test test-slow test-fast lint hooks format bench demo clean
 
 venv: $(STAMP)
 
@@ -87,10 +87,13 @@ test-slow: venv system-deps
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow" -n 2 --durations=10 tests/unit tests/api
 
+# ruff format --check, ruff check and mypy, as .pre-commit-config.yaml defines them: the git hook
+# (`make hooks` installs it) runs the same before each commit.
 lint: venv
-	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy
+	$(VENV)/bin/pre-commit run --all-files
+
+hooks: venv
+	$(VENV)/bin/pre-commit install
 
 format: venv
 	$(VENV)/bin/ruff format .
