@@ -181,6 +181,7 @@ class Progress:
         self.log_every = log_every
         self.reference_kl = reference_kl
         self.step_ends: deque[float] = deque(maxlen=ETA_WINDOW + 1)  # for the ETA
+        self.last: dict[str, Any] | None = None  # the last step's record
         self.path = path
         self.report: Callable[[dict[str, Any]], None] | None = None  # to the server
         self.track: Callable[[dict[str, Any]], None] | None = None  # to the experiment trackers
@@ -196,6 +197,7 @@ class Progress:
         """Record the step (``temperature``: the one it trained at) and print its line."""
         record = step_record(state, batch, stats, phases, self.reference_kl, temperature)
         self.step_ends.append(time.monotonic())
+        self.last = record
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.track is not None:
@@ -207,6 +209,13 @@ class Progress:
         for session_id, reason in batch.dropped.items():
             log.info("dropped session %s: %s", session_id, reason)
         return record
+
+    def stopped(self) -> None:
+        """Tell the server the trainer stopped cleanly, so the dashboard shows it at once: the
+        last step's figures again, with ``stopped_at`` (unix seconds). Without a step this time
+        there is nothing to amend."""
+        if self.last is not None and self.report is not None:
+            self.report({**self.last, "stopped_at": time.time()})
 
     def line(self, record: dict[str, Any]) -> str:
         eta = eta_seconds(self.step_ends, self.max_steps - record["step"])

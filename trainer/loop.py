@@ -230,6 +230,7 @@ class Trainer:
                     self.commit_checkpoint(saved[0])  # 7. the checkpoint counts: confirm claims
             if self.pending:
                 self.commit_checkpoint(self.save_checkpoint())
+            progress.stopped()  # a clean stop: the dashboard need not wait for a timeout
         finally:
             self.leases.stop()
             tracking.close()

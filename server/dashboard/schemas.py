@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -25,7 +25,16 @@ class RunSummary(BaseModel):
     last_step: int | None = Field(description="The last step reported (null: none).")
     last_step_at: datetime | None
     trainer_active: bool = Field(
-        description="A step arrived within three step intervals (and 5 minutes at least)."
+        description="A step arrived within three step intervals (and 5 minutes at least), and "
+        "the trainer has not said it stopped."
+    )
+    trainer: Literal["training", "stopped", "idle", "not started"] = Field(
+        description="stopped: the trainer said so when it stopped cleanly; idle: no step for "
+        "longer than trainer_active allows (it may have been killed)."
+    )
+    trainer_quiet_since: datetime | None = Field(
+        description="When the last word came from a trainer that has gone quiet (no step for "
+        "three step intervals, 30 s at least) without saying it stopped; null otherwise."
     )
 
 

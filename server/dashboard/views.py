@@ -40,6 +40,7 @@ NICE_WIDTHS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21
 DAY = 86400
 TARGET_BUCKETS = 120
 ACTIVE_AFTER_S = 300.0  # a trainer is idle after this long without a step, at the least
+QUIET_AFTER_S = 30.0  # and quiet after three step intervals without one, this long at the least
 LOAD_TIMEOUT_S = 2.0
 
 
@@ -56,8 +57,30 @@ def trainer_active(span: stats.StepSpan | None, now: datetime) -> bool:
     """Did a step arrive within three mean step intervals (five minutes at the least)?"""
     if span is None:
         return False
-    interval = (span.last_at - span.first_at).total_seconds() / max(span.count - 1, 1)
-    return (now - span.last_at).total_seconds() < max(ACTIVE_AFTER_S, 3 * interval)
+    return (now - span.last_at).total_seconds() < max(ACTIVE_AFTER_S, 3 * _interval(span))
+
+
+def trainer_status(
+    span: stats.StepSpan | None, last: TrainerStep | None, now: datetime
+) -> tuple[str, datetime | None]:
+    """What the trainer is doing, and since when no word came from it if it has gone quiet.
+
+    "stopped" as soon as it says so (a trainer that stops cleanly reposts its last step with
+    ``stopped_at``); "training" while steps come, still "training" but quiet after three step
+    intervals without one (30 s at the least: it may be slow, stuck or killed), "idle" once
+    ``trainer_active`` says so; "not started" before any step."""
+    if span is None or last is None:
+        return "not started", None
+    if last.metrics.get("stopped_at") is not None:
+        return "stopped", None
+    silent_s = (now - span.last_at).total_seconds()
+    quiet = silent_s > max(QUIET_AFTER_S, 3 * _interval(span))
+    return ("training" if trainer_active(span, now) else "idle"), span.last_at if quiet else None
+
+
+def _interval(span: stats.StepSpan) -> float:
+    """The mean seconds between the run's steps."""
+    return (span.last_at - span.first_at).total_seconds() / max(span.count - 1, 1)
 
 
 # ----- runs ------------------------------------------------------------------------------------
@@ -76,6 +99,7 @@ async def _summaries(ctx: ServerContext, found: list[Run]) -> list[dict[str, Any
         mean, rewarded = rewards.get(run.id, (None, 0))
         last = latest.get(run.id)
         span = spans.get(run.id)
+        trainer, quiet_since = trainer_status(span, last, now)
         out.append(
             {
                 "id": run.id,
@@ -91,7 +115,9 @@ async def _summaries(ctx: ServerContext, found: list[Run]) -> list[dict[str, Any
                 "steps": span.count if span else 0,
                 "last_step": last.step if last else None,
                 "last_step_at": last.created_at if last else None,
-                "trainer_active": trainer_active(span, now),
+                "trainer_active": trainer == "training",
+                "trainer": trainer,
+                "trainer_quiet_since": quiet_since,
             }
         )
     return out

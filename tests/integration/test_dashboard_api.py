@@ -349,6 +349,26 @@ def test_run_series_polls_after_a_step_and_thins_long_runs(proxy):
     assert len(steps) <= 11 and steps[-1] == 30 and steps == sorted(steps)
 
 
+def test_a_trainer_that_says_it_stopped_shows_stopped_at_once(proxy):
+    """A clean stop reposts the last step with stopped_at (trainer.figures.Progress.stopped):
+    the API and the page say "stopped" at once, not "training" until the timeout."""
+    run_id = proxy.new_run()["id"]
+    for step in (1, 2):
+        assert proxy.post_step(run_id, step, step, reward_mean=0.5).status_code == 201
+    detail = proxy.ok("GET", f"/admin/api/runs/{run_id}")
+    assert (detail["trainer"], detail["trainer_active"]) == ("training", True)
+    assert detail["trainer_quiet_since"] is None
+    reposted = proxy.post_step(run_id, 2, 2, reward_mean=0.5, stopped_at=time.time())
+    assert reposted.json()["replaced"] is True
+    detail = proxy.ok("GET", f"/admin/api/runs/{run_id}")
+    assert (detail["trainer"], detail["trainer_active"], detail["steps"]) == ("stopped", False, 2)
+    cookies = {"proxrl_admin": login(proxy, ADMIN_KEY).cookies["proxrl_admin"]}
+    proxy.http.cookies.clear()  # the login is this test's browser's, not the shared client's
+    with httpx.Client(base_url=proxy.url, cookies=cookies) as browser:
+        page = browser.get(f"/admin/runs/{run_id}").text
+    assert '<div class="value" id="trainer">stopped</div>' in page
+
+
 def test_a_run_without_data_has_clear_empty_answers(proxy):
     run_id = proxy.new_run()["id"]
     detail = proxy.ok("GET", f"/admin/api/runs/{run_id}")

@@ -116,6 +116,12 @@ def run_state(proxy: ProxyProcess) -> dict:
     return next(r for r in runs if r["is_default"])
 
 
+def dashboard_trainer(proxy: ProxyProcess) -> str:
+    """What the dashboard says of the default run's trainer."""
+    path = f"{proxy.url}/admin/api/runs/{run_state(proxy)['id']}"
+    return httpx.get(path, headers=proxy.admin).json()["trainer"]
+
+
 @pytest.fixture
 def proxy(tiny_model_dir, tmp_path):
     with ProxyProcess(tiny_model_dir, tmp_path / "server") as running:
@@ -150,6 +156,7 @@ def test_the_trainer_learns_publishes_and_resumes_exactly(  # noqa: PLR0915  # o
         killed = metrics(out)[:3]
         assert [m["version"] for m in killed] == [1, 2, 3]
         assert run_state(proxy)["policy_version"] == 3
+        assert dashboard_trainer(proxy) == "training"  # killed: no word, the timeout applies
 
         second = straddle.chat.completions.create(
             model="tiny",
@@ -166,6 +173,7 @@ def test_the_trainer_learns_publishes_and_resumes_exactly(  # noqa: PLR0915  # o
         agent.limit = 100
         trainer = train(proxy, out, "max_steps=6", "checkpoint_every=2")
         assert wait(trainer, 600) == 0
+        assert dashboard_trainer(proxy) == "stopped"  # a clean stop says so at once
     finally:
         agent.stop.set()
         agent.join(120)

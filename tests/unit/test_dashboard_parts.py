@@ -13,10 +13,11 @@ from server.dashboard.access import safe_next
 from server.dashboard.pages import session_filters, shown, token_colour
 from server.dashboard.tokens import PROMPT_TURN, token_rows
 from server.dashboard.transcript import transcript
-from server.dashboard.views import TARGET_BUCKETS, bucket_width, trainer_active
+from server.dashboard.views import TARGET_BUCKETS, bucket_width, trainer_active, trainer_status
 from server.rl.schemas import RowOut, TurnOut
 from server.rl.steps import clean_value, reward_spread, session_reward
 from server.store.stats import StepSpan
+from server.store.tables import TrainerStep
 from tests.support import turn_out
 
 NOW = datetime(2026, 1, 31, 12, 0, tzinfo=UTC)
@@ -49,6 +50,24 @@ def test_trainer_is_active_within_three_step_intervals_or_five_minutes():
     # slow steps (one per 10 min): idle only after 30 min
     assert trainer_active(span(4, 1800 + 1200, 1200), NOW) is True
     assert trainer_active(span(4, 1800 + 2000, 2000), NOW) is False
+
+
+def test_the_trainer_status_says_stopped_at_once_and_quiet_before_the_timeout():
+    stepped = TrainerStep(step=3, version=3, metrics={"reward_mean": 0.5})
+    stopped = TrainerStep(step=3, version=3, metrics={"reward_mean": 0.5, "stopped_at": 1.0})
+    assert trainer_status(None, None, NOW) == ("not started", None)
+    # steps every 2 s, the last 1 s ago: training
+    assert trainer_status(span(10, 19, 1), stepped, NOW) == ("training", None)
+    # the trainer said it stopped (a clean stop): stopped at once, not 5 minutes later
+    assert trainer_status(span(10, 19, 1), stopped, NOW) == ("stopped", None)
+    # no word for 40 s (20 intervals) after an unclean stop: still within the timeout, but quiet
+    last = NOW - timedelta(seconds=40)
+    assert trainer_status(span(10, 58, 40), stepped, NOW) == ("training", last)
+    # within 30 s of the last step it is not called quiet, however fast the steps were
+    assert trainer_status(span(10, 29, 20), stepped, NOW) == ("training", None)
+    # past the timeout: idle, and still since when
+    last = NOW - timedelta(seconds=400)
+    assert trainer_status(span(10, 418, 400), stepped, NOW) == ("idle", last)
 
 
 def test_clean_value_turns_non_finite_numbers_into_null():

@@ -246,3 +246,21 @@ def test_the_logged_eta_waits_for_steps_and_ignores_the_start_up(tmp_path, caplo
             progress.step(TrainerState(step=step, version=step), make_batch(), stats, Phases(1, 1))
     etas = [r.getMessage().rsplit("ETA ", 1)[1] for r in caplog.records if "ETA" in r.getMessage()]
     assert etas == ["after 4 steps"] * 3 + ["5h33m", "5h33m"]  # 9,996 and 9,995 steps of 2 s
+
+
+def test_a_clean_stop_reposts_the_last_step_with_stopped_at(tmp_path):
+    posted: list[dict] = []
+    progress = Progress(max_steps=7, first_step=0, path=tmp_path / "m.jsonl")
+    progress.stopped()  # no step yet: nothing to amend
+    assert posted == []
+    progress.report = posted.append
+    progress.stopped()
+    assert posted == []
+    stats = {"seconds": 1.0, "proximal_seconds": 0.5, "tokens": 7.0}
+    for step in (1, 2):
+        progress.step(TrainerState(step=step, version=step), make_batch(), stats, Phases(1, 1))
+    progress.stopped()
+    assert [p["step"] for p in posted] == [1, 2, 2]
+    assert posted[2]["stopped_at"] > 0 and "stopped_at" not in posted[1]
+    assert {k: v for k, v in posted[2].items() if k != "stopped_at"} == posted[1]
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2  # the file is as it was
