@@ -48,18 +48,20 @@ lock: $(LOCK_TOOLS)/bin/pip-compile
 	$(FINISH_LOCK) finish $(LOCK)
 
 # Everything to its newest release (within pyproject's bounds) in a scratch lock and venv; the
-# fast suite runs against it, and only then does it replace the lock.
+# version diff is printed, the fast suite runs against it, and only if it passes does the new lock
+# replace the old one.
 upgrade: $(LOCK_TOOLS)/bin/pip-compile
 	rm -rf $(UPGRADE_DIR) && mkdir -p $(UPGRADE_DIR)
 	$(PIP_COMPILE) --upgrade --upgrade-package '$(TORCH)' --output-file $(UPGRADE_DIR)/lock.txt \
 		pyproject.toml
 	$(FINISH_LOCK) finish $(UPGRADE_DIR)/lock.txt
+	$(FINISH_LOCK) diff $(LOCK) $(UPGRADE_DIR)/lock.txt
 	$(PYTHON) -m venv $(UPGRADE_DIR)/venv
 	$(UPGRADE_DIR)/venv/bin/pip install --quiet --no-deps -r $(UPGRADE_DIR)/lock.txt
 	$(UPGRADE_DIR)/venv/bin/pip install --quiet --no-deps -e .
 	$(UPGRADE_DIR)/venv/bin/pip check
-	$(UPGRADE_DIR)/venv/bin/python -m pytest -q -m "not slow" -n 2 tests/unit tests/api
-	$(FINISH_LOCK) diff $(LOCK) $(UPGRADE_DIR)/lock.txt
+	PROXRL_LOCK=$(UPGRADE_DIR)/lock.txt $(UPGRADE_DIR)/venv/bin/python -m pytest -q -m "not slow" -n 2 \
+		tests/unit tests/api
 	cp $(UPGRADE_DIR)/lock.txt $(LOCK)
 	rm -rf $(UPGRADE_DIR)
 

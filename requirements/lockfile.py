@@ -1,9 +1,11 @@
 """Finish and compare lock files written by pip-compile (``make lock``, ``make upgrade``).
 
-``finish PATH`` puts the header on, drops local version labels (``torch==2.13.0+cpu`` becomes
-``torch==2.13.0``: the same line then takes whichever CPU build of that release the machine's
-index offers) and refuses a lock holding CUDA packages (``nvidia-*``, ``triton``, ``cuda-*``:
-torch resolved to a multi-GB CUDA build). ``diff OLD NEW`` prints the versions that change.
+``finish PATH`` puts the header on; drops the line pip-compile writes for proxrl itself
+(``proxrl @ file:///its/checkout``: the extras name it; ``make venv`` installs it editable);
+drops local version labels (``torch==2.13.0+cpu`` becomes ``torch==2.13.0``: the same line
+then takes whichever CPU build of that release the machine's index offers); and refuses a lock
+holding CUDA packages (``nvidia-*``, ``triton``, ``cuda-*``: torch resolved to a multi-GB CUDA
+build). ``diff OLD NEW`` prints the versions that change.
 It knows nothing of how the lock was resolved.
 """
 
@@ -23,6 +25,7 @@ HEADER = """\
 # `make upgrade` (the newest releases, tested first). Do not edit by hand.
 """
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)")
+SELF = re.compile(r"^proxrl( @ |==)")
 CUDA = re.compile(r"^(nvidia-|triton==|cuda-)", re.IGNORECASE)
 
 
@@ -34,7 +37,11 @@ def pins(text: str) -> dict[str, str]:
 
 
 def finish(path: Path) -> None:
-    lines = [line for line in path.read_text().splitlines() if line not in HEADER.splitlines()]
+    lines = [
+        line
+        for line in path.read_text().splitlines()
+        if line not in HEADER.splitlines() and not SELF.match(line)
+    ]
     cuda = [line.split()[0] for line in lines if CUDA.match(line)]
     if cuda:
         sys.exit(f"{path}: CUDA packages in the lock (torch resolved to a CUDA build): {cuda}")
