@@ -1,0 +1,737 @@
+"""A workload simulator for the staleness bound: how much of what agents sample gets trained.
+
+A discrete-event model of one run (the server, its agents and one trainer) in simulated
+seconds, no model and no HTTP. Agents want sessions without end; the run admits them by its
+admission rule; each session runs its turns (generation, then a tool call) on the weights the
+server serves at each token; a session becomes trainable when its last turn ends (its reward
+comes at once); the trainer claims ``batch_size`` sessions in whole groups, judges each token's
+staleness, drops what cannot train, steps for ``--step-s`` seconds and publishes the next version.
+
+The decisions are the project's own, imported, never copied, so that they cannot drift:
+
+- admission: ``server.rl.admission.admits`` with a real ``RunConfig`` (its
+  ``admission_limit``, AReaL's ``(eta + version + 1) * batch_size``);
+- claims: ``server.store.groups.plan_claim`` (which whole groups a claim takes, which
+  incomplete ones it drops, in what order, with the store's drop reasons);
+- staleness and drops: ``trainer.rollouts.build_batch`` on rows shaped as the server sends them
+  (``versions`` per token; it calls ``trainer.staleness.versions_behind``, restarts' republishes
+  included), with a real ``AlgorithmConfig`` (``stale=mask`` by default, as the trainer's);
+- publish: a step publishes a version only when its batch has samples (``Trainer.publish``).
+
+Modelled, because they are SQL or I/O rather than functions (each held to the real code by
+``tests/unit/test_staleness_sim.py``, on random inputs):
+
+- the admission count, ``server/store/sessions.py`` ``admitted_count`` (line 103): the run's
+  sessions not ``dropped`` (consumed ones count; eval sessions are not simulated). Here:
+  :func:`counts_toward_admission`, checked against the SQL on a real SQLite store;
+- the claim, ``server/store/claims.py`` ``claim`` (line 73): with one trainer every planned
+  session is locked, so ``_whole_groups`` is one ``plan_claim``; no session lacks turns and no
+  lease lapses, so ``_drop_without_turns`` and ``_return_lapsed`` do nothing. Here:
+  :meth:`Run.claim_once`, checked against ``claims.claim`` on a real SQLite store;
+- the trainer's loop, ``trainer/loop.py`` ``Trainer.claim`` / ``run`` / ``republish``: it claims
+  ``batch_size - held`` every ``claim_wait_s`` until it holds a batch, tells the server its drops
+  at once (``Trainer.drop``), publishes after ``--step-s``, confirms at checkpoints; a restart
+  (``--restart-every``) loses the steps after the last checkpoint (their claims go back to the
+  pool, their drops stay) and republishes the checkpoint's weights as a new version.
+
+Not modelled: the engine's capacity (generation takes ``--gen-s`` per turn however many
+sessions run: the admission bound, not the engine, limits concurrency, unless ``--max-open``),
+admission's wait-then-429 (a waiting session is admitted the moment there is room, first come
+first served), reward latency, idle and reward deadlines, and what the update learns.
+
+The rules are an entry of ``POLICIES``: ``current`` is today's code; a new design is another
+entry, compared in the same run (``--policies current,other``).
+
+    python bench/staleness_sim.py                       # the default grid, a few minutes
+    python bench/staleness_sim.py --groups 4 --etas 1 --seeds 1 --steps 60   # one small cell
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import math
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from server.rl.admission import admits  # noqa: E402
+from server.store.groups import Candidate, GroupRule, plan_claim  # noqa: E402
+from server.store.run_config import RunConfig  # noqa: E402
+from server.store.sessions import CLAIMED, CONSUMED, DROPPED, OPEN, TRAINABLE  # noqa: E402
+from trainer.advantages import RunningBaseline  # noqa: E402
+from trainer.config import AlgorithmConfig  # noqa: E402
+from trainer.rollouts import STALE, Batch, Rules, build_batch  # noqa: E402
+
+EPOCH = datetime(2026, 1, 1, tzinfo=UTC)  # simulated second 0, for the store's datetimes
+RESULTS = ROOT / "bench" / "results"
+
+
+def counts_toward_admission(status: str) -> bool:
+    """Does a (training) session of this status count in ``admitted_count``? Mirrors
+    server/store/sessions.py:103 (status != dropped)."""
+    return status != DROPPED
+
+
+# --- the policy: one entry per design ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The rules one simulated run follows. ``room``: may one more session be admitted;
+    ``plan``: what one claim takes and drops; ``judge``: the trainer's batch; ``stale``: the
+    trainer's ``algorithm.stale``."""
+
+    room: Callable[[int, RunConfig, int], bool]
+    plan: Callable[..., Any]
+    judge: Callable[..., Batch]
+    stale: str = "mask"
+    description: str = ""
+
+
+POLICIES: dict[str, Policy] = {
+    "current": Policy(
+        room=admits,
+        plan=plan_claim,
+        judge=build_batch,
+        stale="mask",
+        description="today's code: AReaL's bound on sessions not dropped, whole oldest groups, "
+        "stale tokens masked",
+    ),
+    "current-drop": Policy(
+        room=admits,
+        plan=plan_claim,
+        judge=build_batch,
+        stale="drop",
+        description="today's code with algorithm.stale=drop",
+    ),
+}
+
+
+# --- the workload ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    turns_median: float = 5.0
+    turns_sigma: float = 0.75  # lognormal, clipped to [turns_min, turns_max]
+    turns_min: int = 1
+    turns_max: int = 40
+    gen_s: float = 3.0  # generation per turn: median seconds
+    gen_sigma: float = 0.0  # 0: every turn takes gen_s
+    tool_s: float = 2.0  # tool call after each turn but the last: median seconds
+    tool_sigma: float = 1.0  # lognormal: a heavy tail (p99 about 20 s at 2 s median)
+    tokens_per_s: float = 10.0  # sampled tokens per generated second (one stands for many)
+    max_open: int | None = None  # sessions the agents run at once (None: as many as admitted)
+
+
+@dataclass(frozen=True)
+class Cell:
+    policy: str = "current"
+    group_size: int = 1
+    eta: int = 1
+    seed: int = 0
+    batch_size: int = 16
+    steps: int = 150
+    step_s: float = 10.0  # one training step, claim aside
+    claim_wait_s: float = 1.0  # the trainer's wait between claims (trainer/config.py)
+    group_timeout_s: float | None = 600.0
+    checkpoint_every: int = 10
+    restart_every: int = 0  # a trainer crash after every N-th step (0: none)
+    restart_s: float = 60.0  # a restart's downtime
+    workload: Workload = field(default_factory=Workload)
+
+
+@dataclass
+class SimSession:
+    sid: str
+    task_id: str
+    turns: list[tuple[float, float, int]]  # per turn: generation s, tool s after it, tokens
+    reward: float
+    status: str = OPEN
+    versions: list[list[int]] = field(default_factory=list)  # per generated turn, per token
+    trainable_at: float = 0.0
+    candidate: Candidate | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(v) for v in self.versions)
+
+
+def draw_session(rng: random.Random, n: int, cell: Cell) -> SimSession:
+    w = cell.workload
+    count = round(rng.lognormvariate(math.log(w.turns_median), w.turns_sigma))
+    turns = []
+    for _ in range(min(max(count, w.turns_min), w.turns_max)):
+        gen = w.gen_s * (rng.lognormvariate(0, w.gen_sigma) if w.gen_sigma else 1.0)
+        tool = w.tool_s * rng.lognormvariate(0, w.tool_sigma) if w.tool_sigma else w.tool_s
+        turns.append((gen, tool, max(1, round(gen * w.tokens_per_s))))
+    task = f"task-{n // cell.group_size}"  # a group's sessions are asked one after another
+    return SimSession(f"s{n:06d}", task, turns, float(rng.random() < 0.5))
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+@dataclass
+class Judged:
+    """One session's fate as the trainer last settled it."""
+
+    sampled: int
+    trained: int
+    masked: int
+    dropped_reason: str | None
+    turns: int
+
+
+@dataclass
+class Result:
+    cell: Cell
+    judged: dict[str, Judged]
+    staleness: Counter[int]  # updates behind -> trained tokens
+    backlog: list[tuple[float, int, int]]  # (time, step, admitted-but-untrained sessions)
+    sessions: int  # created
+    sim_s: float  # simulated seconds to the last step
+    steps_run: int  # steps trained, lost ones included
+    events: list[float] = field(default_factory=list)  # event times, in processing order
+
+    def totals(self) -> dict[str, Any]:
+        j = list(self.judged.values())
+        sampled = sum(x.sampled for x in j)
+        trained = sum(x.trained for x in j)
+        masked = sum(x.masked for x in j)
+        dropped = [x for x in j if x.dropped_reason is not None]
+        kept = [x for x in j if x.dropped_reason is None]
+        stale = sorted(self.staleness.elements())
+        reasons = Counter(x.dropped_reason.split(":")[0] for x in dropped)  # type: ignore[union-attr]
+        return {
+            "sampled": sampled,
+            "trained": trained,
+            "masked": masked,
+            "dropped_tokens": sum(x.sampled for x in dropped),
+            "trained_share": trained / sampled if sampled else 0.0,
+            "sessions_judged": len(j),
+            "sessions_dropped": len(dropped),
+            "dropped_share": len(dropped) / len(j) if j else 0.0,
+            "drop_reasons": dict(reasons),
+            "staleness_mean": statistics.fmean(stale) if stale else 0.0,
+            "staleness_p99": stale[min(len(stale) - 1, int(0.99 * len(stale)))] if stale else 0,
+            "staleness_max": stale[-1] if stale else 0,
+            "turns_kept": statistics.fmean(x.turns for x in kept) if kept else 0.0,
+            "turns_sampled": statistics.fmean(x.turns for x in j) if j else 0.0,
+            "backlog_end": self.backlog[-1][2] if self.backlog else 0,
+            "backlog_max": max((b for _, _, b in self.backlog), default=0),
+            "trained_tokens_per_s": trained / self.sim_s if self.sim_s else 0.0,
+            "sampled_tokens_per_s": sampled / self.sim_s if self.sim_s else 0.0,
+            "sim_minutes": self.sim_s / 60,
+        }
+
+
+class Run:
+    """One cell: the server's books, the agents and one trainer, driven by an event queue."""
+
+    def __init__(self, cell: Cell, keep_events: bool = False) -> None:
+        self.cell = cell
+        self.policy = POLICIES[cell.policy]
+        self.rng = random.Random(cell.seed)
+        self.config = RunConfig(
+            batch_size=cell.batch_size,
+            max_staleness=cell.eta,
+            group_size=cell.group_size,
+            group_timeout_s=cell.group_timeout_s,
+        )
+        self.rule = GroupRule(cell.group_size, cell.group_timeout_s, "train")
+        algorithm = AlgorithmConfig(stale=self.policy.stale)  # type: ignore[arg-type]
+        self.algorithm = dataclasses.replace(
+            algorithm, temperature=1.0, off_temperature="mask", group_size=cell.group_size
+        )
+        self.baseline = RunningBaseline(self.algorithm.baseline_momentum)
+        self.queue: list[tuple[float, int, str, Any]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.sessions: dict[str, SimSession] = {}
+        self.trainable: dict[str, SimSession] = {}  # in the order they became trainable
+        self.admitted = 0  # counts_toward_admission, kept as statuses change
+        self.open = 0
+        self.server_version = 0
+        self.published: list[tuple[float, int]] = [(0.0, 0)]  # (time, version) served from
+        # the trainer's books (trainer/loop.py)
+        self.version = 0
+        self.step = 0
+        self.steps_run = 0
+        self.republished: list[tuple[int, int]] = []
+        self.checkpoint: tuple[int, int] = (0, 0)  # (step, version) of the last checkpoint
+        self.pending: list[list[str]] = []  # claims trained since it, not yet confirmed
+        self.held: list[str] = []  # the step being claimed
+        self.trained_sessions = 0
+        self.judged: dict[str, Judged] = {}
+        self.pending_judged: dict[str, Judged] = {}
+        self.staleness: Counter[int] = Counter()
+        self.pending_staleness: Counter[int] = Counter()
+        self.backlog: list[tuple[float, int, int]] = []
+        self.events: list[float] | None = [] if keep_events else None
+
+    # --- the event queue
+
+    def at(self, t: float, kind: str, payload: Any = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.queue, (t, self.seq, kind, payload))
+
+    def run(self) -> Result:
+        self.admit()
+        self.at(0.0, "claim")
+        while self.queue and self.step < self.cell.steps:
+            self.now, _, kind, payload = heapq.heappop(self.queue)
+            if self.events is not None:
+                self.events.append(self.now)
+            getattr(self, "on_" + kind)(payload)
+        self.confirm()  # the trainer's last checkpoint covers what is pending
+        return Result(
+            self.cell,
+            self.judged,
+            self.staleness,
+            self.backlog,
+            len(self.sessions),
+            self.now,
+            self.steps_run,
+            self.events or [],
+        )
+
+    # --- the server: admission, sessions, claims
+
+    def set_status(self, session: SimSession, status: str) -> None:
+        self.admitted += counts_toward_admission(status) - counts_toward_admission(session.status)
+        session.status = status
+
+    def admit(self) -> None:
+        """Admit waiting sessions while the rule has room (the agents always want more)."""
+        cap = self.cell.workload.max_open
+        while (cap is None or self.open < cap) and self.policy.room(
+            self.admitted, self.config, self.server_version
+        ):
+            session = draw_session(self.rng, len(self.sessions), self.cell)
+            self.sessions[session.sid] = session
+            self.admitted += counts_toward_admission(session.status)
+            self.open += 1
+            self.at(self.now + session.turns[0][0], "turn_end", (session, 0, self.now))
+
+    def version_at(self, t: float) -> int:
+        """The version the engines served at time ``t`` (the last one published by then)."""
+        for when, version in reversed(self.published):
+            if when <= t:
+                return version
+        return 0
+
+    def on_turn_end(self, payload: tuple[SimSession, int, float]) -> None:
+        session, i, started = payload
+        gen, tool, tokens = session.turns[i]
+        session.versions.append(
+            [self.version_at(started + gen * (k + 1) / tokens) for k in range(tokens)]
+        )
+        if i + 1 < len(session.turns):
+            start = self.now + tool
+            self.at(start + session.turns[i + 1][0], "turn_end", (session, i + 1, start))
+            return
+        self.open -= 1
+        session.trainable_at = self.now
+        session.candidate = Candidate(
+            session.sid, None, session.task_id, EPOCH + timedelta(seconds=self.now)
+        )
+        self.set_status(session, TRAINABLE)
+        self.trainable[session.sid] = session
+        self.admit()
+
+    def drop(self, sid: str, reason: str) -> None:
+        session = self.sessions[sid]
+        self.set_status(session, DROPPED)
+        self.trainable.pop(sid, None)
+
+    def claim_once(self, max_sessions: int) -> list[str]:
+        """One ``POST /rl/claims`` by the only trainer: server/store/claims.py ``claim``."""
+        candidates = [s.candidate for s in self.trainable.values()]
+        now = EPOCH + timedelta(seconds=self.now)
+        plan = self.policy.plan(candidates, self.rule, max_sessions, now)
+        for group, reason in plan.drop:
+            for sid in group.session_ids:
+                self.drop(sid, reason)
+                self.settle(sid, reason)
+        chosen = [sid for group in plan.claim for sid in group.session_ids]
+        for sid in chosen:
+            self.set_status(self.sessions[sid], CLAIMED)
+            del self.trainable[sid]
+        return chosen
+
+    # --- the trainer
+
+    def on_claim(self, _: Any) -> None:
+        """``Trainer.claim``: claim until a batch is held, waiting claim_wait_s between tries."""
+        self.held += self.claim_once(self.cell.batch_size - len(self.held))
+        self.admit()  # dropped groups left the count
+        if len(self.held) < self.cell.batch_size:
+            self.at(self.now + self.cell.claim_wait_s, "claim")
+            return
+        claimed, self.held = self.held, []
+        self.train(claimed)
+
+    def rows(self, session: SimSession) -> dict[str, Any]:
+        """The session as the server sends it: one row (every turn continues the last), one
+        prompt token before each turn's sampled tokens."""
+        input_ids: list[int] = []
+        loss_mask: list[int] = []
+        versions: list[int] = []
+        turns = []
+        for i, sampled in enumerate(session.versions):
+            input_ids.append(0)
+            loss_mask.append(0)
+            versions.append(-1)
+            start = len(input_ids)
+            input_ids += [1] * len(sampled)
+            loss_mask += [1] * len(sampled)
+            versions += sampled
+            turns.append(
+                {"start": start, "end": len(input_ids), "turn_index": i, "temperature": 1.0}
+            )
+        row = {
+            "input_ids": input_ids,
+            "loss_mask": loss_mask,
+            "logprobs": [0.0] * len(input_ids),
+            "versions": versions,
+            "turns": turns,
+        }
+        return {
+            "session_id": session.sid,
+            "task_id": session.task_id,
+            "group_id": None,
+            "reward": session.reward,
+            "rows": [row],
+        }
+
+    def train(self, claimed: list[str]) -> None:
+        rules = Rules(
+            algorithm=self.algorithm,
+            policy_version=self.version,
+            max_staleness=self.cell.eta,
+            republished=list(self.republished),
+        )
+        batch = self.policy.judge(
+            [self.rows(self.sessions[sid]) for sid in claimed], rules, self.baseline
+        )
+        for sid, reason in batch.dropped.items():  # Trainer.drop: told to the server at once
+            self.drop(sid, reason)
+        trained = Counter(s.session_id for s in batch.samples for _ in range(s.loss_tokens))
+        for sid in claimed:
+            session = self.sessions[sid]
+            reason = batch.dropped.get(sid)
+            self.pending_judged[sid] = Judged(
+                sampled=session.tokens,
+                trained=0 if reason else trained[sid],
+                masked=0 if reason else session.tokens - trained[sid],
+                dropped_reason=reason,
+                turns=len(session.turns),
+            )
+        self.pending_staleness.update(batch.staleness)
+        self.pending.append(claimed)
+        self.admit()
+        self.at(self.now + self.cell.step_s, "step_end", bool(batch.samples))
+
+    def publish(self, version: int) -> None:
+        self.server_version = version
+        self.published.append((self.now, version))
+
+    def on_step_end(self, trained_something: bool) -> None:
+        if trained_something:  # Trainer.publish: nothing trained, nothing served
+            self.version += 1
+            self.publish(self.version)
+        self.step += 1
+        self.steps_run += 1
+        self.trained_sessions += sum(
+            1 for sid in self.pending[-1] if self.sessions[sid].status != DROPPED
+        )
+        self.admit()
+        self.record()
+        crash = self.cell.restart_every and self.steps_run % self.cell.restart_every == 0
+        if crash and self.step < self.cell.steps:
+            self.at(self.now + self.cell.restart_s, "restart")
+            return
+        if self.step % self.cell.checkpoint_every == 0:
+            self.confirm()
+        self.at(self.now, "claim")
+
+    def record(self) -> None:
+        """Admitted-but-untrained sessions: counted by admission, not trained in a step."""
+        self.backlog.append((self.now, self.step, self.admitted - self.trained_sessions))
+
+    def confirm(self) -> None:
+        """A checkpoint: what it covers is settled (consumed, or dropped with its reason)."""
+        for claimed in self.pending:
+            for sid in claimed:
+                if self.sessions[sid].status == CLAIMED:
+                    self.set_status(self.sessions[sid], CONSUMED)
+        self.judged.update(self.pending_judged)
+        self.staleness.update(self.pending_staleness)
+        self.pending, self.pending_judged, self.pending_staleness = [], {}, Counter()
+        self.checkpoint = (self.step, self.version)
+
+    def settle(self, sid: str, reason: str) -> None:
+        """A session the claim dropped (an incomplete group): judged without training."""
+        session = self.sessions[sid]
+        self.judged[sid] = Judged(session.tokens, 0, 0, reason, len(session.turns))
+
+    def on_restart(self, _: Any) -> None:
+        """A crash: the steps since the checkpoint are lost, their claims released (drops
+        stay), and the checkpoint's weights republished as a new version
+        (``Trainer.start``/``republish``)."""
+        for claimed in self.pending:
+            for sid in claimed:
+                session = self.sessions[sid]
+                if session.status == CLAIMED:
+                    self.set_status(session, TRAINABLE)
+                    self.trainable[sid] = session
+                    self.trained_sessions -= 1
+        self.trainable = dict(sorted(self.trainable.items(), key=lambda kv: kv[1].trainable_at))
+        self.judged.update(  # its drops were told to the server: they stay dropped
+            {sid: j for sid, j in self.pending_judged.items() if j.dropped_reason is not None}
+        )
+        self.pending, self.pending_judged, self.pending_staleness = [], {}, Counter()
+        self.step, restored = self.checkpoint
+        self.version = max(self.server_version, restored) + 1
+        self.republished.append((restored, self.version))
+        self.publish(self.version)
+        self.admit()
+        self.record()
+        self.at(self.now, "claim")
+
+
+def simulate(cell: Cell, keep_events: bool = False) -> Result:
+    return Run(cell, keep_events).run()
+
+
+# --- the grid and its report ----------------------------------------------------------------
+
+
+def summarize(results: list[Result]) -> dict[str, Any]:
+    """A cell's figures over its seeds: mean, min and max of each."""
+    totals = [r.totals() for r in results]
+    out: dict[str, Any] = {}
+    for key, value in totals[0].items():
+        if isinstance(value, int | float):
+            values = [t[key] for t in totals]
+            out[key] = (statistics.fmean(values), min(values), max(values))
+    reasons: Counter[str] = Counter()
+    for t in totals:
+        reasons.update(t["drop_reasons"])
+    out["drop_reasons"] = dict(reasons)
+    return out
+
+
+def fmt_range(value: tuple[float, float, float], spec: str, scale: float = 1.0) -> str:
+    mean, low, high = (v * scale for v in value)
+    if f"{low:{spec}}" == f"{high:{spec}}":
+        return f"{mean:{spec}}"
+    return f"{mean:{spec}} ({low:{spec}}-{high:{spec}})"
+
+
+HEADER = (
+    "| policy | group | η | trained % | sessions dropped % | why dropped | staleness mean / p99 / "
+    "max | turns kept / sampled | backlog end (max) / (η+1)·B | trained tok/s |"
+)
+
+
+def table_row(policy: str, group: int, eta: int, batch: int, s: dict[str, Any]) -> str:
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["drop_reasons"].items())) or "-"
+    return (
+        f"| {policy} | {group} | {eta} | {fmt_range(s['trained_share'], '.0f', 100)} "
+        f"| {fmt_range(s['dropped_share'], '.0f', 100)} | {reasons} "
+        f"| {s['staleness_mean'][0]:.2f} / {s['staleness_p99'][0]:.1f} / "
+        f"{s['staleness_max'][2]:.0f} "
+        f"| {s['turns_kept'][0]:.1f} / {s['turns_sampled'][0]:.1f} "
+        f"| {s['backlog_end'][0]:.0f} ({s['backlog_max'][2]:.0f}) / {(eta + 1) * batch} "
+        f"| {s['trained_tokens_per_s'][0]:.1f} |"
+    )
+
+
+def cells_of(args: argparse.Namespace) -> list[Cell]:
+    workload = Workload(
+        turns_median=args.turns_median,
+        turns_sigma=args.turns_sigma,
+        turns_max=args.turns_max,
+        gen_s=args.gen_s,
+        gen_sigma=args.gen_sigma,
+        tool_s=args.tool_s,
+        tool_sigma=args.tool_sigma,
+        tokens_per_s=args.tokens_per_s,
+        max_open=args.max_open,
+    )
+    return [
+        Cell(
+            policy=policy,
+            group_size=group,
+            eta=eta,
+            seed=seed,
+            batch_size=args.batch_size,
+            steps=args.steps,
+            step_s=args.step_s,
+            group_timeout_s=args.group_timeout_s,
+            checkpoint_every=args.checkpoint_every,
+            restart_every=args.restart_every,
+            workload=workload,
+        )
+        for policy in args.policies
+        for group in args.groups
+        for eta in args.etas
+        for seed in range(args.seeds)
+    ]
+
+
+def run_grid(cells: list[Cell], out=sys.stdout) -> dict[tuple[str, int, int], list[Result]]:
+    grid: dict[tuple[str, int, int], list[Result]] = {}
+    started = time.monotonic()
+    for i, cell in enumerate(cells, 1):
+        result = simulate(cell)
+        grid.setdefault((cell.policy, cell.group_size, cell.eta), []).append(result)
+        t = result.totals()
+        elapsed = time.monotonic() - started
+        eta_s = elapsed / i * (len(cells) - i)
+        print(
+            f"[{i}/{len(cells)}] {cell.policy} group {cell.group_size} η {cell.eta} "
+            f"seed {cell.seed}: trained {100 * t['trained_share']:.0f}%, dropped "
+            f"{100 * t['dropped_share']:.0f}%, backlog {t['backlog_end']} "
+            f"({i / elapsed:.2f} cells/s, ETA {eta_s:.0f}s)",
+            file=out,
+            flush=True,
+        )
+    return grid
+
+
+def report(grid: dict[tuple[str, int, int], list[Result]], args: argparse.Namespace) -> str:
+    w = cells_of(args)[0].workload
+    lines = [
+        "# Staleness simulator: what today's admission, claims and staleness rule train",
+        "",
+        f"`bench/staleness_sim.py` (`{' '.join(sys.argv[1:]) or 'defaults'}`): batch "
+        f"{args.batch_size}, {args.steps} steps of {args.step_s:g} s, {args.seeds} seed(s); "
+        f"turns per session lognormal (median {w.turns_median:g}, σ {w.turns_sigma:g}, "
+        f"clipped {w.turns_min}-{w.turns_max}), {w.gen_s:g} s of generation per turn "
+        f"({w.tokens_per_s:g} tokens/s), a tool call after each turn but the last (lognormal, "
+        f"median {w.tool_s:g} s, σ {w.tool_sigma:g}); agents always want more sessions"
+        + (f" (at most {w.max_open} open)" if w.max_open else "")
+        + ".",
+        "",
+        "Trained %: tokens trained of the tokens the trainer judged (the rest were masked "
+        "stale or in dropped sessions); staleness of trained tokens in updates; turns: mean "
+        "turns of trained sessions against all judged ones; backlog: sessions admitted (not "
+        "dropped) and not trained, after the last step, against the bound's (η+1)·B. Mean over "
+        "seeds (min-max).",
+        "",
+        HEADER,
+        "|" + "---|" * 10,
+    ]
+    for (policy, group, eta), results in grid.items():
+        lines.append(table_row(policy, group, eta, args.batch_size, summarize(results)))
+    return "\n".join(lines) + "\n"
+
+
+def plot(grid: dict[tuple[str, int, int], list[Result]], args: argparse.Namespace, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (share, backlog) = plt.subplots(1, 2, figsize=(12, 4.5))
+    policies = sorted({p for p, _, _ in grid})
+    for policy in policies:
+        for group in args.groups:
+            etas = [e for e in args.etas if (policy, group, e) in grid]
+            values = [100 * summarize(grid[(policy, group, e)])["trained_share"][0] for e in etas]
+            label = f"group {group}" + (f" ({policy})" if len(policies) > 1 else "")
+            share.plot(etas, values, marker="o", label=label)
+    share.set_xscale("symlog", linthresh=1)
+    share.set_xticks(args.etas, [str(e) for e in args.etas])
+    share.set(xlabel="max staleness η", ylabel="sampled tokens trained (%)", ylim=(0, 105))
+    share.set_title("Share of judged tokens trained")
+    share.legend()
+    eta = 4 if 4 in args.etas else args.etas[len(args.etas) // 2]
+    for group in args.groups:
+        key = (policies[0], group, eta)
+        if key in grid:
+            series = grid[key][0].backlog
+            backlog.plot(
+                [s for _, s, _ in series], [b for _, _, b in series], label=f"group {group}"
+            )
+    backlog.axhline((eta + 1) * args.batch_size, color="grey", ls="--", label="(η+1)·B")
+    backlog.set(xlabel="step", ylabel="sessions admitted, not trained")
+    backlog.set_title(f"Admitted-but-untrained backlog, η = {eta} (seed 0)")
+    backlog.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--policies",
+        type=lambda s: s.split(","),
+        default=["current"],
+        help=f"comma-separated entries of POLICIES: {', '.join(POLICIES)}",
+    )
+    p.add_argument("--groups", type=ints, default=[1, 4, 8], help="group sizes")
+    p.add_argument("--etas", type=ints, default=[0, 1, 2, 4, 8, 16], help="max staleness values")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--step-s", type=float, default=10.0, help="seconds per training step")
+    p.add_argument("--turns-median", type=float, default=5.0)
+    p.add_argument("--turns-sigma", type=float, default=0.75)
+    p.add_argument("--turns-max", type=int, default=40)
+    p.add_argument("--gen-s", type=float, default=3.0, help="generation seconds per turn")
+    p.add_argument("--gen-sigma", type=float, default=0.0)
+    p.add_argument("--tool-s", type=float, default=2.0, help="median tool-call seconds")
+    p.add_argument("--tool-sigma", type=float, default=1.0)
+    p.add_argument("--tokens-per-s", type=float, default=10.0)
+    p.add_argument("--max-open", type=int, default=None, help="agents' concurrency cap")
+    p.add_argument("--group-timeout-s", type=float, default=600.0)
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--restart-every", type=int, default=0, help="a trainer crash every N steps")
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+    args = p.parse_args(argv)
+    unknown = [x for x in args.policies if x not in POLICIES]
+    if unknown:
+        p.error(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
+    for group in args.groups:
+        if args.batch_size % group:
+            p.error(f"--batch-size {args.batch_size} must be a multiple of group size {group}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    started = time.monotonic()
+    grid = run_grid(cells_of(args))
+    text = report(grid, args)
+    print(text)
+    print(f"{len(grid)} cells x {args.seeds} seeds in {time.monotonic() - started:.0f}s")
+    if not args.no_write:
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+        (args.results_dir / "staleness-sim.md").write_text(text)
+        plot(grid, args, args.results_dir / "staleness-sim.png")
+        print(f"wrote {args.results_dir / 'staleness-sim.md'} and staleness-sim.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
