@@ -14,6 +14,9 @@
    sessions/s and trained tokens/s; at the end a summary (also `summary.json`) and a plot of
    reward and accuracy against time and version. The summary's accuracy per version is checked
    against the server's own (`GET /rl/runs/{id}`, its `eval` figures).
+6. The dashboard's address and admin key are printed once the server is up; at a terminal
+   (or with --keep-serving) the server stays up after the summary, for the dashboard, until
+   Ctrl-C.
 
 Ctrl-C stops everything cleanly: the trainer checkpoints, then the final evaluation runs.
 """
