@@ -171,7 +171,7 @@ def start_trainer(server, out: Path, args: argparse.Namespace):
 
     overrides = [
         f"batch_size={args.batch_size}", f"max_staleness={args.max_staleness}",
-        f"lr={args.lr}", "max_steps=100000", "checkpoint_every=1000", f"seed={args.seed}",
+        f"lr={args.lr}", "max_steps=0", "checkpoint_every=1000", f"seed={args.seed}",
         "claim_wait_s=0.2", f"algorithm.group_size={args.group_size}",
         "algorithm.advantage=grpo", "algorithm.ppo_minibatches=1", "optim.grad_clip=1.0",
         "optim.warmup_steps=10",

@@ -228,7 +228,9 @@ class TrainConfig:
     )
     output_dir: str = option("train-out", "Weights, checkpoints and logs go here.")
     batch_size: int = option(8, "Sessions per training step.")
-    max_steps: int = option(100, "Training steps to run (across restarts).")
+    max_steps: int = option(
+        100, "Training steps to run (across restarts); 0: until stopped (Ctrl-C or SIGTERM)."
+    )
     max_staleness: int = option(
         1,
         "Versions a sampled token may lag behind the policy it trains (0: synchronous). "
@@ -281,8 +283,10 @@ def _positive(value: float, name: str) -> None:
 def check(config: TrainConfig) -> None:  # noqa: C901, PLR0912  # a flat list of field checks
     """Ranges and contradictions across fields, each failing with the field it is about (the
     algorithm's own bounds are checked when it is made: `check_algorithm`)."""
-    for name in ("batch_size", "max_steps", "world_size", "checkpoint_every", "log_every"):
+    for name in ("batch_size", "world_size", "checkpoint_every", "log_every"):
         _positive(getattr(config, name), name)
+    if config.max_steps < 0:
+        raise ConfigError("max_steps", f"must be >= 0 (0: until stopped), got {config.max_steps}")
     _positive(config.lr, "lr")
     _positive(config.request_timeout_s, "request_timeout_s")
     _positive(config.claim_lease_s, "claim_lease_s")

@@ -204,7 +204,7 @@ class Progress:
             self.track(record)
         if self.report is not None:
             self.report(record)
-        if state.step % self.log_every == 0 or state.step >= self.max_steps:
+        if state.step % self.log_every == 0 or 0 < self.max_steps <= state.step:
             log.info("%s", self.line(record))
         for session_id, reason in batch.dropped.items():
             log.info("dropped session %s: %s", session_id, reason)
@@ -218,18 +218,22 @@ class Progress:
             self.report({**self.last, "stopped_at": time.time()})
 
     def line(self, record: dict[str, Any]) -> str:
-        eta = eta_seconds(self.step_ends, self.max_steps - record["step"])
+        if self.max_steps:
+            eta = eta_seconds(self.step_ends, self.max_steps - record["step"])
+            of, left = f"/{self.max_steps}", f"ETA {_duration(eta)}"
+        else:  # no last step: it trains until it is stopped
+            of, left = "", "until stopped"
         seconds = " ".join(
             f"{short} {record[f'{name}_seconds']:.2f}" for name, short in PHASES_SHOWN
         )
         dropped = f" ({record['dropped_sessions']} dropped)" if record["dropped_sessions"] else ""
         return (
-            f"step {record['step']}/{self.max_steps} · v{record['version']} · "
+            f"step {record['step']}{of} · v{record['version']} · "
             f"reward {record['reward_mean']:.3f} · {record['sessions']} sessions{dropped}, "
             f"{record['trained_tokens']} tokens ({record['tokens_per_second']:.0f} tok/s) · "
             f"staleness {record['staleness_mean']:.2f} (max {record['staleness_max']}) · "
             f"loss {record['loss']:.4f} · entropy {record['entropy']:.3f} · "
-            f"clip {record['clip_fraction']:.3f} · seconds: {seconds} · ETA {_duration(eta)}"
+            f"clip {record['clip_fraction']:.3f} · seconds: {seconds} · {left}"
         )
 
 

@@ -206,7 +206,9 @@ class Trainer:
         tracking = self.start_tracking()
         progress.track = tracking.log
         try:
-            while self.state.step < config.max_steps and not self.stopping:
+            while not self.stopping and (
+                config.max_steps == 0 or self.state.step < config.max_steps
+            ):
                 step = self.state.step + 1
                 started = time.monotonic()
                 claimed = self.claim()  # 1. a batch of trainable sessions, exactly once

@@ -264,3 +264,15 @@ def test_a_clean_stop_reposts_the_last_step_with_stopped_at(tmp_path):
     assert posted[2]["stopped_at"] > 0 and "stopped_at" not in posted[1]
     assert {k: v for k, v in posted[2].items() if k != "stopped_at"} == posted[1]
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2  # the file is as it was
+
+
+def test_a_trainer_without_a_last_step_shows_no_eta(tmp_path, caplog):
+    """max_steps=0 (the demo's: it trains until stopped) has no end to estimate."""
+    progress = Progress(max_steps=0, first_step=0, path=tmp_path / "m.jsonl", log_every=2)
+    with caplog.at_level(logging.INFO, logger="proxrl.trainer"):
+        for step in range(1, 6):
+            stats = {"seconds": 2.0, "proximal_seconds": 0.5, "tokens": 7.0}
+            progress.step(TrainerState(step=step, version=step), make_batch(), stats, Phases(1, 1))
+    lines = [r.getMessage() for r in caplog.records if r.name == "proxrl.trainer"]
+    assert [line.split(" · ")[0] for line in lines] == ["step 2", "step 4"]  # every log_every
+    assert all(line.endswith("· until stopped") and "ETA" not in line for line in lines)

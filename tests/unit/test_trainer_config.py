@@ -82,6 +82,13 @@ def test_bad_values_fail_naming_the_field(overrides, field):
     assert caught.value.field_name == field
 
 
+def test_max_steps_zero_trains_until_stopped_and_below_zero_is_refused():
+    assert load_config(None, [*BASE, "max_steps=0"]).max_steps == 0
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, [*BASE, "max_steps=-1"])
+    assert caught.value.field_name == "max_steps" and "0: until stopped" in str(caught.value)
+
+
 def test_neither_server_nor_model_is_refused():
     with pytest.raises(ConfigError) as caught:
         load_config(None, [])
