@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, get_args
 
 # The extra (pyproject.toml) that brings each subcommand's packages, and the optional packages
 # a command loads only when asked; tests/unit/test_extras.py holds both to the extras.
@@ -340,7 +340,6 @@ class Proxrl(
     cli_prog_name="proxrl",
     cli_kebab_case=True,
     cli_implicit_flags=True,
-    cli_enforce_required=True,
 ):
     """proxrl: an OpenAI-compatible RL-as-a-service proxy. Point an agent at it, post rewards,
     and it trains the model behind it with asynchronous decoupled PPO."""
@@ -383,9 +382,24 @@ def run_command(args: list[str]) -> None:
         CliApp.run(Proxrl, cli_args=args)
     except ValidationError as exc:
         for error in exc.errors():
-            where = ".".join(str(p) for p in error["loc"])
-            print(f"proxrl: invalid {where}: {error['msg']}", file=sys.stderr)
+            print(invalid_line(error["loc"], error["type"], error["msg"]), file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def invalid_line(loc: tuple[int | str, ...], kind: str, message: str) -> str:
+    """One line for a value pydantic refused: a required flag that is missing names the flag and
+    its environment variable, which `--help` also lists."""
+    if kind == "missing" and len(loc) == 2:
+        command, field = str(loc[0]), str(loc[1])
+        flag = "--" + field.replace("_", "-")
+        command_class = next(
+            c for c in get_args(Proxrl.model_fields[command].annotation) if c is not type(None)
+        )
+        prefix = command_class.model_config.get("env_prefix", "")
+        env = f"{prefix}{field.upper()}"
+        return f"proxrl {command}: {flag} is required (or set {env})"
+    where = ".".join(str(p) for p in loc)
+    return f"proxrl: invalid {where}: {message}"
 
 
 if __name__ == "__main__":

@@ -86,3 +86,28 @@ def test_a_busy_port(tmp_path):
         port = busy.getsockname()[1]
         problem = first_problem(settings(model_dir(tmp_path / "m"), port=port))
     assert problem == f"--port {port}: 127.0.0.1:{port} is in use; choose another port"
+
+
+@pytest.mark.parametrize(
+    ("command", "env"), [("serve", "PROXRL_MODEL"), ("engine", "PROXRL_ENGINE_MODEL")]
+)
+def test_a_missing_model_names_the_flag_and_its_variable(monkeypatch, capsys, command, env):
+    from server.cli import main
+
+    monkeypatch.delenv(env, raising=False)
+    with pytest.raises(SystemExit) as stop:
+        main([command])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == f"proxrl {command}: --model is required (or set {env})\n"
+
+
+def test_the_model_can_come_from_the_environment(monkeypatch, capsys, tmp_path):
+    from server.cli import main
+
+    monkeypatch.setenv("PROXRL_MODEL", str(tmp_path / "absent"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(["serve", "--port", str(free_port())])
+    assert stop.value.code == 2  # the start-up check read the variable's directory
+    assert f"--model {tmp_path / 'absent'}: no such directory" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()
