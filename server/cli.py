@@ -387,19 +387,18 @@ def run_command(args: list[str]) -> None:
 
 
 def invalid_line(loc: tuple[int | str, ...], kind: str, message: str) -> str:
-    """One line for a value pydantic refused: a required flag that is missing names the flag and
-    its environment variable, which `--help` also lists."""
-    if kind == "missing" and len(loc) == 2:
-        command, field = str(loc[0]), str(loc[1])
-        flag = "--" + field.replace("_", "-")
-        command_class = next(
-            c for c in get_args(Proxrl.model_fields[command].annotation) if c is not type(None)
-        )
-        prefix = command_class.model_config.get("env_prefix", "")
-        env = f"{prefix}{field.upper()}"
-        return f"proxrl {command}: {flag} is required (or set {env})"
-    where = ".".join(str(p) for p in loc)
-    return f"proxrl: invalid {where}: {message}"
+    """One line for a value pydantic refused: a required flag that is missing names the flag and,
+    for the commands that read the environment, its variable (which `--help` also lists)."""
+    if kind != "missing" or len(loc) < 2:
+        return f"proxrl: invalid {'.'.join(str(p) for p in loc)}: {message}"
+    command: Any = Proxrl
+    for name in loc[:-1]:
+        annotation = command.model_fields[str(name)].annotation
+        command = next(c for c in get_args(annotation) if c is not type(None))
+    field = str(loc[-1])
+    line = f"proxrl {' '.join(str(p) for p in loc[:-1])}: --{field.replace('_', '-')} is required"
+    prefix = command.model_config.get("env_prefix") if issubclass(command, BaseSettings) else None
+    return f"{line} (or set {prefix}{field.upper()})" if prefix else line
 
 
 if __name__ == "__main__":

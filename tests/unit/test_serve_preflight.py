@@ -111,3 +111,12 @@ def test_the_model_can_come_from_the_environment(monkeypatch, capsys, tmp_path):
     assert stop.value.code == 2  # the start-up check read the variable's directory
     assert f"--model {tmp_path / 'absent'}: no such directory" in capsys.readouterr().err
     assert not (tmp_path / "data").exists()
+
+
+def test_a_missing_flag_of_a_nested_command_is_named(capsys):
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["db", "upgrade"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == "proxrl db upgrade: --db is required\n"
