@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 LOCK := requirements/lock.txt
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# mkdocs-material prints a banner about MkDocs 2.0 on every build; the docs build on MkDocs 1.6.
+export NO_MKDOCS_2_WARNING := 1
 
 .PHONY: venv system-deps test test-slow test-fast lint hooks format bench demo clean
 
