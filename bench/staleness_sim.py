@@ -73,7 +73,7 @@ from server.store.run_config import RunConfig  # noqa: E402
 from server.store.sessions import CLAIMED, CONSUMED, DROPPED, OPEN, TRAINABLE  # noqa: E402
 from trainer.advantages import RunningBaseline  # noqa: E402
 from trainer.config import AlgorithmConfig  # noqa: E402
-from trainer.rollouts import STALE, Batch, Rules, build_batch  # noqa: E402
+from trainer.rollouts import Batch, Rules, build_batch  # noqa: E402
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)  # simulated second 0, for the store's datetimes
 RESULTS = ROOT / "bench" / "results"
@@ -152,6 +152,13 @@ class Cell:
     restart_every: int = 0  # a trainer crash after every N-th step (0: none)
     restart_s: float = 60.0  # a restart's downtime
     workload: Workload = field(default_factory=Workload)
+
+    def __post_init__(self) -> None:
+        if self.restart_every and self.restart_every <= self.checkpoint_every:
+            raise ValueError(
+                f"restart_every ({self.restart_every}) must exceed checkpoint_every "
+                f"({self.checkpoint_every}): a crash before every checkpoint never gets on"
+            )
 
 
 @dataclass
@@ -595,8 +602,9 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
     ]
 
 
-def run_grid(cells: list[Cell], out=sys.stdout) -> dict[tuple[str, int, int], list[Result]]:
+def run_grid(cells: list[Cell], out: Any = None) -> dict[tuple[str, int, int], list[Result]]:
     grid: dict[tuple[str, int, int], list[Result]] = {}
+    out = out or sys.stdout
     started = time.monotonic()
     for i, cell in enumerate(cells, 1):
         result = simulate(cell)
@@ -620,12 +628,12 @@ def report(grid: dict[tuple[str, int, int], list[Result]], args: argparse.Namesp
     lines = [
         "# Staleness simulator: what today's admission, claims and staleness rule train",
         "",
-        f"`bench/staleness_sim.py` (`{' '.join(sys.argv[1:]) or 'defaults'}`): batch "
+        f"`bench/staleness_sim.py` (`{' '.join(args.argv) or 'defaults'}`): batch "
         f"{args.batch_size}, {args.steps} steps of {args.step_s:g} s, {args.seeds} seed(s); "
-        f"turns per session lognormal (median {w.turns_median:g}, σ {w.turns_sigma:g}, "
+        f"turns per session lognormal (median {w.turns_median:g}, sigma {w.turns_sigma:g}, "
         f"clipped {w.turns_min}-{w.turns_max}), {w.gen_s:g} s of generation per turn "
         f"({w.tokens_per_s:g} tokens/s), a tool call after each turn but the last (lognormal, "
-        f"median {w.tool_s:g} s, σ {w.tool_sigma:g}); agents always want more sessions"
+        f"median {w.tool_s:g} s, sigma {w.tool_sigma:g}); agents always want more sessions"
         + (f" (at most {w.max_open} open)" if w.max_open else "")
         + ".",
         "",
@@ -709,6 +717,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--no-write", action="store_true", help="print the table only")
     args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    if args.restart_every and args.restart_every <= args.checkpoint_every:
+        p.error("--restart-every must exceed --checkpoint-every (else no step is ever kept)")
     unknown = [x for x in args.policies if x not in POLICIES]
     if unknown:
         p.error(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")

@@ -1,0 +1,276 @@
+"""The staleness simulator (bench/staleness_sim.py): its books balance, it is deterministic, it
+keeps the bound where the bound holds, and the two parts it models rather than imports (the
+admission count and the single trainer's claim, both SQL) agree with the real store on random
+inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import random
+import re
+import sys
+import tempfile
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from server.store import claims, database
+from server.store import sessions as store
+from server.store.groups import GroupRule
+from server.store.tables import Base, Run, Session, utcnow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_bench(name: str):
+    """A bench script as a module (bench/ is no package, and on sys.path its trainer.py
+    would shadow ours)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+sim = _load_bench("staleness_sim")
+
+SMALL = dict(batch_size=8, steps=30, step_s=10.0)
+
+
+def cell(**changes) -> sim.Cell:
+    return sim.Cell(**{**SMALL, **changes})
+
+
+# --- the books ------------------------------------------------------------------------------
+
+
+def test_events_are_processed_in_time_order():
+    result = sim.simulate(
+        cell(group_size=4, eta=1, restart_every=7, checkpoint_every=4), keep_events=True
+    )
+    assert len(result.events) > 100
+    assert all(a <= b for a, b in zip(result.events, result.events[1:], strict=False))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(group_size=1, eta=0),
+        dict(group_size=1, eta=2),
+        dict(group_size=4, eta=1),
+        dict(group_size=8, eta=4, group_timeout_s=30.0),
+        dict(group_size=4, eta=1, restart_every=7, checkpoint_every=5),
+        dict(group_size=4, eta=1, policy="current-drop"),
+    ],
+)
+def test_every_judged_token_is_trained_masked_or_dropped_exactly(changes):
+    result = sim.simulate(cell(**changes))
+    t = result.totals()
+    assert t["sessions_judged"] > 0
+    assert t["trained"] + t["masked"] + t["dropped_tokens"] == t["sampled"]
+    assert sum(result.staleness.values()) == t["trained"]  # one staleness per trained token
+    for judged in result.judged.values():
+        assert judged.sampled == judged.trained + judged.masked + (
+            judged.sampled if judged.dropped_reason else 0
+        )
+        assert (judged.dropped_reason is None) == (judged.trained > 0)
+
+
+def test_trained_tokens_never_lag_more_than_eta():
+    for eta in (0, 1, 3):
+        result = sim.simulate(cell(group_size=4, eta=eta, restart_every=9, checkpoint_every=4))
+        assert max(result.staleness, default=0) <= eta
+
+
+def test_a_seed_gives_the_same_run_and_another_seed_another():
+    a, b = sim.simulate(cell(group_size=4, eta=2)), sim.simulate(cell(group_size=4, eta=2))
+    assert a.totals() == b.totals() and a.backlog == b.backlog
+    assert sim.simulate(cell(group_size=4, eta=2, seed=1)).totals() != a.totals()
+
+
+def test_single_turn_sessions_lose_almost_nothing():
+    """AReaL's bound was made for single-turn rollouts: there it keeps every token fresh."""
+    one_turn = sim.Workload(turns_median=1, turns_min=1, turns_max=1, tool_sigma=0)
+    for group in (1, 4):
+        for eta in (1, 4):
+            t = sim.simulate(cell(group_size=group, eta=eta, workload=one_turn)).totals()
+            assert t["trained_share"] >= 0.99, (group, eta, t)
+            assert t["sessions_dropped"] == 0
+
+
+def test_sessions_are_admitted_up_to_the_bound_and_no_further():
+    run = sim.Run(cell(group_size=1, eta=2))
+    run.admit()
+    assert run.admitted == len(run.sessions) == (2 + 0 + 1) * 8
+    run.admit()
+    assert len(run.sessions) == 24
+
+
+def test_the_bound_leaks_what_the_trainer_drops(monkeypatch):
+    """A step that drops 6 of its 8 sessions still publishes, and the drops leave the
+    admission count at once: admitted-but-untrained goes 16 -> 22 -> 28 (batch 8, eta 1), as
+    measured with the store's own functions."""
+
+    def drop_six(sessions, rules, baseline):
+        batch = sim.build_batch(sessions, rules, baseline)
+        for data in sessions[:6]:
+            batch.dropped[data["session_id"]] = "test: dropped"
+        batch.samples = [s for s in batch.samples if s.session_id not in batch.dropped]
+        return batch
+
+    leaky = dataclasses.replace(sim.POLICIES["current"], judge=drop_six)
+    monkeypatch.setitem(sim.POLICIES, "drops-six", leaky)
+    one_turn = sim.Workload(turns_median=1, turns_min=1, turns_max=1, tool_sigma=0)
+    result = sim.simulate(cell(policy="drops-six", eta=1, steps=2, workload=one_turn))
+    assert [b for _, _, b in result.backlog] == [22, 28]
+
+
+# --- the modelled parts against the real store ------------------------------------------------
+
+
+async def _store(tmp: str):
+    engine = database.connect(f"sqlite:///{tmp}/sim.db")
+    async with engine.begin() as conn:
+        await conn.run_sync(Base.metadata.create_all)
+    maker = database.sessionmaker(engine)
+    async with maker() as db, db.begin():
+        db.add(Run(id="run", name="sim", model="m", config={}, api_key_hash="run-key"))
+    return engine, maker
+
+
+STATUSES = st.sampled_from(store.STATUSES)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(STATUSES, st.booleans()), max_size=30))
+def test_the_admission_count_is_the_stores(sessions):
+    """counts_toward_admission against server/store/sessions.py admitted_count."""
+
+    async def count() -> int:
+        with tempfile.TemporaryDirectory() as tmp:
+            engine, maker = await _store(tmp)
+            try:
+                async with maker() as db, db.begin():
+                    for i, (status, is_eval) in enumerate(sessions):
+                        db.add(
+                            Session(
+                                id=f"s{i}",
+                                run_id="run",
+                                api_key_hash=f"k{i}",
+                                status=status,
+                                eval=is_eval,
+                            )
+                        )
+                async with maker() as db:
+                    return await store.admitted_count(db, "run")
+            finally:
+                await engine.dispose()
+
+    modelled = sum(sim.counts_toward_admission(s) for s, is_eval in sessions if not is_eval)
+    assert asyncio.run(count()) == modelled
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    group_size=st.sampled_from([1, 2, 4]),
+    max_sessions=st.integers(1, 12),
+    trainable=st.lists(
+        st.tuples(st.integers(0, 5), st.sampled_from([5.0, 50.0, 500.0])), max_size=20
+    ),
+)
+def test_one_trainers_claim_is_the_stores(group_size, max_sessions, trainable):
+    """Run.claim_once against server/store/claims.py claim: the same sessions claimed, the
+    same dropped with the same reasons (ages keep clear of the 100 s group timeout)."""
+    rule = GroupRule(group_size, 100.0, "drop")
+    now = utcnow()
+    rows = [
+        (f"s{i:03d}", f"task-{task}", now - timedelta(seconds=age))
+        for i, (task, age) in enumerate(trainable)
+    ]
+
+    async def real() -> tuple[set[str], dict[str, str]]:
+        with tempfile.TemporaryDirectory() as tmp:
+            engine, maker = await _store(tmp)
+            try:
+                async with maker() as db, db.begin():
+                    for sid, task, at in rows:
+                        db.add(
+                            Session(
+                                id=sid,
+                                run_id="run",
+                                api_key_hash=sid,
+                                status=store.TRAINABLE,
+                                task_id=task,
+                                turn_count=1,
+                                trainable_at=at,
+                            )
+                        )
+                async with maker() as db, db.begin():
+                    got = await claims.claim(db, "run", max_sessions, 300.0, rule)
+                async with maker() as db:
+                    found = await db.execute(
+                        Session.__table__.select().where(Session.status == store.DROPPED)
+                    )
+                    dropped = {r.id: r.drop_reason for r in found}
+                return {s.session_id for s in got.sessions}, dropped
+            finally:
+                await engine.dispose()
+
+    run = sim.Run(cell(group_size=group_size, group_timeout_s=100.0))
+    run.rule = rule
+    run.now = (now - sim.EPOCH).total_seconds()
+    for sid, task, at in rows:
+        session = sim.SimSession(sid, task, [(1.0, 0.0, 1)], 0.0, status=store.TRAINABLE)
+        session.candidate = sim.Candidate(sid, None, task, at)
+        run.sessions[sid] = session
+        run.trainable[sid] = session
+    chosen = set(run.claim_once(max_sessions))
+    dropped = {sid: j.dropped_reason for sid, j in run.judged.items()}
+    real_chosen, real_dropped = asyncio.run(real())
+    assert chosen == real_chosen
+
+    # the reason names how long the group waited: the two clocks differ by milliseconds
+    def waited(reasons: dict[str, str]) -> dict[str, str]:
+        return {sid: re.sub(r"after [0-9.]+ s", "after _ s", r) for sid, r in reasons.items()}
+
+    assert waited(dropped) == waited(real_dropped)
+
+
+def test_grid_cli_writes_nothing_with_no_write(tmp_path, capsys):
+    assert (
+        sim.main(
+            [
+                "--groups",
+                "1",
+                "--etas",
+                "1",
+                "--seeds",
+                "1",
+                "--steps",
+                "5",
+                "--batch-size",
+                "4",
+                "--results-dir",
+                str(tmp_path),
+                "--no-write",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "| current | 1 | 1 |" in out and "[1/1]" in out
+    assert not list(tmp_path.iterdir())
+
+
+def test_reasons_are_the_trainers_codes():
+    t = sim.simulate(cell(group_size=4, eta=1)).totals()
+    assert set(t["drop_reasons"]) <= {"no_trainable_tokens", "incomplete_group", "stale"}
+    assert Counter(t["drop_reasons"]).total() == t["sessions_dropped"]
+    random.seed(0)  # nothing in the simulator reads the global generator
+    assert sim.simulate(cell(group_size=4, eta=1)).totals() == t
