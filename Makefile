@@ -111,6 +111,7 @@ bench: venv
 	$(PY) bench/export.py
 	$(PY) bench/async_vs_sync.py
 	$(PY) bench/staleness_ablation.py
+	$(PY) bench/staleness_sim.py
 
 demo: venv
 	$(VENV)/bin/proxrl demo
