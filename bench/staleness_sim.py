@@ -640,8 +640,8 @@ def report(grid: dict[tuple[str, int, int], list[Result]], args: argparse.Namesp
         "Trained %: tokens trained of the tokens the trainer judged (the rest were masked "
         "stale or in dropped sessions); staleness of trained tokens in updates; turns: mean "
         "turns of trained sessions against all judged ones; backlog: sessions admitted (not "
-        "dropped) and not trained, after the last step, against the bound's (η+1)·B. Mean over "
-        "seeds (min-max).",
+        "dropped) and not trained, after the last step (its largest), against the bound's "
+        "(η+1)·B. Mean over seeds (min-max); why dropped: sessions, summed over seeds.",
         "",
         HEADER,
         "|" + "---|" * 10,
