@@ -24,7 +24,7 @@ Modelled, because they are SQL or I/O rather than functions (each held to the re
 - the admission count, ``server/store/sessions.py`` ``admitted_count`` (line 103): the run's
   sessions not ``dropped`` (consumed ones count; eval sessions are not simulated). Here:
   :func:`counts_toward_admission`, checked against the SQL on a real SQLite store;
-- the claim, ``server/store/claims.py`` ``claim`` (line 73): with one trainer every planned
+- the claim, ``server/store/claims.py`` ``claim`` (line 74): with one trainer every planned
   session is locked, so ``_whole_groups`` is one ``plan_claim``; no session lacks turns and no
   lease lapses, so ``_drop_without_turns`` and ``_return_lapsed`` do nothing. Here:
   :meth:`Run.claim_once`, checked against ``claims.claim`` on a real SQLite store;
