@@ -1,4 +1,5 @@
-"""SQLAlchemy tables of the trajectory store. Alembic migrations in migrations/ create them."""
+"""SQLAlchemy tables of the trajectory store. The Alembic migrations beside them (migrations/)
+create them."""
 
 from __future__ import annotations
 

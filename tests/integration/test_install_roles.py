@@ -192,11 +192,6 @@ print(json.dumps({"reward": reward, "status": detail["status"]}))
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the wheel lacks migrations/ (server/store/database.py reads it beside the packages), "
-    "so an installed `proxrl serve` stops at its store's upgrade; remove once it is packaged",
-)
 def test_the_roles_serve_together(envs, work):
     tmp_path = work / "serving"
     tmp_path.mkdir()
