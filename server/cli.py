@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, get_args
+from typing import Any, Literal, NoReturn, get_args
 
 # The extra (pyproject.toml) that brings each subcommand's packages, and the optional packages
 # a command loads only when asked; tests/unit/test_extras.py holds both to the extras.
@@ -47,9 +47,6 @@ try:
     from server.settings import ServerSettings
 except ModuleNotFoundError as exc:  # an install without the serve extra: no command can parse
     missing_extra(exc, next((arg for arg in sys.argv[1:] if arg in COMMAND_EXTRAS), "serve"))
-
-if TYPE_CHECKING:
-    from rich.progress import Progress
 
 
 class ModelInit(BaseModel):
@@ -265,6 +262,7 @@ class ExportCommand(BaseModel):
     def cli_cmd(self) -> None:
         import asyncio
 
+        from server.common.progress import progress_bar
         from server.errors import ProxrlError, RunNotFound
         from server.export.writers import FORMATS
         from server.rl.export import chosen_sessions, export_file
@@ -280,7 +278,7 @@ class ExportCommand(BaseModel):
                 f"proxrl export: the store is {mismatch}: run `proxrl db upgrade --db URL` (or "
                 "start this proxrl's server on it) first"
             )
-        with export_progress() as progress:
+        with progress_bar("exporting {task.description}", "sessions") as progress:
             task = progress.add_task(self.run, total=None)
             try:
                 written = asyncio.run(
@@ -302,37 +300,6 @@ class ExportCommand(BaseModel):
             except OSError as exc:  # the file could not be written (a full disk, no access)
                 raise SystemExit(f"proxrl export: {self.out}: {exc.strerror or exc}") from None
         print(f"wrote {written} session(s) to {self.out}", file=sys.stderr)
-
-
-def export_progress() -> Progress:
-    """A progress bar on stderr: sessions written of all, their rate, time spent and left."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        ProgressColumn,
-        Task,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    from rich.text import Text
-
-    class Rate(ProgressColumn):
-        def render(self, task: Task) -> Text:
-            return Text(f"{task.speed or 0:,.0f} sessions/s")
-
-    return Progress(
-        TextColumn("exporting {task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        Rate(),
-        TimeElapsedColumn(),
-        TextColumn("left"),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-    )
 
 
 class Proxrl(

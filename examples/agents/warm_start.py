@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import arithmetic
 
 if TYPE_CHECKING:
-    from rich.progress import Progress, TaskID
+    from rich.progress import TaskID
 
 # The warm-up stops part-way: 180 steps leave the tiny model partly right (it samples the right
 # sum about 0.4 of the time at temperature 1 and 0.55 greedily, measured on 400 problems).
@@ -25,12 +25,15 @@ WARMUP_EXAMPLES = 4000
 def warm_model(cache: Path, seed: int, *, progress: bool = True) -> Path:
     """The tiny model after the warm-up on the task (cached under ``cache``), with a progress
     bar on stderr while it trains unless ``progress`` is False."""
+    from server.common.progress import progress_bar
     from trainer.warmup import cached_warm_start
 
     examples = arithmetic.warmup_examples(WARMUP_EXAMPLES, seed=1000 + seed)
     if not progress:
         return cached_warm_start(cache, examples, seed=seed, threads=2, **WARMUP)
-    bar = warmup_progress()
+    bar = progress_bar(
+        "{task.description}", "steps", "loss {task.fields[loss]:.3f}", rate_format=".1f"
+    )
     tasks: list[TaskID] = []  # the bar starts at the first step: a cached model shows none
 
     def on_step(done: int, steps: int, loss: float) -> None:
@@ -44,36 +47,3 @@ def warm_model(cache: Path, seed: int, *, progress: bool = True) -> Path:
     finally:
         if tasks:
             bar.stop()
-
-
-def warmup_progress() -> Progress:
-    """A bar on stderr: warm-up steps done of all, the loss, steps/s, time spent and left (rich
-    estimates the rate from the recent steps)."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        ProgressColumn,
-        Task,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    from rich.text import Text
-
-    class Rate(ProgressColumn):
-        def render(self, task: Task) -> Text:
-            return Text(f"{task.speed or 0:.1f} steps/s")
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.3f}"),
-        Rate(),
-        TimeElapsedColumn(),
-        TextColumn("left"),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-    )
