@@ -124,6 +124,7 @@ class Knobs(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KNOB_")
     dial: int = Field(3, ge=1, description="A dial, <at least 1>.")
     name: str | None = Field(None, description="A name.")
+    size: int = Field(description="A size, required.")
 
 
 class Root(BaseSettings, cli_prog_name="prog", cli_kebab_case=True, cli_implicit_flags=True):
@@ -133,12 +134,19 @@ class Root(BaseSettings, cli_prog_name="prog", cli_kebab_case=True, cli_implicit
 def test_a_flag_of_a_settings_class_shows_with_its_type_default_variable_and_help():
     (command,) = cli.commands(Root)
     assert command.prog == "prog knobs"
-    dial, name = command.flags
+    dial, name, size = command.flags
     assert (dial.names, dial.type, dial.default, dial.env) == ("--dial", "int", "`3`", "KNOB_DIAL")
     assert dial.help == "A dial, <at least 1>."
-    assert (name.type, name.default) == ("str or null", "`null`")
+    assert (name.type, name.default, name.required) == ("str or null", "`null`", False)
+    assert (size.required, size.default) == (True, "")  # the field's, not argparse's
     page = cli.render([command])
     assert "| `--dial` | int | `3` | `KNOB_DIAL` | A dial, &lt;at least 1&gt;. |" in page
+    assert "| `--size` | int | *required* | `KNOB_SIZE` | A size, required. |" in page
+
+
+def test_no_page_shows_an_undefined_default(made):
+    for name, text in made.items():
+        assert "PydanticUndefined" not in text, name
 
 
 def test_an_argument_added_to_a_handed_over_parser_shows():

@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, CliSettingsSource
 
 from server.cli import DEMO_SCRIPT, Proxrl
+from server.settings import env_name
 from tools.docs_reference import markdown as md
 from trainer import cli as trainer_cli
 
@@ -118,10 +119,10 @@ def _settings_flag(
     action: argparse.Action, model: type[BaseModel], field: FieldInfo, name: str
 ) -> Flag:
     positional = not action.option_strings
-    required = positional or action.required
-    env = None
-    if issubclass(model, BaseSettings):
-        env = (model.model_config.get("env_prefix") or "") + name.upper()
+    # The field's, not argparse's: the parser leaves every flag optional so that a variable
+    # (PROXRL_MODEL) can give what a flag does not.
+    required = field.is_required()
+    env = env_name(model, name) if issubclass(model, BaseSettings) else None
     return Flag(
         names=str(action.metavar) if positional else ", ".join(action.option_strings),
         type=md.type_name(field.annotation),
