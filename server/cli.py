@@ -44,7 +44,7 @@ try:
 
     from server.engine.settings import EngineSettings
     from server.export.options import SINCE_HELP, STATUS_HELP, ExportFormat, ExportStatus, Since
-    from server.settings import ServerSettings
+    from server.settings import ServerSettings, env_name
 except ModuleNotFoundError as exc:  # an install without the serve extra: no command can parse
     missing_extra(exc, next((arg for arg in sys.argv[1:] if arg in COMMAND_EXTRAS), "serve"))
 
@@ -116,9 +116,8 @@ class ModelCommands(BaseModel):
 def env_in_help(command: type[BaseSettings]) -> type[BaseSettings]:
     """Name each flag's environment variable in its help (``--port`` reads ``PROXRL_PORT``):
     the command's own copies of the fields, so the settings class itself stays as it is."""
-    prefix = command.model_config.get("env_prefix", "")
     for name, field in command.model_fields.items():
-        field.description = f"{field.description} [env {prefix}{name.upper()}]"
+        field.description = f"{field.description} [env {env_name(command, name)}]"
     return command
 
 
@@ -364,8 +363,9 @@ def invalid_line(loc: tuple[int | str, ...], kind: str, message: str) -> str:
         command = next(c for c in get_args(annotation) if c is not type(None))
     field = str(loc[-1])
     line = f"proxrl {' '.join(str(p) for p in loc[:-1])}: --{field.replace('_', '-')} is required"
-    prefix = command.model_config.get("env_prefix") if issubclass(command, BaseSettings) else None
-    return f"{line} (or set {prefix}{field.upper()})" if prefix else line
+    if not issubclass(command, BaseSettings):  # reads no environment
+        return line
+    return f"{line} (or set {env_name(command, field)})"
 
 
 if __name__ == "__main__":

@@ -13,6 +13,12 @@ from server.common import admin_keys
 from server.store.database import default_url
 
 
+def env_name(settings: type[BaseSettings], field: str) -> str:
+    """The environment variable that sets ``field`` of ``settings``: its ``env_prefix`` + the
+    field's name in capitals (``PROXRL_`` + ``port``: ``PROXRL_PORT``)."""
+    return (settings.model_config.get("env_prefix") or "") + field.upper()
+
+
 class ServerSettings(BaseSettings):
     """Serve a model through OpenAI's API, record every token, take rewards, publish weights."""
 

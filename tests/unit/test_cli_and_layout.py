@@ -67,6 +67,18 @@ def test_help_names_each_flags_environment_variable(command, settings):
         assert f"[env {prefix}{field.upper()}]" in entry, entry
 
 
+@pytest.mark.parametrize(
+    ("settings", "field", "variable"),
+    [(ServerSettings, "port", "PROXRL_PORT"), (EngineSettings, "port", "PROXRL_ENGINE_PORT")],
+)
+def test_env_name_is_the_variable_pydantic_settings_reads(monkeypatch, settings, field, variable):
+    from server.settings import env_name
+
+    assert env_name(settings, field) == variable
+    monkeypatch.setenv(variable, "4321")
+    assert getattr(settings(model="m"), field) == 4321
+
+
 def test_invalid_flags_name_the_field():
     out = run("engine", "--model", "m", "--max-running-requests", "0")
     assert out.returncode == 2

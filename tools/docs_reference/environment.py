@@ -21,7 +21,7 @@ from pydantic_settings import BaseSettings
 
 from client_sdk._base import DEFAULT_BASE_URL
 from server.engine.settings import EngineSettings
-from server.settings import ServerSettings
+from server.settings import ServerSettings, env_name
 from tools.docs_reference import markdown as md
 from trainer.failpoints import POINTS
 
@@ -142,13 +142,12 @@ def _is_environ(node: ast.expr, method: str | None = None) -> bool:
 
 
 def settings_rows(settings: type[BaseSettings]) -> list[list[str]]:
-    prefix = settings.model_config.get("env_prefix") or ""
     rows = []
     for name, field in settings.model_fields.items():
         required = field.is_required()
         rows.append(
             [
-                md.code(prefix + name.upper()),
+                md.code(env_name(settings, name)),
                 md.code("--" + name.replace("_", "-")),
                 md.type_name(field.annotation),
                 "*required*" if required else md.value(field.get_default()),
@@ -212,8 +211,7 @@ def render(found: dict[str, list[str]], other: dict[str, Variable]) -> str:
 
 
 def _names(settings: type[BaseSettings]) -> set[str]:
-    prefix = settings.model_config.get("env_prefix") or ""
-    return {prefix + name.upper() for name in settings.model_fields}
+    return {env_name(settings, name) for name in settings.model_fields}
 
 
 def _shared() -> list[str]:
