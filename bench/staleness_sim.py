@@ -40,9 +40,10 @@ admission's wait-then-429 (a waiting session is admitted the moment there is roo
 first served), reward latency, idle and reward deadlines, and what the update learns.
 
 The rules are an entry of ``POLICIES``: ``current`` is today's code; a new design is another
-entry, compared in the same run (``--policies current,other``).
+entry, compared in the same run (``--policies current,other``). The table and the plot are
+``bench/staleness_sim_report.py``'s.
 
-    python bench/staleness_sim.py                       # the default grid, a few minutes
+    python bench/staleness_sim.py                       # the default grid, about a minute
     python bench/staleness_sim.py --groups 4 --etas 1 --seeds 1 --steps 60   # one small cell
 """
 
@@ -67,8 +68,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.staleness_sim_report import plot, report  # noqa: E402
 from server.rl.admission import admits  # noqa: E402
-from server.store.groups import Candidate, GroupRule, plan_claim  # noqa: E402
+from server.rl.claims import group_rule  # noqa: E402
+from server.store.groups import Candidate, plan_claim  # noqa: E402
 from server.store.run_config import RunConfig  # noqa: E402
 from server.store.sessions import CLAIMED, CONSUMED, DROPPED, OPEN, TRAINABLE  # noqa: E402
 from trainer.advantages import RunningBaseline  # noqa: E402
@@ -259,7 +262,7 @@ class Run:
             group_size=cell.group_size,
             group_timeout_s=cell.group_timeout_s,
         )
-        self.rule = GroupRule(cell.group_size, cell.group_timeout_s, "train")
+        self.rule = group_rule(self.config, None)  # as POST /rl/claims builds it
         algorithm = AlgorithmConfig(stale=self.policy.stale)  # type: ignore[arg-type]
         self.algorithm = dataclasses.replace(
             algorithm, temperature=1.0, off_temperature="mask", group_size=cell.group_size
@@ -360,7 +363,7 @@ class Run:
         self.trainable[session.sid] = session
         self.admit()
 
-    def drop(self, sid: str, reason: str) -> None:
+    def drop(self, sid: str) -> None:
         session = self.sessions[sid]
         self.set_status(session, DROPPED)
         self.trainable.pop(sid, None)
@@ -372,7 +375,7 @@ class Run:
         plan = self.policy.plan(candidates, self.rule, max_sessions, now)
         for group, reason in plan.drop:
             for sid in group.session_ids:
-                self.drop(sid, reason)
+                self.drop(sid)
                 self.settle(sid, reason)
         chosen = [sid for group in plan.claim for sid in group.session_ids]
         for sid in chosen:
@@ -435,8 +438,8 @@ class Run:
         batch = self.policy.judge(
             [self.rows(self.sessions[sid]) for sid in claimed], rules, self.baseline
         )
-        for sid, reason in batch.dropped.items():  # Trainer.drop: told to the server at once
-            self.drop(sid, reason)
+        for sid in batch.dropped:  # Trainer.drop: told to the server at once
+            self.drop(sid)
         trained = Counter(s.session_id for s in batch.samples for _ in range(s.loss_tokens))
         for sid in claimed:
             session = self.sessions[sid]
@@ -525,48 +528,7 @@ def simulate(cell: Cell, keep_events: bool = False) -> Result:
     return Run(cell, keep_events).run()
 
 
-# --- the grid and its report ----------------------------------------------------------------
-
-
-def summarize(results: list[Result]) -> dict[str, Any]:
-    """A cell's figures over its seeds: mean, min and max of each."""
-    totals = [r.totals() for r in results]
-    out: dict[str, Any] = {}
-    for key, value in totals[0].items():
-        if isinstance(value, int | float):
-            values = [t[key] for t in totals]
-            out[key] = (statistics.fmean(values), min(values), max(values))
-    reasons: Counter[str] = Counter()
-    for t in totals:
-        reasons.update(t["drop_reasons"])
-    out["drop_reasons"] = dict(reasons)
-    return out
-
-
-def fmt_range(value: tuple[float, float, float], spec: str, scale: float = 1.0) -> str:
-    mean, low, high = (v * scale for v in value)
-    if f"{low:{spec}}" == f"{high:{spec}}":
-        return f"{mean:{spec}}"
-    return f"{mean:{spec}} ({low:{spec}}-{high:{spec}})"
-
-
-HEADER = (
-    "| policy | group | η | trained % | sessions dropped % | why dropped | staleness mean / p99 / "
-    "max | turns kept / sampled | backlog end (max) / (η+1)·B | trained tok/s |"
-)
-
-
-def table_row(policy: str, group: int, eta: int, batch: int, s: dict[str, Any]) -> str:
-    reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["drop_reasons"].items())) or "-"
-    return (
-        f"| {policy} | {group} | {eta} | {fmt_range(s['trained_share'], '.0f', 100)} "
-        f"| {fmt_range(s['dropped_share'], '.0f', 100)} | {reasons} "
-        f"| {s['staleness_mean'][0]:.2f} / {s['staleness_p99'][0]:.1f} / "
-        f"{s['staleness_max'][2]:.0f} "
-        f"| {s['turns_kept'][0]:.1f} / {s['turns_sampled'][0]:.1f} "
-        f"| {s['backlog_end'][0]:.0f} ({s['backlog_max'][2]:.0f}) / {(eta + 1) * batch} "
-        f"| {s['trained_tokens_per_s'][0]:.1f} |"
-    )
+# --- the grid ------------------------------------------------------------------------------
 
 
 def cells_of(args: argparse.Namespace) -> list[Cell]:
@@ -623,70 +585,6 @@ def run_grid(cells: list[Cell], out: Any = None) -> dict[tuple[str, int, int], l
     return grid
 
 
-def report(grid: dict[tuple[str, int, int], list[Result]], args: argparse.Namespace) -> str:
-    w = cells_of(args)[0].workload
-    lines = [
-        "# Staleness simulator: what today's admission, claims and staleness rule train",
-        "",
-        f"`bench/staleness_sim.py` (`{' '.join(args.argv) or 'defaults'}`): batch "
-        f"{args.batch_size}, {args.steps} steps of {args.step_s:g} s, {args.seeds} seed(s); "
-        f"turns per session lognormal (median {w.turns_median:g}, sigma {w.turns_sigma:g}, "
-        f"clipped {w.turns_min}-{w.turns_max}), {w.gen_s:g} s of generation per turn "
-        f"({w.tokens_per_s:g} tokens/s), a tool call after each turn but the last (lognormal, "
-        f"median {w.tool_s:g} s, sigma {w.tool_sigma:g}); agents always want more sessions"
-        + (f" (at most {w.max_open} open)" if w.max_open else "")
-        + ".",
-        "",
-        "Trained %: tokens trained of the tokens the trainer judged (the rest were masked "
-        "stale or in dropped sessions); staleness of trained tokens in updates; turns: mean "
-        "turns of trained sessions against all judged ones; backlog: sessions admitted (not "
-        "dropped) and not trained, after the last step (its largest), against the bound's "
-        "(η+1)·B. Mean over seeds (min-max); why dropped: sessions, summed over seeds.",
-        "",
-        HEADER,
-        "|" + "---|" * 10,
-    ]
-    for (policy, group, eta), results in grid.items():
-        lines.append(table_row(policy, group, eta, args.batch_size, summarize(results)))
-    return "\n".join(lines) + "\n"
-
-
-def plot(grid: dict[tuple[str, int, int], list[Result]], args: argparse.Namespace, path: Path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (share, backlog) = plt.subplots(1, 2, figsize=(12, 4.5))
-    policies = sorted({p for p, _, _ in grid})
-    for policy in policies:
-        for group in args.groups:
-            etas = [e for e in args.etas if (policy, group, e) in grid]
-            values = [100 * summarize(grid[(policy, group, e)])["trained_share"][0] for e in etas]
-            label = f"group {group}" + (f" ({policy})" if len(policies) > 1 else "")
-            share.plot(etas, values, marker="o", label=label)
-    share.set_xscale("symlog", linthresh=1)
-    share.set_xticks(args.etas, [str(e) for e in args.etas])
-    share.set(xlabel="max staleness η", ylabel="sampled tokens trained (%)", ylim=(0, 105))
-    share.set_title("Share of judged tokens trained")
-    share.legend()
-    eta = 4 if 4 in args.etas else args.etas[len(args.etas) // 2]
-    for group in args.groups:
-        key = (policies[0], group, eta)
-        if key in grid:
-            series = grid[key][0].backlog
-            backlog.plot(
-                [s for _, s, _ in series], [b for _, _, b in series], label=f"group {group}"
-            )
-    backlog.axhline((eta + 1) * args.batch_size, color="grey", ls="--", label="(η+1)·B")
-    backlog.set(xlabel="step", ylabel="sessions admitted, not trained")
-    backlog.set_title(f"Admitted-but-untrained backlog, η = {eta} (seed 0)")
-    backlog.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -718,8 +616,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-write", action="store_true", help="print the table only")
     args = p.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
-    if args.restart_every and args.restart_every <= args.checkpoint_every:
-        p.error("--restart-every must exceed --checkpoint-every (else no step is ever kept)")
+    try:  # Cell's own check, before the grid starts
+        Cell(restart_every=args.restart_every, checkpoint_every=args.checkpoint_every)
+    except ValueError as error:
+        p.error(str(error))
     unknown = [x for x in args.policies if x not in POLICIES]
     if unknown:
         p.error(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
@@ -733,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     started = time.monotonic()
     grid = run_grid(cells_of(args))
-    text = report(grid, args)
+    text = report(grid, args, cells_of(args)[0].workload)
     print(text)
     print(f"{len(grid)} cells x {args.seeds} seeds in {time.monotonic() - started:.0f}s")
     if not args.no_write:
