@@ -10,26 +10,21 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import re
 import tomllib
 from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from requirements import lockfile
+from requirements.lockfile import normalized
 from tests.support import ROOT
 
 LOCK = Path(os.environ.get("PROXRL_LOCK", ROOT / "requirements" / "lock.txt"))
-PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")
-
-
-def normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def pins() -> dict[str, str]:
-    lines = LOCK.read_text().splitlines()
-    return {normalized(m.group(1)): m.group(2) for m in map(PIN.match, lines) if m is not None}
+    return lockfile.pins(LOCK.read_text())
 
 
 def installed(name: str) -> str | None:
@@ -62,3 +57,21 @@ def test_the_lock_is_within_the_bounds_and_cpu_only():
     cuda = sorted(n for n in locked if n.startswith(("nvidia-", "cuda-")) or n == "triton")
     assert not cuda, f"the lock holds CUDA packages: {cuda}"
     assert "+" not in locked["torch"], "the lock pins torch without a local label"
+
+
+def test_the_header_names_the_locks_own_torch(tmp_path):
+    compiled = tmp_path / "lock.txt"
+    compiled.write_text(
+        "proxrl @ file:///somewhere/proxrl\n"
+        "torch==2.14.1+cpu          # via proxrl\n"
+        "numpy==2.4.0               # via torch\n"
+    )
+    lockfile.finish(compiled)
+    once = compiled.read_text()
+    lockfile.finish(compiled)  # finishing twice changes nothing
+    assert compiled.read_text() == once
+    assert once == lockfile.header("2.14.1") + (
+        "torch==2.14.1          # via proxrl\nnumpy==2.4.0               # via torch\n"
+    )
+    assert "`torch==2.14.1`" in once
+    assert lockfile.header(pins()["torch"]) in LOCK.read_text(), "run `make lock`"
