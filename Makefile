@@ -13,7 +13,7 @@ export NO_MKDOCS_2_WARNING := 1
 
 venv: $(STAMP)
 
-# The lock pins every package, torch included (torch==2.13.0: a CPU build on local disk), so the
+# The lock pins every package, torch included (the CPU build of its release), so the
 # venv is exactly the lock: --no-deps resolves nothing anew (nothing else, no CUDA torch, can be
 # pulled in), pip-sync removes what the lock no longer holds, pip check proves it consistent.
 $(STAMP): $(LOCK) pyproject.toml
@@ -36,6 +36,10 @@ FINISH_LOCK := $(PYTHON) requirements/lockfile.py
 # torch stays at the lock's release through `make upgrade`: PyPI's newer torch is a multi-GB CUDA
 # build. To move it, place the CPU wheel and run `make upgrade TORCH=torch==X.Y.Z`.
 TORCH = $(shell grep -Eo '^torch==[^ ]+' $(LOCK))
+# The fast suite (`make test-fast`, and `make upgrade` against its scratch venv): the pure unit
+# tests and the in-process API tier (the app over ASGI, real SQLite, the real engine in threads),
+# no process started, under a minute on two cores.
+FAST_TESTS := -m "not slow" -n 2 tests/unit tests/api
 
 .PHONY: lock upgrade
 
@@ -50,8 +54,10 @@ lock: $(LOCK_TOOLS)/bin/pip-compile
 	$(FINISH_LOCK) finish $(LOCK)
 
 # Everything to its newest release (within pyproject's bounds) in a scratch lock and venv; the
-# version diff is printed, the fast suite runs against it, and only if it passes does the new lock
-# replace the old one.
+# version diff is printed, the reference pages are regenerated with the scratch venv (a newer
+# FastAPI or pydantic may change the OpenAPI schema; `git diff --stat` shows what moved, to commit
+# with the lock), the fast suite runs against it, and only if it passes does the new lock replace
+# the old one.
 upgrade: $(LOCK_TOOLS)/bin/pip-compile
 	rm -rf $(UPGRADE_DIR) && mkdir -p $(UPGRADE_DIR)
 	$(PIP_COMPILE) --upgrade --upgrade-package '$(TORCH)' --output-file $(UPGRADE_DIR)/lock.txt \
@@ -62,8 +68,9 @@ upgrade: $(LOCK_TOOLS)/bin/pip-compile
 	$(UPGRADE_DIR)/venv/bin/pip install --quiet --no-deps -r $(UPGRADE_DIR)/lock.txt
 	$(UPGRADE_DIR)/venv/bin/pip install --quiet --no-deps -e .
 	$(UPGRADE_DIR)/venv/bin/pip check
-	PROXRL_LOCK=$(UPGRADE_DIR)/lock.txt $(UPGRADE_DIR)/venv/bin/python -m pytest -q -m "not slow" -n 2 \
-		tests/unit tests/api
+	$(UPGRADE_DIR)/venv/bin/python -m tools.docs_reference
+	git diff --stat docs/reference
+	PROXRL_LOCK=$(UPGRADE_DIR)/lock.txt $(UPGRADE_DIR)/venv/bin/python -m pytest -q $(FAST_TESTS)
 	cp $(UPGRADE_DIR)/lock.txt $(LOCK)
 	rm -rf $(UPGRADE_DIR)
 
@@ -86,10 +93,8 @@ test: venv system-deps
 test-slow: venv system-deps
 	$(PY) -m pytest -q -m slow --durations=15
 
-# The pure unit tests and the in-process API tier (the app over ASGI, real SQLite, the real
-# engine in threads): no process started, under a minute on two cores.
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow" -n 2 --durations=10 tests/unit tests/api
+	$(PY) -m pytest -q --durations=10 $(FAST_TESTS)
 
 # ruff format --check, ruff check and mypy, as .pre-commit-config.yaml defines them: the git hook
 # (`make hooks` installs it) runs the same before each commit.
