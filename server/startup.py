@@ -7,8 +7,9 @@ terminal, never logged) and the engines serve its current version, then keep app
 deadlines in the background.
 
 Before any of that, ``first_problem`` checks what would stop it once started (the model
-directory, the store's URL, the address), so ``proxrl serve`` can refuse in one line that names
-the flag before it creates a data folder, a store or an engine.
+directory, the store's URL, the data folder, the address, a connection to the store), so
+``proxrl serve`` can refuse in one line that names the flag before it creates a data folder, a
+store or an engine.
 """
 
 from __future__ import annotations
@@ -19,11 +20,15 @@ import errno
 import logging
 import os
 import socket
+import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
+from sqlalchemy.exc import DBAPIError
+
 from server.common.processes import EngineProcess, ServerProcess, wait_all
 from server.context import ServerContext
+from server.engine.settings import model_directory_problem
 from server.engine_client import sglang
 from server.engine_client.pool import EnginePool
 from server.metrics import Metrics
@@ -176,13 +181,17 @@ async def server_context(
 
 # ----- before anything is created ----------------------------------------------------------
 
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
-
 
 def first_problem(settings: ServerSettings) -> str | None:
     """The first thing that would stop the server once started, as one line that starts with
     the flag to change; None when the checks pass."""
-    checks: list[Callable[[ServerSettings], str | None]] = [model_problem, db_problem, port_problem]
+    checks: list[Callable[[ServerSettings], str | None]] = [
+        model_problem,
+        db_problem,
+        data_dir_problem,
+        port_problem,
+        store_problem,
+    ]
     for check in checks:
         problem = check(settings)
         if problem is not None:
@@ -193,48 +202,83 @@ def first_problem(settings: ServerSettings) -> str | None:
 def model_problem(settings: ServerSettings) -> str | None:
     """The proxy reads the tokenizer (``tokenizer.json``); the engines it starts itself (no
     --engines) also load ``config.json`` and the weights."""
-    flag = f"--model {settings.model}"
-    directory = Path(settings.model)
-    if not directory.exists():
-        return f"{flag}: no such directory (make a model with `proxrl model init DIR`)"
-    if not directory.is_dir():
-        return f"{flag}: not a directory; give the model's folder"
-    if not (directory / "tokenizer.json").is_file():
-        return (
-            f"{flag}: no tokenizer.json in it (the proxy needs the model's fast tokenizer; "
-            "tokenizer.save_pretrained writes it)"
-        )
-    if settings.engine_urls:  # the engines are elsewhere, with their own copy of the weights
-        return None
-    if not (directory / "config.json").is_file():
-        return f"{flag}: no config.json in it (the engines load the model from it)"
-    if not any(next(directory.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
-        return f"{flag}: no weights in it (*.safetensors or *.bin)"
-    return None
+    return model_directory_problem(settings.model, loads_weights=not settings.engine_urls)
 
 
 def db_problem(settings: ServerSettings) -> str | None:
     problem = database.url_problem(settings.database_url)
-    return None if problem is None else f"--db: {problem}"  # not the URL: it may hold a password
+    if problem is not None:
+        return f"--db: {problem}"  # not the URL: it may hold a password
+    store = database.sqlite_file(settings.database_url)
+    if settings.db is not None and store is not None:
+        return folder_problem(f"--db {settings.db}", store.parent)
+    return None
+
+
+def data_dir_problem(settings: ServerSettings) -> str | None:
+    """--data-dir holds the default store and the logs of the engines proxrl starts."""
+    if settings.db is not None and settings.engine_urls:  # nothing goes there
+        return None
+    return folder_problem(f"--data-dir {settings.data_dir}", settings.data_dir)
+
+
+def folder_problem(flag: str, folder: Path) -> str | None:
+    """Why ``folder`` cannot be made or written in (None: it can). A real probe, a folder made
+    and removed at once: permission bits say nothing for root, nor for /proc or a read-only
+    mount."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "it" if existing == folder else existing
+        return f"{flag}: {where} is not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".proxrl-probe-", dir=existing))
+    except OSError as exc:
+        return f"{flag}: cannot write in {existing} ({exc.strerror or exc})"
+    return None
+
+
+def store_problem(settings: ServerSettings) -> str | None:
+    """Connect to the store as the migration at start will; a new SQLite file is made then."""
+    url = settings.database_url
+    store = database.sqlite_file(url)
+    if store is not None and not store.exists():
+        return None
+    engine = database.connect_sync(url)
+    try:
+        with engine.connect():
+            pass
+    except DBAPIError as exc:  # the driver's reason, never the URL (it may hold a password)
+        reason = next((line for line in str(exc.orig).splitlines() if line.strip()), "")
+        return f"--db: cannot open the store: {reason.strip() or type(exc.orig).__name__}"
+    finally:
+        engine.dispose()
+    return None
 
 
 def port_problem(settings: ServerSettings) -> str | None:
-    """Bind the address as uvicorn will (SO_REUSEADDR), then let it go."""
-    where = f"{settings.host}:{settings.port}"
+    """Bind every address uvicorn will (asyncio's create_server: each address the host resolves
+    to, "" for all of them, SO_REUSEADDR, IPv6 sockets IPv6-only), then let them go."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            settings.host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
+        addresses = socket.getaddrinfo(
+            settings.host or None, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
     except socket.gaierror as exc:
         return f"--host {settings.host}: not an address this machine knows ({exc.strerror})"
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return f"--port {settings.port}: {where} is in use; choose another port"
-            if exc.errno == errno.EACCES:
-                return f"--port {settings.port}: not allowed to bind {where} (ports below 1024)"
-            return f"--host {settings.host}: cannot bind {where} ({exc.strerror or exc})"
+    for family, kind, proto, _, address in dict.fromkeys(addresses):
+        host = f"[{address[0]}]" if family == socket.AF_INET6 else address[0]
+        where = f"{host}:{settings.port}"
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return f"--port {settings.port}: {where} is in use; choose another port"
+                if exc.errno == errno.EACCES:
+                    return f"--port {settings.port}: not allowed to bind {where} (ports below 1024)"
+                return f"--host {settings.host}: cannot bind {where} ({exc.strerror or exc})"
     return None

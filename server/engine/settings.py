@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -82,3 +83,30 @@ class EngineSettings(BaseSettings):
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if device_type == "cuda" else "float32"
+
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
+
+
+def model_directory_problem(model: str, loads_weights: bool = True) -> str | None:
+    """What the model directory lacks, as one line that starts with ``--model MODEL``; None
+    when it has it. The tokenizer (``tokenizer.json``) always; ``config.json`` and the weights
+    where the model is loaded (the engine; not a proxy whose engines run elsewhere)."""
+    flag = f"--model {model}"
+    directory = Path(model)
+    if not directory.exists():
+        return f"{flag}: no such directory (make a model with `proxrl model init DIR`)"
+    if not directory.is_dir():
+        return f"{flag}: not a directory; give the model's folder"
+    if not (directory / "tokenizer.json").is_file():
+        return (
+            f"{flag}: no tokenizer.json in it (the model's fast tokenizer; "
+            "tokenizer.save_pretrained writes it)"
+        )
+    if not loads_weights:
+        return None
+    if not (directory / "config.json").is_file():
+        return f"{flag}: no config.json in it (the engines load the model from it)"
+    if not any(next(directory.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        return f"{flag}: no weights in it (*.safetensors or *.bin)"
+    return None

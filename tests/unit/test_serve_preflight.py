@@ -22,7 +22,7 @@ def model_dir(root: Path, files=MODEL_FILES) -> Path:
 
 
 def settings(model: Path | str, **flags) -> ServerSettings:
-    return ServerSettings(model=str(model), admin_key=None, **flags)
+    return ServerSettings(model=str(model), **{"admin_key": None, **flags})
 
 
 def free_port() -> int:
@@ -120,3 +120,77 @@ def test_a_missing_flag_of_a_nested_command_is_named(capsys):
         main(["db", "upgrade"])
     assert stop.value.code == 2
     assert capsys.readouterr().err == "proxrl db upgrade: --db is required\n"
+
+
+@pytest.mark.parametrize(
+    ("data_dir", "expected"),
+    [
+        ("/proc/nope", "--data-dir /proc/nope: cannot write in /proc"),
+        ("file", "--data-dir {tmp}/file: it is not a directory"),
+        ("file/sub", "--data-dir {tmp}/file/sub: {tmp}/file is not a directory"),
+    ],
+)
+def test_a_data_dir_that_cannot_be_made_or_written_names_the_flag(tmp_path, data_dir, expected):
+    (tmp_path / "file").write_text("")
+    model = model_dir(tmp_path / "m")
+    problem = first_problem(settings(model, data_dir=tmp_path / data_dir, port=free_port()))
+    assert problem is not None and problem.startswith(expected.format(tmp=tmp_path)), problem
+    assert "\n" not in problem
+
+
+def test_a_data_dir_to_be_made_passes_and_is_not_made(tmp_path):
+    model = model_dir(tmp_path / "m")
+    data_dir = tmp_path / "a" / "b"
+    assert first_problem(settings(model, data_dir=data_dir, port=free_port())) is None
+    assert not (tmp_path / "a").exists() and sorted(tmp_path.iterdir()) == [tmp_path / "m"]
+
+
+def test_an_explicit_sqlite_file_in_a_folder_that_cannot_be_made(tmp_path):
+    problem = first_problem(
+        settings(model_dir(tmp_path / "m"), db="sqlite:////proc/nope/x.db", port=free_port())
+    )
+    assert problem is not None and problem.startswith("--db sqlite:////proc/nope/x.db: "), problem
+
+
+def test_a_store_that_cannot_be_reached_names_the_flag_and_not_the_password(tmp_path):
+    url = "postgresql://proxrl:secret@127.0.0.1:1/proxrl"  # nothing listens on port 1
+    problem = first_problem(settings(model_dir(tmp_path / "m"), db=url, port=free_port()))
+    assert problem is not None and problem.startswith("--db: cannot open the store: "), problem
+    assert "secret" not in problem and "\n" not in problem
+
+
+def test_a_file_that_is_not_a_store(tmp_path):
+    (tmp_path / "junk.db").write_bytes(b"not a database, " * 64)
+    url = f"sqlite:///{tmp_path / 'junk.db'}"
+    problem = first_problem(settings(model_dir(tmp_path / "m"), db=url, port=free_port()))
+    assert problem == "--db: cannot open the store: file is not a database"
+
+
+def test_every_address_the_host_resolves_to_is_probed(tmp_path):
+    """Host "" is every interface: uvicorn binds 0.0.0.0 and [::]; the second one is busy."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    with socket.socket(socket.AF_INET6) as busy:
+        busy.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        busy.bind(("::", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        key = "k-" + "abcdefghijklmnopqrstuvwxyz0123456789"
+        problem = first_problem(
+            settings(model_dir(tmp_path / "m"), host="", port=port, admin_key=key)
+        )
+    assert problem == f"--port {port}: [::]:{port} is in use; choose another port"
+
+
+def test_serve_refuses_a_data_dir_before_it_prints_a_key_or_creates_anything(capsys, tmp_path):
+    from server.cli import main
+
+    model = model_dir(tmp_path / "m")
+    with pytest.raises(SystemExit) as stop:
+        main(
+            ["serve", "--model", str(model), "--data-dir", "/proc/nope", "--port", str(free_port())]
+        )
+    assert stop.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # no admin key, no banner
+    assert err.startswith("proxrl serve: --data-dir /proc/nope: ") and err.count("\n") == 1
