@@ -111,6 +111,9 @@ def test_warm_start_writes_the_demos_warmed_up_model(tmp_path, monkeypatch, caps
     from server import cli
     from server.common.tiny_model import create_tiny_model
 
+    # source_tree_module puts examples/agents on sys.path unless it is there: put it there for
+    # this test only, so the rest of the session imports as it would without it.
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "agents"))
     warm_start = cli.source_tree_module("warm_start", "test")
     monkeypatch.setitem(warm_start.WARMUP, "steps", 2)  # the demo's recipe, cut short
     monkeypatch.setattr(cli, "WARM_CACHE", tmp_path / "cache")
@@ -121,5 +124,41 @@ def test_warm_start_writes_the_demos_warmed_up_model(tmp_path, monkeypatch, caps
     random = create_tiny_model(tmp_path / "random", "tiny", "default")
     trained = (tmp_path / "warm" / "model.safetensors").read_bytes()
     assert trained != (random / "model.safetensors").read_bytes()  # not the random weights
-    with pytest.raises(SystemExit, match="--warm-start makes the tiny model"):
+
+
+def test_warm_start_refuses_another_size_with_status_2(tmp_path, capsys):
+    from server import cli
+
+    with pytest.raises(SystemExit) as stop:
         cli.main(["model", "init", str(tmp_path / "x"), "--warm-start", "--size", "small"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("proxrl model init: --warm-start makes the tiny model")
+        and err.count("\n") == 1
+    )
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ((), "no such directory (make a model with `proxrl model init DIR`)"),
+        (("tokenizer.json",), "no config.json in it"),
+        (("tokenizer.json", "config.json"), "no weights in it (*.safetensors or *.bin)"),
+        (("config.json", "model.safetensors"), "no tokenizer.json in it"),
+    ],
+)
+def test_engine_refuses_a_model_directory_short_of_what_it_loads(tmp_path, capsys, files, expected):
+    from server.cli import main
+
+    model = tmp_path / "m"
+    if files:
+        model.mkdir()
+        for name in files:
+            (model / name).write_text("{}")
+    with pytest.raises(SystemExit) as stop:
+        main(["engine", "--model", str(model), "--port", "1"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"proxrl engine: --model {model}: {expected}") and err.count("\n") == 1

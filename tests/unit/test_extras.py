@@ -167,7 +167,7 @@ def missing_extra_run(blocked: str, *args: str) -> subprocess.CompletedProcess[s
         ("torch", ["engine", "--model", "no-such-model"], "engine"),
         ("torch", ["model", "init", "no-such-dir"], "engine"),
         ("pydantic_settings", ["serve"], "serve"),
-        ("pydantic", ["train"], "train"),
+        ("yaml", ["train"], "train"),  # the trainer's config reads YAML
     ],
 )
 def test_the_command_line_names_the_missing_extra(blocked, args, extra):
@@ -176,3 +176,27 @@ def test_the_command_line_names_the_missing_extra(blocked, args, extra):
     assert out.stderr.strip() == (
         f"proxrl {args[0]}: {blocked} is not installed: pip install 'proxrl[{extra}]'"
     )
+
+
+def test_importing_the_command_line_without_pydantic_does_nothing():
+    code = "import sys; sys.modules['pydantic'] = None; import server.cli; print('imported')"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert (out.returncode, out.stdout, out.stderr) == (0, "imported\n", "")
+
+
+@pytest.mark.parametrize(
+    ("command", "runs"), [("serve", "server.main.serve"), ("train", "trainer.cli.main")]
+)
+def test_a_module_missing_while_a_command_runs_is_not_called_an_extra(monkeypatch, command, runs):
+    """Once imported, the command's work is its own: a ModuleNotFoundError from it (a bug, or a
+    package gone mid-run) propagates as it is, not as 'pip install proxrl[...]', exit 2."""
+    from server.cli import main
+
+    def fails(*args: object) -> None:
+        raise ModuleNotFoundError("No module named 'late'", name="late")
+
+    monkeypatch.setattr(runs, fails)
+    with pytest.raises(ModuleNotFoundError, match="late"):
+        main([command, "--model", "m"] if command == "serve" else [command])

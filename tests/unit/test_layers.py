@@ -27,12 +27,15 @@ from tests.support import ROOT
 PACKAGES = ("server", "trainer", "client_sdk", "bench", "tools")
 OURS = {*PACKAGES, "tests", "examples"}
 
-# The app shell: server/'s top-level modules. They compose the layers and may import any of them.
+# The app shell: server/'s top-level modules (and the command line's package, server/cli/).
+# They compose the layers and may import any of them.
 SHELL = [
     "server",
     "server.auth",
     "server.bounds",
     "server.cli",
+    "server.cli.__main__",
+    "server.cli.commands",
     "server.context",
     "server.deps",
     "server.main",
@@ -249,7 +252,7 @@ def loaded_by(module: str) -> set[str]:
     return set(out.stdout.split())
 
 
-@pytest.mark.parametrize("module", ["server.main", "server.cli"])
+@pytest.mark.parametrize("module", ["server.main", "server.cli", "server.cli.commands"])
 def test_the_proxy_loads_neither_torch_ray_nor_transformers(module):
     heavy = sorted(name for name in loaded_by(module) if name.split(".")[0] in HEAVY)
     assert not heavy, f"import {module} loads {heavy[:10]}"

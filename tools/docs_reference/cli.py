@@ -1,9 +1,9 @@
 """``reference/cli.md``: every ``proxrl`` subcommand and every flag.
 
-Read from the parsers the command itself builds: pydantic-settings' parser of ``server.cli.Proxrl``
-for the subcommands and their flags (each flag's type, default and help from the settings field
-behind it), and the argparse parsers of the subcommands ``proxrl`` hands over to (``train``,
-``demo``). Knows nothing of what a flag does.
+Read from the parsers the command itself builds: pydantic-settings' parser of
+``server.cli.commands.Proxrl`` for the subcommands and their flags (each flag's type, default and
+help from the settings field behind it), and the argparse parsers of the subcommands ``proxrl``
+hands over to (``train``, ``demo``). Knows nothing of what a flag does.
 """
 
 from __future__ import annotations
@@ -19,12 +19,18 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, CliSettingsSource
 
-from server.cli import DEMO_SCRIPT, Proxrl
+from server.cli import DEMO_SCRIPT
+from server.cli.commands import Proxrl
 from server.settings import env_name
 from tools.docs_reference import markdown as md
 from trainer import cli as trainer_cli
 
-SOURCES = ["server/cli.py", "server/settings.py", "server/engine/settings.py", "trainer/cli.py"]
+SOURCES = [
+    "server/cli/commands.py",
+    "server/settings.py",
+    "server/engine/settings.py",
+    "trainer/cli.py",
+]
 
 
 @dataclass(frozen=True)

@@ -1,52 +1,25 @@
-"""The ``proxrl`` command line: one entry point, one subcommand per job.
+"""The command tree of ``proxrl``: each subcommand a pydantic model whose fields are its flags
+(pydantic-settings parses them), whose ``cli_cmd`` runs it.
 
-Subcommands import what they need when they run, so ``proxrl --help`` stays instant and the
-proxy's commands never import torch.
+``server.cli.main`` imports this module once it knows the install can (pydantic-settings comes
+with the serve extra); each ``cli_cmd`` imports its role's packages inside ``role_imports`` and
+runs outside it.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Literal, NoReturn, get_args
+from typing import Any, Literal, get_args
 
-# The extra (pyproject.toml) that brings each subcommand's packages, and the optional packages
-# a command loads only when asked; tests/unit/test_extras.py holds both to the extras.
-COMMAND_EXTRAS = {
-    "model": "engine",
-    "engine": "engine",
-    "serve": "serve",
-    "db": "serve",
-    "export": "serve",
-    "train": "train",
-    "demo": "all",
-}
-OPTIONAL_EXTRAS = {"wandb": "wandb", "mlflow": "mlflow", "pyarrow": "export", "openai": "openai"}
-OURS = {"server", "trainer", "client_sdk", "examples"}
+from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand
 
-
-def missing_extra(exc: ModuleNotFoundError, command: str) -> NoReturn:
-    """One line naming the extra to install, exit 2; a module of ours missing is a bug: raise."""
-    package = (exc.name or "").split(".")[0]
-    if not package or package in OURS:
-        raise exc
-    extra = OPTIONAL_EXTRAS.get(package) or COMMAND_EXTRAS.get(command, "serve")
-    print(
-        f"proxrl {command}: {package} is not installed: pip install 'proxrl[{extra}]'",
-        file=sys.stderr,
-    )
-    raise SystemExit(2)
-
-
-try:
-    from pydantic import BaseModel, Field, ValidationError, field_validator
-    from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand
-
-    from server.engine.settings import EngineSettings
-    from server.export.options import SINCE_HELP, STATUS_HELP, ExportFormat, ExportStatus, Since
-    from server.settings import ServerSettings, env_name
-except ModuleNotFoundError as exc:  # an install without the serve extra: no command can parse
-    missing_extra(exc, next((arg for arg in sys.argv[1:] if arg in COMMAND_EXTRAS), "serve"))
+from server import cli
+from server.cli import refuse, role_imports
+from server.engine.settings import EngineSettings, model_directory_problem
+from server.export.options import SINCE_HELP, STATUS_HELP, ExportFormat, ExportStatus, Since
+from server.settings import ServerSettings, env_name
 
 
 class ModelInit(BaseModel):
@@ -70,7 +43,8 @@ class ModelInit(BaseModel):
     )
 
     def cli_cmd(self) -> None:
-        from server.common.tiny_model import create_tiny_model, parameter_count
+        with role_imports("model"):
+            from server.common.tiny_model import create_tiny_model, parameter_count
 
         if self.warm_start:
             out = self.warm_started()
@@ -80,7 +54,8 @@ class ModelInit(BaseModel):
                 f"an exact-match reward has something to reinforce) to {out}"
             )
             return
-        out = create_tiny_model(self.out_dir, self.size, self.template)
+        with role_imports("model"):  # its first lines import torch and transformers; seconds
+            out = create_tiny_model(self.out_dir, self.size, self.template)
         print(
             f"wrote the {self.size} model ({parameter_count(out):,} parameters, "
             f"{self.template} chat template) to {out}\n"
@@ -94,12 +69,13 @@ class ModelInit(BaseModel):
         import shutil
 
         if (self.size, self.template) != ("tiny", "default"):
-            raise SystemExit(
+            refuse(
                 "proxrl model init: --warm-start makes the tiny model with the default chat "
                 "template (the demo's); leave out --size and --template"
             )
-        warm_start = source_tree_module("warm_start", "model init --warm-start")
-        cached = warm_start.warm_model(WARM_CACHE, seed=0)
+        with role_imports("model"):
+            warm_start = cli.source_tree_module("warm_start", "model init --warm-start")
+        cached = warm_start.warm_model(cli.WARM_CACHE, seed=0)
         shutil.copytree(cached, self.out_dir, dirs_exist_ok=True)
         return self.out_dir
 
@@ -126,8 +102,12 @@ class EngineCommand(EngineSettings):
     __doc__ = EngineSettings.__doc__
 
     def cli_cmd(self) -> None:
-        from server.engine.main import serve
+        with role_imports("engine"):
+            from server.engine.main import serve
 
+        problem = model_directory_problem(self.model)  # before torch loads it, in one line
+        if problem is not None:
+            refuse(f"proxrl engine: {problem}")
         serve(EngineSettings(**self.model_dump()))
 
 
@@ -136,7 +116,8 @@ class ServeCommand(ServerSettings):
     __doc__ = ServerSettings.__doc__
 
     def cli_cmd(self) -> None:
-        from server.main import serve
+        with role_imports("serve"):
+            from server.main import serve
 
         serve(ServerSettings(**self.model_dump()))
 
@@ -148,7 +129,8 @@ class DbMigrate(BaseModel):
     @field_validator("db")
     @classmethod
     def _supported(cls, value: str) -> str:
-        from server.store.database import sync_url
+        with role_imports("db"):
+            from server.store.database import sync_url
 
         sync_url(value)
         return value
@@ -158,7 +140,8 @@ class DbUpgrade(DbMigrate):
     """Apply the store's migrations up to head (the server also does this at start)."""
 
     def cli_cmd(self) -> None:
-        from server.store.database import upgrade
+        with role_imports("db"):
+            from server.store.database import upgrade
 
         upgrade(self.db, self.revision or "head")
         print(f"{self.db}: upgraded to {self.revision or 'head'}")
@@ -168,7 +151,8 @@ class DbDowngrade(DbMigrate):
     """Undo the store's migrations down to a revision (default: base, an empty database)."""
 
     def cli_cmd(self) -> None:
-        from server.store.database import downgrade
+        with role_imports("db"):
+            from server.store.database import downgrade
 
         downgrade(self.db, self.revision or "base")
         print(f"{self.db}: downgraded to {self.revision or 'base'}")
@@ -188,9 +172,7 @@ class TrainCommand(BaseModel):
     """Train a run with asynchronous decoupled PPO (Ray + FSDP2); `proxrl train --help`."""
 
     def cli_cmd(self) -> None:  # `main` hands `train` to the trainer's own parser
-        from trainer.cli import main as train_main
-
-        train_main([])
+        cli.main(["train"])
 
 
 class DemoCommand(BaseModel):
@@ -198,42 +180,7 @@ class DemoCommand(BaseModel):
     (`make demo`); `proxrl demo --help`."""
 
     def cli_cmd(self) -> None:  # `main` hands `demo` to the demo's own parser
-        run_demo([])
-
-
-SOURCE_TREE = Path(__file__).resolve().parents[1]
-DEMO_SCRIPT = SOURCE_TREE / "examples" / "demo.py"
-WARM_CACHE = SOURCE_TREE / ".proxrl-cache"  # the demo's warm-up cache (its --cache default)
-
-
-def source_tree_module(name: str, command: str) -> Any:
-    """``examples/agents/<name>.py`` of this source tree, imported as the agents import each
-    other (the examples are not part of the installed packages)."""
-    import importlib
-
-    agents = SOURCE_TREE / "examples" / "agents"
-    if not (agents / f"{name}.py").is_file():
-        raise SystemExit(
-            f"proxrl {command}: {agents / name}.py is missing; it runs from a clone of proxrl "
-            "(pip install -e .)"
-        )
-    if str(agents) not in sys.path:
-        sys.path.insert(0, str(agents))
-    return importlib.import_module(name)
-
-
-def run_demo(args: list[str]) -> None:
-    """Run ``examples/demo.py`` of this source tree (the demo and its agents are examples, not
-    part of the installed packages)."""
-    import runpy
-
-    if not DEMO_SCRIPT.is_file():
-        raise SystemExit(
-            f"proxrl demo: {DEMO_SCRIPT} is missing; the demo runs from a clone of proxrl "
-            "(pip install -e .)"
-        )
-    sys.argv = [str(DEMO_SCRIPT), *args]
-    runpy.run_path(str(DEMO_SCRIPT), run_name="__main__")  # exits with the demo's status
+        cli.main(["demo"])
 
 
 RUN_HELP = (
@@ -261,11 +208,12 @@ class ExportCommand(BaseModel):
     def cli_cmd(self) -> None:
         import asyncio
 
-        from server.common.progress import progress_bar
-        from server.errors import ProxrlError, RunNotFound
-        from server.export.writers import FORMATS
-        from server.rl.export import chosen_sessions, export_file
-        from server.store.database import default_url, revision_mismatch, sqlite_file
+        with role_imports("export"):
+            from server.common.progress import progress_bar
+            from server.errors import ProxrlError, RunNotFound
+            from server.export.writers import FORMATS
+            from server.rl.export import chosen_sessions, export_file
+            from server.store.database import default_url, revision_mismatch, sqlite_file
 
         url = self.db or default_url(self.data_dir)
         store = sqlite_file(url)
@@ -326,24 +274,8 @@ class Proxrl(
         CliApp.run_subcommand(self)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    if not args:
-        args = ["--help"]
-    try:
-        run_command(args)
-    except ModuleNotFoundError as exc:  # e.g. `proxrl engine` in a proxrl[serve] install
-        missing_extra(exc, args[0])
-
-
 def run_command(args: list[str]) -> None:
-    if args[0] == "train":  # its options come from the trainer's dataclasses, not pydantic
-        from trainer.cli import main as train_main
-
-        train_main(args[1:])
-        return
-    if args[0] == "demo":  # so is the demo's: argparse in examples/demo.py
-        run_demo(args[1:])
+    """Parse ``args`` (``proxrl`` left out) and run the command they name."""
     try:
         CliApp.run(Proxrl, cli_args=args)
     except ValidationError as exc:
@@ -366,7 +298,3 @@ def invalid_line(loc: tuple[int | str, ...], kind: str, message: str) -> str:
     if not issubclass(command, BaseSettings):  # reads no environment
         return line
     return f"{line} (or set {env_name(command, field)})"
-
-
-if __name__ == "__main__":
-    main()
