@@ -1,15 +1,18 @@
 """Trainer steps: the figures a trainer reports after each step, one row per (run, step).
 
 Reposting a step replaces its figures (a trainer resumed from a checkpoint trains the steps
-after it again, and the new figures are the true ones). Reads never load a whole run: the
-latest steps, the steps after a given one, or every n-th step when a run has many.
+after it again, and the new figures are the true ones). A step's time is when it was trained:
+a step trained again (a resumed trainer's, at a new policy version) takes the new time, while a
+repost at the same version (a clean stop's, which adds ``stopped_at``) keeps the old one, so
+"last step ... ago" and the step interval stay true. Reads never load a whole run: the latest
+steps, the steps after a given one, or every n-th step when a run has many.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -19,7 +22,8 @@ from server.store.tables import TrainerStep, utcnow
 async def record_step(
     db: AsyncSession, run_id: str, step: int, version: int, metrics: dict[str, Any]
 ) -> bool:
-    """Insert or replace the figures of ``step``; True when the step is new."""
+    """Insert or replace the figures of ``step``; True when the step is new. A replacement at
+    the same ``version`` keeps the step's ``created_at``."""
     existed = await db.scalar(
         select(TrainerStep.id).where(TrainerStep.run_id == run_id, TrainerStep.step == step)
     )
@@ -32,9 +36,15 @@ async def record_step(
     }
     insert = postgresql.insert if db.get_bind().dialect.name == "postgresql" else sqlite.insert
     statement = insert(TrainerStep).values(**values)
+    new = statement.excluded
+    trained_again = TrainerStep.version != new.version
     statement = statement.on_conflict_do_update(
         index_elements=["run_id", "step"],
-        set_={key: statement.excluded[key] for key in ("version", "metrics", "created_at")},
+        set_={
+            "version": new.version,
+            "metrics": new.metrics,
+            "created_at": case((trained_again, new.created_at), else_=TrainerStep.created_at),
+        },
     )
     await db.execute(statement)
     return existed is None

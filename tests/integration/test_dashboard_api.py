@@ -351,17 +351,20 @@ def test_run_series_polls_after_a_step_and_thins_long_runs(proxy):
 
 def test_a_trainer_that_says_it_stopped_shows_stopped_at_once(proxy):
     """A clean stop reposts the last step with stopped_at (trainer.figures.Progress.stopped):
-    the API and the page say "stopped" at once, not "training" until the timeout."""
+    the API and the page say "stopped" at once, not "training" until the timeout. The last
+    step keeps the time it was trained at, not the stop's."""
     run_id = proxy.new_run()["id"]
     for step in (1, 2):
         assert proxy.post_step(run_id, step, step, reward_mean=0.5).status_code == 201
     detail = proxy.ok("GET", f"/admin/api/runs/{run_id}")
     assert (detail["trainer"], detail["trainer_active"]) == ("training", True)
     assert detail["trainer_quiet_since"] is None
+    trained_at = detail["last_step_at"]
     reposted = proxy.post_step(run_id, 2, 2, reward_mean=0.5, stopped_at=time.time())
     assert reposted.json()["replaced"] is True
     detail = proxy.ok("GET", f"/admin/api/runs/{run_id}")
     assert (detail["trainer"], detail["trainer_active"], detail["steps"]) == ("stopped", False, 2)
+    assert detail["last_step_at"] == trained_at
     cookies = {"proxrl_admin": login(proxy, ADMIN_KEY).cookies["proxrl_admin"]}
     proxy.http.cookies.clear()  # the login is this test's browser's, not the shared client's
     with httpx.Client(base_url=proxy.url, cookies=cookies) as browser:
