@@ -5,6 +5,7 @@ its server up at the end."""
 from __future__ import annotations
 
 import importlib.util
+import io
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -16,12 +17,15 @@ from tests.support import ROOT
 
 
 def load_demo():
+    """examples/demo.py as a module; the path it puts examples/agents on is put back after."""
     if "proxrl_demo" not in sys.modules:
         spec = importlib.util.spec_from_file_location("proxrl_demo", ROOT / "examples/demo.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules["proxrl_demo"] = module
-        spec.loader.exec_module(module)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sys, "path", list(sys.path))
+            spec.loader.exec_module(module)
     return sys.modules["proxrl_demo"]
 
 
@@ -29,8 +33,13 @@ demo = load_demo()
 heldout = demo.heldout  # examples/agents/heldout.py, as the demo imports it
 
 
+def recording(width: int) -> Console:
+    """A console that keeps what it prints, for export_text, and writes nowhere."""
+    return Console(record=True, width=width, file=io.StringIO())
+
+
 def rendered(renderable) -> str:
-    console = Console(record=True, width=200, file=open("/dev/null", "w"))  # noqa: SIM115
+    console = recording(200)
     console.print(renderable)
     return console.export_text()
 
@@ -71,7 +80,7 @@ def test_the_summary_and_the_plot_say_why_the_held_out_line_does_not_rise(tmp_pa
     board.add_evaluation(answers(0, heldout_right=3, seen_right=2))
     board.add_evaluation(answers(5, heldout_right=2, seen_right=4))
     board.seconds = 12.0
-    console = Console(record=True, width=400, file=open("/dev/null", "w"))  # noqa: SIM115
+    console = recording(400)
     demo.report(board, tmp_path, console)
     lines = console.export_text().splitlines()
     assert any(line.startswith("held-out accuracy") and "0.750" in line for line in lines)
@@ -123,8 +132,9 @@ def test_keeping_the_server_up_ends_when_the_server_does(tmp_path):
     server = SimpleNamespace(
         url="http://127.0.0.1:1", admin_key="k", process=process, log_path=tmp_path / "s.log"
     )
-    console = Console(record=True, width=300, file=open("/dev/null", "w"))  # noqa: SIM115
+    console = recording(300)
     demo.serve_until_interrupted(server, console)
     text = console.export_text()
     assert "dashboard at http://127.0.0.1:1/admin" in text and "Ctrl-C to stop" in text
     assert "the server stopped by itself" in text
+

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
+from tests.support import ROOT
 from trainer.config import TrainConfig
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")

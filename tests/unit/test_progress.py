@@ -12,10 +12,13 @@ import logging
 import math
 import random
 import statistics
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from trainer import figures
 from trainer.checkpoint import TrainerState
 from trainer.config import AlgorithmConfig
 from trainer.figures import ETA_WINDOW, Phases, Progress, combine, eta_seconds, step_record
@@ -238,7 +241,10 @@ def test_no_eta_until_three_intervals_then_the_recent_pace():
 
 def test_the_logged_eta_waits_for_steps_and_ignores_the_start_up(tmp_path, caplog, monkeypatch):
     clock = iter([300.0, 302.0, 304.0, 306.0, 308.0])  # a slow start, then 2 s a step
-    monkeypatch.setattr("trainer.figures.time.monotonic", lambda: next(clock))
+    # Only the module under test reads this clock: the time module stays the process's.
+    monkeypatch.setattr(
+        figures, "time", SimpleNamespace(monotonic=lambda: next(clock), time=time.time)
+    )
     progress = Progress(max_steps=10_000, first_step=0, path=tmp_path / "m.jsonl", log_every=1)
     with caplog.at_level(logging.INFO, logger="proxrl.trainer"):
         for step in range(1, 6):

@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
+
 README = ROOT / "README.md"
 MAX_LINES = 300
 
