@@ -15,10 +15,11 @@
    reward and accuracy against time and version. The summary's accuracy per version is checked
    against the server's own (`GET /rl/runs/{id}`, its `eval` figures).
 6. The dashboard's address and admin key are printed once the server is up; at a terminal
-   (or with --keep-serving) the server stays up after the summary, for the dashboard, until
-   Ctrl-C.
+   (or with --keep-serving) the server stays up after the summary of a demo that ended by
+   itself, for the dashboard, until Ctrl-C.
 
-Ctrl-C stops everything cleanly: the trainer checkpoints, then the final evaluation runs.
+Ctrl-C stops everything cleanly: the trainer checkpoints, then the final evaluation runs, the
+summary is printed, and the demo exits (130); a second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -466,7 +467,6 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = warm_model(args.cache.resolve(), args.seed)
     board = Board()
-    interrupted = False
     with ExitStack() as stack:
         console.print(f"starting proxrl serve on {model} ...")
         server = LocalServer(str(model), out / "server")
@@ -485,10 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             board.seconds = time.monotonic() - board.started
         trainer.stop()
         board.steps = trainer.steps()
-        report(board, out, console)
-        if args.keep_serving:
-            serve_until_interrupted(server, console)
-    return 130 if interrupted else 0
+        return finish(board, out, console, server, args.keep_serving, interrupted)
 
 
 def dashboard_line(server) -> str:
@@ -510,6 +507,18 @@ def report(board: Board, out: Path, console) -> None:
     console.print(accuracy_report(summary["seen"]))
     console.print(f"({HELDOUT_NOTE})", style="dim")
     console.print(f"summary: {out / 'summary.json'}" + (f" · plot: {image}" if image else ""))
+
+
+def finish(board: Board, out: Path, console, server, keep_serving: bool, interrupted: bool) -> int:
+    """The summary, then the server kept up for the dashboard if ``keep_serving`` and the demo
+    ended by itself: a Ctrl-C asked the demo to end, not to wait for another. The exit status
+    (130 after a Ctrl-C)."""
+    report(board, out, console)
+    if interrupted:
+        return 130
+    if keep_serving:
+        serve_until_interrupted(server, console)
+    return 0
 
 
 def serve_until_interrupted(server, console) -> None:

@@ -1,6 +1,6 @@
 """The demo's pieces a person reads, without a server: the live table before any data, the
 summary's and the plot's word on the held-out line, the dashboard line, and when the demo keeps
-its server up at the end."""
+its server up at the end (a demo that ended by itself, never after a Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -137,4 +137,35 @@ def test_keeping_the_server_up_ends_when_the_server_does(tmp_path):
     text = console.export_text()
     assert "dashboard at http://127.0.0.1:1/admin" in text and "Ctrl-C to stop" in text
     assert "the server stopped by itself" in text
+
+
+def stopped_server(tmp_path) -> SimpleNamespace:
+    """A server whose process has ended: keeping it up returns at once."""
+    process = SimpleNamespace(poll=lambda: 0)
+    return SimpleNamespace(
+        url="http://127.0.0.1:1", admin_key="k", process=process, log_path=tmp_path / "s.log"
+    )
+
+
+@pytest.mark.parametrize(
+    ("keep_serving", "interrupted", "kept", "status"),
+    [
+        (True, False, True, 0),  # it ended by itself: the run stays on the dashboard
+        (False, False, False, 0),
+        (True, True, False, 130),  # a Ctrl-C (the first or the second) ends it after the summary
+        (False, True, False, 130),
+    ],
+)
+def test_the_server_stays_up_only_after_a_demo_that_ended_by_itself(
+    keep_serving, interrupted, kept, status, tmp_path
+):
+    board = demo.Board()
+    board.add(1.0)
+    board.seconds = 3.0
+    console = recording(300)
+    server = stopped_server(tmp_path)
+    assert demo.finish(board, tmp_path, console, server, keep_serving, interrupted) == status
+    text = console.export_text()
+    assert "reward " in text and (tmp_path / "summary.json").is_file()  # the summary, always
+    assert ("Ctrl-C to stop" in text) is kept
 
