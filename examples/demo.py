@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "examples" / "agents"))
 import arithmetic  # noqa: E402  (examples/agents, on the path above)
 import heldout  # noqa: E402
 from math_agent import MathAgent  # noqa: E402
-from warm_start import warm_model  # noqa: E402
+from warm_start import CACHE_DIR, warm_model  # noqa: E402
 
 log = logging.getLogger("proxrl.demo")
 
@@ -120,7 +120,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="proxrl demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10.0, help="How long the agent trains.")
     p.add_argument("--out", type=Path, default=Path("demo-out"), help="Where results go.")
-    p.add_argument("--cache", type=Path, default=ROOT / ".proxrl-cache", help="Warm-up cache.")
+    p.add_argument("--cache", type=Path, default=CACHE_DIR, help="Warm-up cache.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=32, help="Sessions in flight at once.")
     p.add_argument("--group-size", type=int, default=8, help="Sessions per GRPO group.")

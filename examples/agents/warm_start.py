@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 # sum about 0.4 of the time at temperature 1 and 0.55 greedily, measured on 400 problems).
 WARMUP = {"size": "tiny", "steps": 180, "lr": 3e-3, "batch_size": 32}
 WARMUP_EXAMPLES = 4000
+# This clone's warm-up cache: the demo's --cache default, and `proxrl model init --warm-start`'s
+# (server/cli.py).
+CACHE_DIR = Path(__file__).resolve().parents[2] / ".proxrl-cache"
 
 
 def warm_model(cache: Path, seed: int, *, progress: bool = True) -> Path:

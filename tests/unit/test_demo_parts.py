@@ -169,3 +169,7 @@ def test_the_server_stays_up_only_after_a_demo_that_ended_by_itself(
     assert "reward " in text and (tmp_path / "summary.json").is_file()  # the summary, always
     assert ("Ctrl-C to stop" in text) is kept
 
+
+def test_the_warm_up_cache_is_the_clones_by_default():
+    """One definition (examples/agents/warm_start.py) for the demo and model init --warm-start."""
+    assert demo.parse_args([]).cache == demo.CACHE_DIR == ROOT / ".proxrl-cache"
