@@ -57,7 +57,7 @@ WINDOW = 256
 MAX_TOKENS = 16  # "4+7=11" is 6 tokens; room for a wrong, longer answer
 NAMES = {heldout.HELDOUT: "held-out", heldout.SEEN: "seen"}  # the evaluation sets, for people
 NO_DATA = "—"  # a figure with nothing behind it yet, rather than a misleading 0
-# Why the held-out line does not rise (the README's demo section has the measurements).
+# Why the held-out line does not rise (docs/getting-started.md, "The demo", has the measurements).
 HELDOUT_NOTE = (
     "held-out problems are never trained on: on this task RL raises greedy accuracy on the "
     "problems it practises (seen), not on held-out ones, so a flat or falling held-out line "
