@@ -1,11 +1,13 @@
 """Each role installs alone from the built wheel and does its job.
 
-The wheel is built once; three clean venvs install ``proxrl[engine]``, ``proxrl[serve]`` and the
-base ``proxrl`` (the SDK) from it, with ``requirements/lock.txt`` as constraints: nothing is
-resolved anew and torch stays the lock's CPU build. Then they work together as a deployment
-would: the engine env builds a model and serves it, the serve-only env (no torch, ray or
-transformers) proxies that engine, and the SDK-only env (no fastapi, no torch) talks to the
-proxy through ``client_sdk``. Each env's size and install time are printed (``-s``).
+The wheel is built once; four clean venvs install ``proxrl[engine]``, ``proxrl[serve]``,
+``proxrl[train]`` and the base ``proxrl`` (the SDK) from it, with ``requirements/lock.txt`` as
+constraints: nothing is resolved anew and torch stays the lock's CPU build (pip's cache is shared
+between them). Then they work together as a deployment would: the engine env builds a model and
+serves it, the serve-only env (no torch, ray or transformers) proxies that engine, and the
+SDK-only env (no fastapi, no torch) talks to the proxy through ``client_sdk``. The train env
+(no tracker, Parquet or example packages) starts ``proxrl train`` and imports the trainer's loop.
+Each env's size and install time are printed (``-s``).
 """
 
 from __future__ import annotations
@@ -26,15 +28,20 @@ import pytest
 
 from tests.support import ROOT, free_port
 
-# Installing the three envs (torch from local disk) takes about 3.5 of the ~5 minutes on 2 cores.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# Installing the four envs (torch from local disk) takes most of the test's minutes on 2 cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 LOCK = ROOT / "requirements" / "lock.txt"
 ADMIN_KEY = "install-roles-admin-key"
 INSTALL_TIMEOUT_S = 420
 # What each env must not be able to import: its role does without it.
-ABSENT = {"engine": [], "serve": ["torch", "ray", "transformers"], "sdk": ["fastapi", "torch"]}
-EXTRAS = {"engine": "[engine]", "serve": "[serve]", "sdk": ""}
+ABSENT = {
+    "engine": ["ray"],
+    "serve": ["torch", "ray", "transformers"],
+    "train": ["wandb", "mlflow", "pyarrow", "openai", "matplotlib"],
+    "sdk": ["fastapi", "torch"],
+}
+EXTRAS = {"engine": "[engine]", "serve": "[serve]", "train": "[train]", "sdk": ""}
 
 
 @dataclass
@@ -169,6 +176,14 @@ def test_a_missing_role_is_named_not_a_traceback(envs):
     serve = envs["sdk"].run(envs["sdk"].bin("proxrl"), "serve", "--model", "none")
     assert serve.returncode == 2
     assert serve.stderr.strip().endswith("is not installed: pip install 'proxrl[serve]'"), serve
+
+
+def test_the_train_role_starts_the_trainer(envs):
+    env = envs["train"]
+    usage = env.run(env.bin("proxrl"), "train", "--help")
+    assert usage.returncode == 0 and "--server" in usage.stdout, usage
+    loop = env.run(env.bin("python"), "-c", "import trainer.loop", timeout=180)
+    assert loop.returncode == 0, loop.stderr
 
 
 SDK_SCRIPT = """
