@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 WARMUP = {"size": "tiny", "steps": 180, "lr": 3e-3, "batch_size": 32}
 WARMUP_EXAMPLES = 4000
 # This clone's warm-up cache: the demo's --cache default, and `proxrl model init --warm-start`'s
-# (server/cli.py).
+# (server/cli/commands.py).
 CACHE_DIR = Path(__file__).resolve().parents[2] / ".proxrl-cache"
 
 

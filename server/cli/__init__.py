@@ -80,7 +80,6 @@ def main(argv: list[str] | None = None) -> None:
 
 SOURCE_TREE = Path(__file__).resolve().parents[2]
 DEMO_SCRIPT = SOURCE_TREE / "examples" / "demo.py"
-WARM_CACHE = SOURCE_TREE / ".proxrl-cache"  # the demo's warm-up cache (its --cache default)
 
 
 def source_tree_module(name: str, command: str) -> Any:

@@ -75,7 +75,7 @@ class ModelInit(BaseModel):
             )
         with role_imports("model"):
             warm_start = cli.source_tree_module("warm_start", "model init --warm-start")
-        cached = warm_start.warm_model(cli.WARM_CACHE, seed=0)
+        cached = warm_start.warm_model(warm_start.CACHE_DIR, seed=0)
         shutil.copytree(cached, self.out_dir, dirs_exist_ok=True)
         return self.out_dir
 

@@ -116,7 +116,7 @@ def test_warm_start_writes_the_demos_warmed_up_model(tmp_path, monkeypatch, caps
     monkeypatch.syspath_prepend(str(ROOT / "examples" / "agents"))
     warm_start = cli.source_tree_module("warm_start", "test")
     monkeypatch.setitem(warm_start.WARMUP, "steps", 2)  # the demo's recipe, cut short
-    monkeypatch.setattr(cli, "WARM_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(warm_start, "CACHE_DIR", tmp_path / "cache")
     cli.main(["model", "init", str(tmp_path / "warm"), "--warm-start"])
     assert "after the demo's warm-up on addition" in capsys.readouterr().out
     record = json.loads((tmp_path / "warm" / "warmup.json").read_text())

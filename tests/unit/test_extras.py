@@ -13,7 +13,6 @@ from their own extra instead.
 from __future__ import annotations
 
 import importlib.metadata
-import re
 import subprocess
 import sys
 import tomllib
@@ -22,6 +21,7 @@ from functools import cache
 import pytest
 from packaging.requirements import Requirement
 
+from requirements.lockfile import normalized
 from server.cli import COMMAND_EXTRAS, OPTIONAL_EXTRAS
 from tests.support import ROOT
 from tests.unit.test_layers import imports_of, module_name
@@ -51,10 +51,6 @@ UNIMPORTED = {
 # datasets.load_dataset, which has datasets already.
 CALLERS = {("server.export.schema", "datasets")}
 HEAVY = {"torch", "ray", "transformers"}
-
-
-def normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 @cache
