@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubComm
 
 from server import cli
 from server.cli import refuse, role_imports
-from server.engine.settings import EngineSettings, model_directory_problem
+from server.engine.settings import EngineSettings
 from server.export.options import SINCE_HELP, STATUS_HELP, ExportFormat, ExportStatus, Since
 from server.settings import ServerSettings, env_name
 
@@ -105,9 +105,6 @@ class EngineCommand(EngineSettings):
         with role_imports("engine"):
             from server.engine.main import serve
 
-        problem = model_directory_problem(self.model)  # before torch loads it, in one line
-        if problem is not None:
-            refuse(f"proxrl engine: {problem}")
         serve(EngineSettings(**self.model_dump()))
 
 
@@ -130,9 +127,11 @@ class DbMigrate(BaseModel):
     @classmethod
     def _supported(cls, value: str) -> str:
         with role_imports("db"):
-            from server.store.database import sync_url
+            from server.store.database import url_problem
 
-        sync_url(value)
+        problem = url_problem(value)  # serve's rule for --db, one definition
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
 

@@ -10,18 +10,24 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 
 import uvicorn
 
 from server.engine.app import create_app
 from server.engine.service import EngineService
-from server.engine.settings import EngineSettings
+from server.engine.settings import EngineSettings, model_directory_problem
 
 log = logging.getLogger(__name__)
 
 
 def serve(settings: EngineSettings) -> None:
+    # A model directory short of what loads, in one line before torch reads it (as serve does).
+    problem = model_directory_problem(settings.model)
+    if problem is not None:
+        print(f"proxrl engine: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(
         level=settings.log_level.upper(),

@@ -194,3 +194,21 @@ def test_serve_refuses_a_data_dir_before_it_prints_a_key_or_creates_anything(cap
     out, err = capsys.readouterr()
     assert out == ""  # no admin key, no banner
     assert err.startswith("proxrl serve: --data-dir /proc/nope: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("notaurl", "not a database URL"),
+        ("mysql://user:secret@db/proxrl", "unsupported database 'mysql'"),
+    ],
+)
+def test_db_upgrade_refuses_a_bad_url_in_one_line_as_serve_does(capsys, url, expected):
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["db", "upgrade", "--db", url])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("proxrl: invalid db.upgrade.db: ") and expected in err
+    assert err.count("\n") == 1 and "secret" not in err
