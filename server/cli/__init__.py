@@ -82,17 +82,23 @@ SOURCE_TREE = Path(__file__).resolve().parents[2]
 DEMO_SCRIPT = SOURCE_TREE / "examples" / "demo.py"
 
 
+def need_clone_file(path: Path, command: str) -> None:
+    """Refuse, in one line, a command whose example file is not here: the examples are not part
+    of the installed packages, so it runs from a clone of proxrl."""
+    if not path.is_file():
+        refuse(
+            f"proxrl {command}: {path} is missing; it runs from a clone of proxrl "
+            "(pip install -e .)"
+        )
+
+
 def source_tree_module(name: str, command: str) -> Any:
     """``examples/agents/<name>.py`` of this source tree, imported as the agents import each
     other (the examples are not part of the installed packages)."""
     import importlib
 
     agents = SOURCE_TREE / "examples" / "agents"
-    if not (agents / f"{name}.py").is_file():
-        refuse(
-            f"proxrl {command}: {agents / name}.py is missing; it runs from a clone of proxrl "
-            "(pip install -e .)"
-        )
+    need_clone_file(agents / f"{name}.py", command)
     if str(agents) not in sys.path:
         sys.path.insert(0, str(agents))
     return importlib.import_module(name)
@@ -103,11 +109,7 @@ def run_demo(args: list[str]) -> NoReturn:
     part of the installed packages): its imports first, then its ``main``."""
     import runpy
 
-    if not DEMO_SCRIPT.is_file():
-        refuse(
-            f"proxrl demo: {DEMO_SCRIPT} is missing; the demo runs from a clone of proxrl "
-            "(pip install -e .)"
-        )
+    need_clone_file(DEMO_SCRIPT, "demo")
     with role_imports("demo"):  # as a module, not as __main__: this runs its imports only
         demo = runpy.run_path(str(DEMO_SCRIPT), run_name="proxrl_demo")
     raise SystemExit(demo["main"](args))

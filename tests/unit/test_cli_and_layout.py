@@ -162,3 +162,17 @@ def test_engine_refuses_a_model_directory_short_of_what_it_loads(tmp_path, capsy
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"proxrl engine: --model {model}: {expected}") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", [["demo"], ["model", "init", "OUT", "--warm-start"]])
+def test_an_example_missing_from_the_install_is_one_line(tmp_path, monkeypatch, capsys, command):
+    from server import cli
+
+    monkeypatch.setattr(cli, "SOURCE_TREE", tmp_path)  # an install without the examples
+    monkeypatch.setattr(cli, "DEMO_SCRIPT", tmp_path / "examples" / "demo.py")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(command)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is missing; it runs from a clone of proxrl" in err
+    assert str(tmp_path / "examples") in err
