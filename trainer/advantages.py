@@ -13,19 +13,32 @@ along the path: the pool at position t holds the group's returns at t, and a ses
 ended before t stands in with its *outcome* (its last path return), as a finished episode's
 result. Each return G at t becomes A = (G - b) / s:
 
-    grpo          pool: the group's returns at t    b = mean                         s = std + eps
+    grpo          pool: the group's returns at t    b = mean                         s = scale
     dr_grpo       pool: the group's returns at t    b = mean                         s = 1
     rloo          pool: the group's returns at t    b = mean of the other sessions'  s = 1
-    reinforce_pp  pool: the batch's returns at t    b = mean                         s = std + eps
+    reinforce_pp  pool: the batch's returns at t    b = mean                         s = scale
     running       the task                          b = running mean of outcomes     s = 1
 
-The statistics are those of the quantities being normalised. With one reward per session and
-no discount every return of a session is its reward, so every position gives exactly the
-per-session GRPO (Dr. GRPO, RLOO, REINFORCE++) advantage, whatever the sessions' lengths. With a
-discount or per-turn rewards, a return is only compared with returns at the same position, so
-returns that differ only by where in a session they fall get nothing from it. No grpo or
-reinforce_pp advantage exceeds sqrt(N - 1) in size, N the values in its position's pool (the
-largest z-score N numbers can reach; std is the population std).
+With one reward per session and no discount every return of a session is its reward, so every
+position gives exactly the per-session GRPO (Dr. GRPO, RLOO, REINFORCE++) advantage, whatever
+the sessions' lengths. With a discount or per-turn rewards, a return is only compared with
+returns at the same position, so returns that differ only by where in a session they fall get
+nothing from it.
+
+**The scale comes from the outcomes, not the discount.** The baseline b is a mean of the
+discounted returns, but the scale of grpo and reinforce_pp is read from the same pool's
+*undiscounted* values (the returns at discount 1, stand-ins included): their std + eps when
+they differ; when they are all equal (every session reached the same result, so there is no
+outcome contrast) but the discounted returns still differ, their mean size |value| (0: no
+signal, every advantage 0). Normalising by the std of the discounted returns would blow a pure
+difference in length up to unit size: four sessions that all succeed in 1 to 4 turns would get
+-1.7..+1.4 at any discount below 1. Read this way, advantages are proportional, like those of
+dr_grpo, rloo and running (scale 1): sessions rewarded R once, at the end, after paths of at
+most L turns get |A| <= 1 - discount^L (<= L * (1 - discount)), which goes to 0 as the discount
+goes to 1. At discount 1 both values are the same and the scale is the usual std + eps: no
+advantage then exceeds sqrt(N - 1) in size, N the values in its position's pool (the largest
+z-score N numbers can reach; std is the population std). Under a discount that bound does not
+hold: a small spread of outcomes divides a larger spread of discounted returns.
 
 **No contrast, no signal.** A pool of fewer than two sessions has nothing to compare with, and a
 pool whose values are all equal has no spread: every estimator but `running` gives 0 there.
@@ -84,14 +97,22 @@ class Shift:
         return (value - self.baseline) / self.scale
 
 
-# A pool: for each session in it (by index), its values. An estimator gives each session of the
-# pool a Shift, or None where there is no signal (its advantages there are 0).
-Pool = Mapping[int, Sequence[float]]
+@dataclass(frozen=True)
+class Pool:
+    """One position's pool: for each session in it (by index), its returns there, and the same
+    values undiscounted (the same sessions, the same number of values each)."""
+
+    returns: Mapping[int, Sequence[float]]
+    undiscounted: Mapping[int, Sequence[float]]
+
+
+# An estimator gives each session of a pool a Shift, or None where there is no signal (its
+# advantages there are 0).
 Shifts = dict[int, Shift | None]
 
 
-def _values(pool: Pool) -> list[float]:
-    return [value for values in pool.values() for value in values]
+def _values(values_of: Mapping[int, Sequence[float]]) -> list[float]:
+    return [value for values in values_of.values() for value in values]
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -111,33 +132,43 @@ def _std(values: Sequence[float]) -> float:
 
 
 def _contrast(pool: Pool) -> bool:
-    """Two sessions or more, whose values are not all equal."""
-    values = _values(pool)
-    return len(pool) >= 2 and max(values) != min(values)
+    """Two sessions or more, whose returns are not all equal."""
+    values = _values(pool.returns)
+    return len(pool.returns) >= 2 and max(values) != min(values)
+
+
+def _outcome_scale(undiscounted: Sequence[float], eps: float) -> float | None:
+    """The scale of normalised advantages: the spread of the outcomes, else their size (None:
+    no signal). Never the spread of the discounted returns, which grows with length alone."""
+    if max(undiscounted) != min(undiscounted):
+        return _std(undiscounted) + eps
+    return abs(undiscounted[0]) or None  # all equal: their mean size is any one's size
 
 
 def normalised(pool: Pool, eps: float) -> Shifts:
-    """(G - mean) / (std + eps) over every value of the pool."""
+    """(G - mean) / scale over every value of the pool (scale: `_outcome_scale`)."""
     if not _contrast(pool):
-        return dict.fromkeys(pool)
-    values = _values(pool)
-    return dict.fromkeys(pool, Shift(_mean(values), _std(values) + eps))
+        return dict.fromkeys(pool.returns)
+    scale = _outcome_scale(_values(pool.undiscounted), eps)
+    if scale is None:
+        return dict.fromkeys(pool.returns)
+    return dict.fromkeys(pool.returns, Shift(_mean(_values(pool.returns)), scale))
 
 
 def centred(pool: Pool, eps: float) -> Shifts:
     """G - mean over every value of the pool."""
     if not _contrast(pool):
-        return dict.fromkeys(pool)
-    return dict.fromkeys(pool, Shift(_mean(_values(pool))))
+        return dict.fromkeys(pool.returns)
+    return dict.fromkeys(pool.returns, Shift(_mean(_values(pool.returns))))
 
 
 def leave_one_out(pool: Pool, eps: float) -> Shifts:
     """G - mean of the values of the pool's *other* sessions."""
     if not _contrast(pool):
-        return dict.fromkeys(pool)
+        return dict.fromkeys(pool.returns)
     return {
-        index: Shift(_mean([v for other, vs in pool.items() if other != index for v in vs]))
-        for index in pool
+        index: Shift(_mean([v for other, vs in pool.returns.items() if other != index for v in vs]))
+        for index in pool.returns
     }
 
 
@@ -200,7 +231,9 @@ class SessionReturns:
     ``positions[i]`` is where along the path ``returns[i]`` falls (default 0, 1, 2, ...);
     ``length`` is the path's length (default: the number of returns) and ``outcome`` its last
     return (default: the last of ``returns``): from position ``length`` on, the session stands
-    in with its outcome.
+    in with its outcome. ``undiscounted`` holds the same returns at discount 1 (None: equal to
+    ``returns``) and ``undiscounted_outcome`` the outcome at discount 1 (None: equal to
+    ``outcome``); the normalised estimators take their scale from them.
     """
 
     group_key: str | None
@@ -209,6 +242,8 @@ class SessionReturns:
     positions: list[int] = field(default_factory=list)
     length: int | None = None
     outcome: float | None = None
+    undiscounted: list[float] | None = None
+    undiscounted_outcome: float | None = None
 
     def __post_init__(self) -> None:
         if not self.positions:
@@ -217,14 +252,25 @@ class SessionReturns:
             object.__setattr__(self, "length", max(self.positions, default=-1) + 1)
         if self.outcome is None and self.returns:
             object.__setattr__(self, "outcome", self.returns[-1])
+        if self.undiscounted is not None and len(self.undiscounted) != len(self.returns):
+            raise ValueError("undiscounted needs one value per return")
 
     def at(self, position: int) -> list[float]:
         """Its values at ``position``: its own returns there, else its outcome once its path
         has ended."""
-        own = [g for g, p in zip(self.returns, self.positions, strict=True) if p == position]
-        if own or self.length is None or position < self.length or self.outcome is None:
+        return self._at(position, self.returns, self.outcome)
+
+    def undiscounted_at(self, position: int) -> list[float]:
+        """The same values as `at`, undiscounted."""
+        undiscounted = self.returns if self.undiscounted is None else self.undiscounted
+        outcome = self.outcome if self.undiscounted_outcome is None else self.undiscounted_outcome
+        return self._at(position, undiscounted, outcome)
+
+    def _at(self, position: int, returns: list[float], outcome: float | None) -> list[float]:
+        own = [g for g, p in zip(returns, self.positions, strict=True) if p == position]
+        if own or self.length is None or position < self.length or outcome is None:
             return own
-        return [self.outcome]
+        return [outcome]
 
 
 def _group_of(session: SessionReturns) -> tuple[str, str] | None:
@@ -261,6 +307,32 @@ def _pools(
     return estimated, running
 
 
+def pool_sizes(
+    sessions: Sequence[SessionReturns], estimator: str, baseline: RunningBaseline | None
+) -> list[int | None]:
+    """Per session, how many sessions its advantages were compared among, itself included (1:
+    it had no partner; 0: it has no returns), or None where the running baseline set them.
+
+    A batch step's dynamic sampling reads it to say why a session got no signal.
+    """
+    estimated, running = _pools(sessions, _estimator(estimator).pools)
+    sizes: list[int | None] = [0] * len(sessions)
+    for members in estimated.values():
+        for i in members:
+            sizes[i] = len(members)
+    for members in running.values():
+        for i in members:
+            sizes[i] = None if baseline is not None else 1
+    return sizes
+
+
+def _estimator(name: str) -> Estimator:
+    spec = ESTIMATORS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown estimator {name!r}; expected one of {tuple(ESTIMATORS)}")
+    return spec
+
+
 def _by_position(
     sessions: Sequence[SessionReturns],
     members: list[int],
@@ -271,7 +343,11 @@ def _by_position(
     last = max(max(max(s.positions) + 1, s.length or 0) for s in map(sessions.__getitem__, members))
     out: dict[tuple[int, int], Shift | None] = {}
     for position in range(last):
-        pool = {i: values for i in members if (values := sessions[i].at(position))}
+        present = [i for i in members if sessions[i].at(position)]
+        pool = Pool(
+            returns={i: sessions[i].at(position) for i in present},
+            undiscounted={i: sessions[i].undiscounted_at(position) for i in present},
+        )
         for i, shift in shifts_of(pool, eps).items():
             out[(i, position)] = shift
     return out
@@ -289,9 +365,7 @@ def session_advantages(
     outcome of every session it served, in batch order: sessions of one batch never baseline
     each other through it.
     """
-    spec = ESTIMATORS.get(estimator)
-    if spec is None:
-        raise ValueError(f"unknown estimator {estimator!r}; expected one of {tuple(ESTIMATORS)}")
+    spec = _estimator(estimator)
     if spec.pools == "task" and baseline is None:
         raise ValueError("the 'running' estimator needs a RunningBaseline")
     estimated, running = _pools(sessions, spec.pools)

@@ -87,10 +87,24 @@ class AlgorithmConfig:
         "What the cap does: truncate the weight, or mask the token / the whole sequence.",
     )
     kl_coef: float = option(0.0, "Weight (>= 0) of the k3 KL to the initial (reference) policy.")
-    stale: Literal["mask", "drop"] = option(
-        "mask",
-        "Tokens sampled more than max_staleness versions before the trained one: mask them "
-        "out of the loss, or drop the whole session (with a reason the server shows).",
+    stale: Literal["keep", "mask", "drop"] = option(
+        "keep",
+        "Tokens sampled more than max_staleness versions before the trained one. keep: train "
+        "them (as AReaL does): the server's admission bound (max_staleness) limits how far "
+        "generation runs ahead, and the decoupled loss's behaviour weight pi_prox / pi_behav "
+        "(capped by behaviour_cap) corrects what is stale, so a long session keeps its early "
+        "turns. mask: mask them out of the loss (this leans training toward late turns and "
+        "short sessions). drop: drop the whole session (with a reason the server shows). "
+        "Under each, the staleness of every trained token is recorded.",
+    )
+    dynamic_sampling: bool = option(
+        False,
+        "Dynamic sampling (DAPO): leave out sessions whose every trained advantage is 0 (a "
+        "group with no contrast, or the survivor of a group whose other members were dropped) "
+        "from the batch and from the loss's token denominator; each counts as a dropped session "
+        "with reason no_contrast. Not with advantage=running, whose zeros are rare "
+        "coincidences, not groups without contrast (sessions without group or task key, which "
+        "the running baseline serves, are kept for the same reason).",
     )
     ppo_minibatches: int = option(1, "PPO minibatches (optimizer steps) per training step.")
     max_tokens_per_microbatch: int = option(
@@ -113,11 +127,12 @@ class AlgorithmConfig:
     )
     off_temperature: Literal["mask", "off_policy"] | None = option(
         None,
-        "Turns sampled at another temperature than the training one (greedy included): mask "
-        "them out of the loss, or train them off-policy with the behaviour logprob of the "
-        "distribution they were drawn from (greedy: log 1 = 0), capped like every behaviour "
-        "weight. null: the run's `off_temperature` (default mask); a value is written into "
-        "the run's config at start.",
+        "Turns sampled at another temperature than the training one: mask them out of the "
+        "loss, or train them off-policy with the behaviour logprob of the distribution they "
+        "were drawn from, capped like every behaviour weight. Greedy turns (temperature 0) are "
+        "masked under both: argmax is a point mass, which no importance weight corrects. null: "
+        "the run's `off_temperature` (default mask); a value is written into the run's config "
+        "at start.",
     )
 
     def __post_init__(self) -> None:
@@ -353,7 +368,7 @@ def check_cluster_auth(cluster: ClusterConfig) -> None:
             raise ConfigError("cluster.auth_token_file", "is not a file")
 
 
-def check_algorithm(algo: AlgorithmConfig) -> None:  # noqa: C901  # a flat list of bounds
+def check_algorithm(algo: AlgorithmConfig) -> None:  # noqa: C901, PLR0912  # a flat list of bounds
     """Every bound the loss, the estimators and the batching rely on, in one place: the loss
     does not check them again."""
     name = "algorithm."
@@ -380,6 +395,12 @@ def check_algorithm(algo: AlgorithmConfig) -> None:  # noqa: C901  # a flat list
         _positive(algo.max_tokens_per_row, name + "max_tokens_per_row")
     if algo.temperature is not None and not 0 < algo.temperature <= 2:
         raise ConfigError(name + "temperature", f"must be in (0, 2], got {algo.temperature}")
+    if algo.dynamic_sampling and algo.advantage == "running":
+        raise ConfigError(
+            name + "dynamic_sampling",
+            "does nothing under advantage=running (no groups: a 0 is a coincidence, not a "
+            "group without contrast); use a group estimator or turn it off",
+        )
 
 
 def _check_choices(config: Any, prefix: str) -> None:

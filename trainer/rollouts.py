@@ -6,17 +6,26 @@ and whether the session continued them (``alternative``). This module decides, p
 
 - **dropped, with a reason** (never an exception: bad data must not stop the trainer): no turns;
   a return that is not a finite number; a row longer than the per-row limit; under
-  ``stale=drop`` a token too stale; or nothing left to train once tokens are masked. Only tokens
-  that could train count (an alternative without a reward of its own trains nothing). The
-  trainer tells the server at once, so a dropped session stops counting against admission;
-- **masked tokens, counted by cause**: tokens more than ``max_staleness`` updates behind
-  (`staleness.versions_behind`); turns sampled at another temperature than the training one
-  under ``off_temperature=mask``; alternatives without a reward of their own;
+  ``stale=drop`` a token too stale; nothing left to train once tokens are masked; or, under
+  ``dynamic_sampling``, every advantage 0. Only tokens that could train count (an alternative
+  without a reward of its own trains nothing). The trainer tells the server at once, so a
+  dropped session stops counting against admission;
+- **masked tokens, counted by cause**: under ``stale=mask``, tokens more than ``max_staleness``
+  updates behind (`staleness.versions_behind`); greedy turns, always; turns sampled at another
+  temperature than the training one under ``off_temperature=mask``; alternatives without a
+  reward of their own. Under ``stale=keep`` (the default) nothing is masked for staleness: the
+  server's admission bound limits how far generation runs ahead, and the loss's behaviour
+  weight pi_prox / pi_behav corrects what is stale;
 - **off-policy tokens**: under ``off_temperature=off_policy`` a turn sampled at another
   temperature keeps its stored logprob as the behaviour logprob (the distribution it was really
-  drawn from) and a greedy turn gets 0 (log 1: greedy decoding is deterministic);
+  drawn from). A greedy turn has no such distribution (argmax is a point mass, which no
+  importance weight corrects), so it is masked under either setting;
 - **advantages**: discounted returns along the session's path, a rewarded alternative's own
-  reward, then the run's estimator (`advantages`) over the returns of the turns that train.
+  reward, then the run's estimator (`advantages`) over the returns of the turns that train
+  (with the same returns undiscounted, from which the normalised estimators take their scale).
+
+Every loss token a batch saw is trained, masked (``Batch.masked``) or dropped with its session
+(``Batch.dropped_tokens``): ``Batch.sampled_tokens`` is their sum.
 
 Pure: it knows nothing about HTTP, Ray or torch.
 """
@@ -29,7 +38,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.advantages import RunningBaseline, SessionReturns, session_advantages, turn_returns
+from trainer.advantages import (
+    ESTIMATORS,
+    RunningBaseline,
+    SessionReturns,
+    pool_sizes,
+    session_advantages,
+    turn_returns,
+)
 from trainer.config import AlgorithmConfig
 from trainer.staleness import Republish, versions_behind
 
@@ -38,7 +54,7 @@ GREEDY_BELOW = 1e-6  # a temperature below this is greedy decoding (SGLang's rul
 SAME_TEMPERATURE = 1e-6  # temperatures this close are the same distribution
 
 # Why loss tokens were masked out: the keys of Batch.masked.
-STALE, OFF_TEMPERATURE, ALTERNATIVE = "stale", "off_temperature", "alternative"
+STALE, GREEDY, OFF_TEMPERATURE, ALTERNATIVE = "stale", "greedy", "off_temperature", "alternative"
 
 
 @dataclass
@@ -66,9 +82,13 @@ class Batch:
     samples: list[Sample]
     session_ids: list[str]  # every claimed session, trained or dropped
     dropped: dict[str, str] = field(default_factory=dict)  # session id -> why
-    rewards: list[float] = field(default_factory=list)  # per session with turns: its path's G_0
+    # per session with turns: its outcome, undiscounted (its path's rewards and the session's)
+    rewards: list[float] = field(default_factory=list)
+    returns: list[float] = field(default_factory=list)  # the same sessions' discounted G_0
     staleness: list[int] = field(default_factory=list)  # updates behind, per trained token
     masked: Counter[str] = field(default_factory=Counter)  # loss tokens masked, by cause
+    # loss tokens that could train, of sessions dropped with them unmasked (not in `masked`)
+    dropped_tokens: int = 0
     off_policy_tokens: int = 0  # off-temperature tokens trained with their own behaviour logprob
 
     @property
@@ -86,6 +106,11 @@ class Batch:
     @property
     def loss_tokens(self) -> int:
         return sum(s.loss_tokens for s in self.samples)
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Every loss token the batch saw: trained, masked or dropped with its session."""
+        return self.loss_tokens + sum(self.masked.values()) + self.dropped_tokens
 
 
 @dataclass(frozen=True)
@@ -119,6 +144,7 @@ class _Turn:
     alternative: bool
     position: int = 0  # where along the session's path it falls
     value: float | None = None  # its return (None: an alternative without a reward of its own)
+    undiscounted: float | None = None  # the same return at discount 1
     trains: bool = False  # any loss token left after masking
 
 
@@ -129,12 +155,33 @@ class _Session:
     data: dict[str, Any]
     turns: list[_Turn]
     length: int  # turns on the path
-    outcome: float | None  # the last path turn's return
+    outcome: float | None  # the last path turn's return (the same at any discount)
+
+    @property
+    def first(self) -> _Turn | None:
+        return min(
+            (t for t in self.turns if not t.alternative), key=lambda t: t.order, default=None
+        )
 
     @property
     def first_return(self) -> float:
-        path = sorted((t for t in self.turns if not t.alternative), key=lambda t: t.order)
-        return path[0].value if path and path[0].value is not None else 0.0
+        """Its path's G_0, discounted."""
+        return 0.0 if self.first is None or self.first.value is None else self.first.value
+
+    @property
+    def reward(self) -> float:
+        """Its path's G_0 at discount 1: every reward of its path and the session's, summed."""
+        first = self.first
+        return 0.0 if first is None or first.undiscounted is None else first.undiscounted
+
+    def trainable_tokens(self) -> int:
+        """Loss tokens that could train: those of every turn with a return."""
+        rows = self.data["rows"]
+        return sum(
+            sum(rows[t.row]["loss_mask"][t.start : t.end])
+            for t in self.turns
+            if t.value is not None
+        )
 
 
 def _session(data: dict[str, Any], discount: float) -> _Session:
@@ -154,13 +201,16 @@ def _session(data: dict[str, Any], discount: float) -> _Session:
                 )
             )
     path = sorted((t for t in turns if not t.alternative), key=lambda t: t.order)
-    returns = turn_returns([t.reward for t in path], data.get("reward"), discount)
-    for position, (turn, value) in enumerate(zip(path, returns, strict=True)):
-        turn.position, turn.value = position, value
+    rewards = [t.reward for t in path]
+    returns = turn_returns(rewards, data.get("reward"), discount)
+    undiscounted = turn_returns(rewards, data.get("reward"), 1.0)
+    for position, turn in enumerate(path):
+        turn.position = position
+        turn.value, turn.undiscounted = returns[position], undiscounted[position]
     for turn in turns:
         if turn.alternative:  # where its request stood on the path
             turn.position = sum(1 for t in path if t.order < turn.order)
-            turn.value = None if turn.reward is None else float(turn.reward)
+            turn.value = turn.undiscounted = None if turn.reward is None else float(turn.reward)
     return _Session(data, turns, len(path), returns[-1] if returns else None)
 
 
@@ -195,13 +245,21 @@ def _drop_before_masking(session: _Session, rules: Rules) -> str | None:
 
 def _nothing_to_train(masked: Counter[str], empty: int, rules: Rules) -> str:
     parts = []
+    if masked[GREEDY]:
+        parts.append(
+            f"{masked[GREEDY]} decoded greedily (a point mass: no behaviour distribution to "
+            "importance-correct)"
+        )
     if masked[OFF_TEMPERATURE]:
         parts.append(
             f"{masked[OFF_TEMPERATURE]} sampled at another temperature than the run's "
             f"{rules.temperature:g} (off_temperature=mask)"
         )
     if masked[STALE]:
-        parts.append(f"{masked[STALE]} more than max_staleness ({rules.max_staleness}) behind")
+        parts.append(
+            f"{masked[STALE]} more than max_staleness ({rules.max_staleness}) behind "
+            "(algorithm.stale=mask)"
+        )
     if masked[ALTERNATIVE]:
         parts.append(f"{masked[ALTERNATIVE]} in alternatives the session did not continue")
     if not parts:
@@ -213,7 +271,9 @@ def _nothing_to_train(masked: Counter[str], empty: int, rules: Rules) -> str:
 
 
 def _temperature_rule(temperature: float | None, rules: Rules) -> str:
-    """ "on" (the training distribution), "mask" or "off_policy"."""
+    """ "on" (the training distribution), "greedy", "mask" or "off_policy"."""
+    if temperature is not None and temperature < GREEDY_BELOW:
+        return "greedy"  # argmax: a point mass, which no behaviour weight corrects
     if temperature is not None and abs(temperature - rules.temperature) <= SAME_TEMPERATURE:
         return "on"
     if temperature is None or rules.algorithm.off_temperature != "off_policy":
@@ -244,29 +304,31 @@ class _Masked:
 def _mask(session: _Session, rules: Rules) -> _Masked:
     """The session's rows with every mask applied; marks which turns still train."""
     out = _Masked([_sample(session.data["session_id"], row) for row in session.data["rows"]])
+    mask_stale = rules.algorithm.stale == "mask"  # under drop a stale session never gets here
     for turn in session.turns:
         row = out.rows[turn.row]
         rule = _temperature_rule(turn.temperature, rules)
         for i in range(turn.start, turn.end):
             if not row.loss_mask[i]:
                 continue
+            behind = rules.behind(row.versions[i])
             cause = None
             if turn.value is None:
                 cause = ALTERNATIVE
+            elif rule == "greedy":
+                cause = GREEDY
             elif rule == "mask":
                 cause = OFF_TEMPERATURE
-            elif rules.behind(row.versions[i]) > rules.max_staleness:
+            elif mask_stale and behind > rules.max_staleness:
                 cause = STALE
             if cause is not None:
                 row.loss_mask[i] = 0
                 out.masked[cause] += 1
                 continue
             turn.trains = True
-            out.staleness.append(rules.behind(row.versions[i]))
+            out.staleness.append(behind)
             if rule == "off_policy":
                 out.off_policy += 1
-                if turn.temperature is not None and turn.temperature < GREEDY_BELOW:
-                    row.behaviour[i] = 0.0
             else:
                 row.fresh[i] = int(row.versions[i] == rules.policy_version)
     return out
@@ -285,7 +347,44 @@ def _returns(session: _Session) -> SessionReturns:
         positions=[t.position for t in trained],
         length=session.length,
         outcome=session.outcome,
+        undiscounted=[t.undiscounted for t in trained],  # type: ignore[misc]
+        undiscounted_outcome=session.outcome,  # the last return is not discounted
     )
+
+
+def _without_contrast(
+    returns: Sequence[SessionReturns],
+    advantages: list[list[float]],
+    rules: Rules,
+    baseline: RunningBaseline | None,
+) -> dict[int, str]:
+    """Under dynamic sampling (DAPO), the kept sessions whose every advantage is 0, with why.
+
+    Not under the running baseline (the `running` estimator, or a session without group or
+    task key that it baselines): there a 0 is a rare coincidence, not a group without contrast.
+    """
+    algorithm = rules.algorithm
+    if not algorithm.dynamic_sampling:
+        return {}
+    pool = "batch" if ESTIMATORS[algorithm.advantage].pools == "batch" else "group"
+    why: dict[int, str] = {}
+    sizes = pool_sizes(returns, algorithm.advantage, baseline)
+    for i, (size, values) in enumerate(zip(sizes, advantages, strict=True)):
+        if size is None or any(values):
+            continue
+        if size <= 1:
+            why[i] = (
+                f"no_contrast: no other session of its {pool} trained in this step (its "
+                "partners were dropped or not claimed), so nothing to compare it with; "
+                "algorithm.dynamic_sampling"
+            )
+        else:
+            why[i] = (
+                f"no_contrast: its returns equal its {pool}'s mean at every position (the "
+                f"{pool}'s returns have no spread there), so every advantage is 0; "
+                "algorithm.dynamic_sampling"
+            )
+    return why
 
 
 def build_batch(
@@ -298,9 +397,12 @@ def build_batch(
     for data in sessions:
         session = _session(data, algorithm.discount)
         if session.turns:
-            batch.rewards.append(session.first_return)
+            batch.rewards.append(session.reward)
+            batch.returns.append(session.first_return)
         reason = _drop_before_masking(session, rules)
-        if reason is None:
+        if reason is not None:
+            batch.dropped_tokens += session.trainable_tokens()
+        else:
             masked = _mask(session, rules)
             batch.masked.update(masked.masked)
             if not any(turn.trains for turn in session.turns):
@@ -308,13 +410,17 @@ def build_batch(
         if reason is not None:
             batch.dropped[data["session_id"]] = reason
             continue
+        kept.append((session, masked))
+    returns = [_returns(session) for session, _ in kept]
+    advantages = session_advantages(returns, algorithm.advantage, baseline)
+    no_contrast = _without_contrast(returns, advantages, rules, baseline)
+    for k, ((session, masked), values) in enumerate(zip(kept, advantages, strict=True)):
+        if k in no_contrast:
+            batch.dropped[session.data["session_id"]] = no_contrast[k]
+            batch.dropped_tokens += sum(row.loss_tokens for row in masked.rows)
+            continue
         batch.staleness += masked.staleness
         batch.off_policy_tokens += masked.off_policy
-        kept.append((session, masked))
-    advantages = session_advantages(
-        [_returns(session) for session, _ in kept], algorithm.advantage, baseline
-    )
-    for (session, masked), values in zip(kept, advantages, strict=True):
         trained = [t for t in session.turns if t.trains]
         for turn, advantage in zip(trained, values, strict=True):
             row = masked.rows[turn.row]

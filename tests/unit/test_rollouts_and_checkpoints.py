@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 
 from trainer.advantages import RunningBaseline
 from trainer.checkpoint import Checkpoints, TrainerState, WrongCheckpoint
-from trainer.config import AlgorithmConfig
-from trainer.rollouts import ALTERNATIVE, OFF_TEMPERATURE, STALE, Rules, build_batch
+from trainer.config import AlgorithmConfig, ConfigError
+from trainer.rollouts import ALTERNATIVE, GREEDY, OFF_TEMPERATURE, STALE, Rules, build_batch
 from trainer.staleness import position, versions_behind
 
-DROP_CODES = ("no_turns", "row_too_long", "stale", "no_trainable_tokens")
+DROP_CODES = ("no_turns", "row_too_long", "stale", "no_trainable_tokens", "no_contrast")
 
 
 def turn(versions, reward=None, glue=0, temperature=1.0, alternative=False, order=None):
@@ -133,6 +133,111 @@ def test_turns_of_a_session_split_over_rows_keep_their_order():
     assert second.advantages[4:] == pytest.approx([0.0, 0.0])
 
 
+def test_rewards_are_undiscounted_outcomes_and_returns_the_discounted_g0():
+    # a 3-turn success at discount 0.9: its outcome is 1, its G_0 0.81
+    three = row(1, [turn([5]), turn([5], glue=1), turn([5], glue=1)])
+    per_turn = row(1, [turn([5], 0.5), turn([5], 0.25, glue=1)])  # 0.5 + 0.25 + session 1
+    sessions = [
+        session("three", 1.0, [three]),
+        session("per_turn", 1.0, [per_turn]),
+        session("empty", 1.0, []),  # no turns: neither a reward nor a return
+    ]
+    out = batch(sessions, discount=0.9)
+    assert out.rewards == pytest.approx([1.0, 1.75], abs=1e-15)
+    assert out.returns == pytest.approx([0.81, 0.5 + 0.9 * 1.25], abs=1e-15)
+
+
+def test_equal_outcomes_of_different_lengths_get_small_advantages_under_a_discount():
+    # four successes of 1-4 turns at discount 0.99: the shorter ones are a little better, not
+    # a z-score apart (before: -1.73..+1.39 at any discount below 1)
+    sessions = [
+        session(f"s{n}", 1.0, [row(1, [turn([5], glue=1) for _ in range(n)])]) for n in (1, 2, 3, 4)
+    ]
+    out = batch(sessions, discount=0.99)
+    firsts = [s.advantages[2] for s in out.samples]  # each session's first turn
+    g0 = [0.99**k for k in range(4)]
+    mean = math.fsum(g0) / 4
+    assert firsts == pytest.approx([g - mean for g in g0], rel=1e-12)
+    assert max(abs(a) for s in out.samples for a in s.advantages) <= 1 - 0.99**4
+
+
+# --- dynamic sampling -----------------------------------------------------------------------
+
+
+def test_dynamic_sampling_drops_a_group_without_contrast_saying_why():
+    sessions = [
+        session("a1", 1.0, [row(1, [turn([5, 5])])], group="a"),
+        session("a2", 1.0, [row(1, [turn([5])])], group="a"),
+        session("b1", 1.0, [row(1, [turn([5])])], group="b"),
+        session("b2", 0.0, [row(1, [turn([5, 5, 5])])], group="b"),
+    ]
+    out = batch(sessions, dynamic_sampling=True, max_staleness=0, stale="keep")
+    assert [s.session_id for s in out.samples] == ["b1", "b2"]
+    assert set(out.dropped) == {"a1", "a2"}
+    for reason in out.dropped.values():
+        assert reason.startswith("no_contrast: its returns equal its group's mean")
+        assert "algorithm.dynamic_sampling" in reason
+    assert out.dropped_tokens == 3 and out.loss_tokens == 4
+    assert len(out.staleness) == 4  # the dropped sessions' tokens are not trained tokens
+    assert out.sampled_tokens == 7
+    kept = batch(sessions, dynamic_sampling=False)
+    assert kept.dropped == {} and kept.loss_tokens == 7 and kept.dropped_tokens == 0
+
+
+def test_dynamic_sampling_drops_the_survivor_of_a_group_whose_partner_was_dropped():
+    sessions = [
+        session("alone", 1.0, [row(1, [turn([5, 5])])], group="a"),
+        session("empty", 0.0, [], group="a"),  # dropped: no turns
+        session("b1", 1.0, [row(1, [turn([5])])], group="b"),
+        session("b2", 0.0, [row(1, [turn([5])])], group="b"),
+    ]
+    out = batch(sessions, dynamic_sampling=True)
+    assert out.dropped["alone"].startswith("no_contrast: no other session of its group trained")
+    assert out.dropped["empty"].startswith("no_turns:")
+    assert [s.session_id for s in out.samples] == ["b1", "b2"]
+
+
+def test_dynamic_sampling_names_the_batch_under_reinforce_pp():
+    sessions = [session(f"s{i}", 1.0, [row(1, [turn([5])])], group=f"g{i}") for i in range(3)]
+    out = batch(sessions, dynamic_sampling=True, advantage="reinforce_pp")
+    assert out.samples == [] and len(out.dropped) == 3
+    assert all("its batch's mean" in reason for reason in out.dropped.values())
+
+
+def test_dynamic_sampling_keeps_what_the_running_baseline_scored():
+    # a session without group or task key is baselined by the running baseline: a 0 there is
+    # a coincidence (its outcome equals the running mean), not a group without contrast
+    keyless = session("keyless", 1.0, [row(1, [turn([5])])], group=None)
+    keyless["task_id"] = None
+    baseline = RunningBaseline(0.5)
+    baseline.update("", 1.0)
+    out = batch([keyless], baseline=baseline, dynamic_sampling=True)
+    assert out.dropped == {} and out.samples[0].advantages == [0.0, 0.0]
+    with pytest.raises(ConfigError, match=r"algorithm\.dynamic_sampling"):
+        AlgorithmConfig(advantage="running", dynamic_sampling=True)
+
+
+# --- accounting -----------------------------------------------------------------------------
+
+
+def test_tokens_of_sessions_dropped_before_masking_are_counted_once():
+    rows = [
+        row(1, [turn([0, 0], order=0, alternative=True)], 0),  # no reward: could never train
+        row(1, [turn([2, 2, 2], order=1)], 1),
+    ]
+    sessions = [
+        session("stale", 1.0, rows),
+        session("long", 1.0, [row(20, [turn([9] * 4)])]),
+        session("b", 0.0, [row(1, [turn([9])])]),
+        session("c", 1.0, [row(1, [turn([9, 9])])]),
+    ]
+    out = batch(sessions, policy_version=9, stale="drop", max_staleness=1, row_limit=16)
+    assert out.dropped["stale"].startswith("stale:") and out.dropped["long"].startswith("row_")
+    assert out.dropped_tokens == 3 + 4  # not the alternative's 2
+    assert out.loss_tokens == 3 and out.masked == {}
+    assert out.sampled_tokens == 10
+
+
 # --- sampling temperature -------------------------------------------------------------------
 
 
@@ -163,16 +268,35 @@ def test_a_session_sampled_only_at_another_temperature_is_dropped_saying_why():
     assert out.samples[0].advantages[1] == pytest.approx(-1.0, abs=1e-5)
 
 
-def test_off_policy_keeps_the_drawn_distribution_s_logprob_and_greedy_gets_zero():
+def test_off_policy_keeps_the_drawn_distribution_s_logprob():
     warm = row(1, [turn([5, 5], temperature=0.7)], logprob=-1.25)
-    greedy = row(1, [turn([5, 5, 5], temperature=0.0)], logprob=-0.3)
-    sessions = [session("warm", 1.0, [warm]), session("greedy", 0.0, [greedy])]
+    sessions = [session("warm", 1.0, [warm]), session("b", 0.0, [row(1, [turn([5])])])]
     out = batch(sessions, off_temperature="off_policy")
-    w, g = out.samples
+    w, b = out.samples
     assert w.loss_mask == [0, 1, 1] and w.behaviour == [0.0, -1.25, -1.25]
-    assert g.loss_mask == [0, 1, 1, 1] and g.behaviour == [0.0, 0.0, 0.0, 0.0]
-    assert out.off_policy_tokens == 5 and out.masked[OFF_TEMPERATURE] == 0
-    assert w.fresh == [0, 0, 0] and g.fresh == [0, 0, 0, 0]
+    assert out.off_policy_tokens == 2 and out.masked[OFF_TEMPERATURE] == 0
+    assert w.fresh == [0, 0, 0] and b.fresh == [0, 1]
+
+
+@pytest.mark.parametrize("off_temperature", ["mask", "off_policy"])
+def test_greedy_turns_are_masked_under_either_setting(off_temperature):
+    # argmax is a point mass: no behaviour logprob makes pi_prox / pi_behav mean anything
+    mixed = row(1, [turn([5, 5, 5], temperature=0.0), turn([5, 5], glue=1)], logprob=-0.3)
+    greedy = row(1, [turn([5, 5], temperature=1e-7)], logprob=-0.3)
+    sessions = [
+        session("mixed", 1.0, [mixed]),
+        session("greedy", 0.0, [greedy]),
+        session("b", 0.0, [row(1, [turn([5])])]),
+    ]
+    out = batch(sessions, off_temperature=off_temperature)
+    assert out.masked[GREEDY] == 5 and out.masked[OFF_TEMPERATURE] == 0
+    assert out.off_policy_tokens == 0
+    m = out.samples[0]
+    assert m.session_id == "mixed" and m.loss_mask == [0, 0, 0, 0, 0, 1, 1]
+    assert m.behaviour[5:] == [-0.3, -0.3]  # the tokens that train keep their logprob
+    reason = out.dropped["greedy"]
+    assert reason.startswith("no_trainable_tokens: every sampled token was masked: ")
+    assert "2 decoded greedily" in reason
 
 
 def test_an_unknown_temperature_is_never_trained_as_if_known():
@@ -235,13 +359,29 @@ def test_stale_tokens_are_masked_and_counted():
         session("a", 1.0, [row(1, [turn([2, 3, 4, 5])])]),
         session("b", 0.0, [row(1, [turn([5])])]),
     ]
-    out = batch(sessions, policy_version=5, max_staleness=2)  # versions below 3 are stale
+    # versions below 3 are stale
+    out = batch(sessions, policy_version=5, max_staleness=2, stale="mask")
     a = out.samples[0]
     assert a.loss_mask == [0, 0, 1, 1, 1]
     assert out.stale_tokens == 1 and out.masked[STALE] == 1
     assert sorted(out.staleness) == [0, 0, 1, 2]
     assert a.fresh == [0, 0, 0, 0, 1]  # sampled by the step's own starting weights
     assert out.samples[1].fresh == [0, 1]
+
+
+def test_keep_trains_stale_tokens_and_records_how_stale_they_are():
+    # a long session: its early turn is 4 updates behind, more than max_staleness
+    long = row(1, [turn([1, 1], 0.5), turn([4], glue=1), turn([5, 5], glue=1)])
+    sessions = [session("long", 1.0, [long]), session("b", 0.0, [row(1, [turn([5])])])]
+    assert AlgorithmConfig().stale == "keep"  # the default
+    out = batch(sessions, policy_version=5, max_staleness=1)
+    assert out.dropped == {} and out.masked == {} and out.stale_tokens == 0
+    first = out.samples[0]
+    assert first.loss_mask == [0, 1, 1, 0, 1, 0, 1, 1]  # the early turn trains
+    assert sorted(out.staleness) == [0, 0, 0, 1, 4, 4]  # one per trained token
+    assert first.fresh == [0, 0, 0, 0, 0, 0, 1, 1]
+    masked = batch(sessions, policy_version=5, max_staleness=1, stale="mask")
+    assert masked.stale_tokens == 2 and masked.samples[0].loss_mask[1:3] == [0, 0]
 
 
 def test_stale_sessions_are_dropped_in_drop_mode_with_a_reason():
@@ -265,11 +405,11 @@ def test_a_restart_s_republish_does_not_make_the_sessions_it_gave_back_stale():
         session("a", 1.0, [row(1, [turn([3, 4, 5])])]),
         session("b", 0.0, [row(1, [turn([1, 2])])]),
     ]
-    out = batch(sessions, policy_version=6, max_staleness=1, republished=republished)
+    out = batch(sessions, policy_version=6, max_staleness=1, republished=republished, stale="mask")
     assert out.stale_tokens == 0 and out.dropped == {}
     assert sorted(out.staleness) == [0, 0, 0, 0, 1]
     # without the lineage, the version numbers alone would mask a's and b's tokens
-    plain = batch(sessions, policy_version=6, max_staleness=1)
+    plain = batch(sessions, policy_version=6, max_staleness=1, stale="mask")
     assert plain.stale_tokens == 4
 
 
@@ -388,12 +528,13 @@ def claimed_sessions(draw):
     sessions=claimed_sessions(),
     estimator=st.sampled_from(["grpo", "dr_grpo", "rloo", "reinforce_pp", "running"]),
     off_temperature=st.sampled_from(["mask", "off_policy"]),
-    stale=st.sampled_from(["mask", "drop"]),
+    stale=st.sampled_from(["keep", "mask", "drop"]),
     max_staleness=st.integers(0, 4),
     max_tokens_per_row=st.none() | st.integers(4, 30),
+    dynamic_sampling=st.booleans(),
 )
 def test_any_claimed_data_becomes_samples_or_reasons(
-    sessions, estimator, off_temperature, stale, max_staleness, max_tokens_per_row
+    sessions, estimator, off_temperature, stale, max_staleness, max_tokens_per_row, dynamic_sampling
 ):
     out = batch(
         sessions,
@@ -404,6 +545,7 @@ def test_any_claimed_data_becomes_samples_or_reasons(
         policy_version=9,
         max_staleness=max_staleness,
         row_limit=max_tokens_per_row,
+        dynamic_sampling=dynamic_sampling and estimator != "running",
     )
     trained = {s.session_id for s in out.samples}
     for s in sessions:  # every session is trained or dropped with a reason, never both
@@ -413,12 +555,33 @@ def test_any_claimed_data_becomes_samples_or_reasons(
         assert sample.loss_tokens > 0
         for i, in_loss in enumerate(sample.loss_mask):
             if in_loss:
-                assert 9 - sample.versions[i] <= max_staleness
+                assert stale == "keep" or 9 - sample.versions[i] <= max_staleness
                 assert math.isfinite(sample.advantages[i])
             assert not (sample.fresh[i] and not in_loss)
         if max_tokens_per_row is not None:
             assert len(sample.input_ids) <= max_tokens_per_row
     assert len(out.staleness) == out.loss_tokens
+    assert sorted(out.staleness) == sorted(
+        9 - v for s in out.samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m
+    )
+    assert out.sampled_tokens == could_train(sessions, out)
+    assert stale == "mask" or out.stale_tokens == 0
+
+
+def could_train(sessions, out) -> int:
+    """The loss tokens the batch saw, from the claimed data alone: every turn's, but where a
+    session was dropped before masking, only those of turns with a return (an alternative
+    without a reward of its own trains nothing, and nothing counted it)."""
+    early = ("no_turns", "bad_reward", "row_too_long", "stale")
+    total = 0
+    for s in sessions:
+        dropped_early = out.dropped.get(s["session_id"], "").split(":")[0] in early
+        for r in s["rows"]:
+            for t in r["turns"]:
+                if dropped_early and t["alternative"] and t["reward"] is None:
+                    continue
+                total += sum(r["loss_mask"][t["start"] : t["end"]])
+    return total
 
 
 # --- checkpoints ----------------------------------------------------------------------------
