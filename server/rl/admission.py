@@ -1,10 +1,33 @@
-"""Admission: how far generation may run ahead of training (AReaL's staleness bound).
+"""Admission: how far generation may run ahead of training (the staleness bound).
 
-A run admits a new session only while ``admitted < (max_staleness + version + 1) * batch_size``,
-where ``admitted`` counts the run's sessions that may still be trained. Otherwise the caller
-waits (up to the run's ``admission_wait_s``) for the trainer to publish a new version, then
-gets a 429 with Retry-After. Runs without a ``batch_size`` admit everything. Evaluation sessions
-are never trained: they neither count in ``admitted`` nor wait (``server.rl.sessions``).
+A run with a ``batch_size`` B and ``max_staleness`` eta holds at most (eta + 1) * B *places*.
+A training session holds a place from its admission until a training step first trains it
+(the trainer marks its claim trained when the step's version is published) or it is dropped;
+nothing else frees one, and nothing but an admission takes one. So the invariant
+
+    places held <= (eta + 1) * B
+
+holds whatever drops, trainer restarts, republishes, lapsed leases and claim orders happen: it
+counts sessions, not versions, so a restart that rolls steps back, or a republish that adds a
+version, changes nothing (AReaL's ``(eta + version + 1) * B`` counted sessions against versions,
+and every drop or republish moved the limit for good).
+
+A GRPO group is admitted as a unit: under a ``group_size`` G > 1, sessions that share a group
+key (``server.store.groups.key_of``) hold max(G, members) places while any of them is held, so
+the first member of a group takes G places and the next G - 1 come in at once, never refused
+half way; a session without a key holds one. When the places run out a caller waits (up to the
+run's ``admission_wait_s``) for the trainer to free some, then gets a 429 with Retry-After.
+Runs without a ``batch_size`` admit everything. Evaluation sessions are never trained: they
+hold no place and never wait (``server.rl.sessions``).
+
+Why this bounds staleness: claims take the oldest trainable groups first, and every session
+ahead of a group that has just become whole holds a place, so it is trained within eta + 1
+steps: at most eta versions after the version served when it became whole. What a long session
+adds on top (the versions published while it ran) is its own length, which no admission rule
+can remove; the trainer keeps those tokens and the decoupled objective's behaviour weight
+corrects them (docs/architecture/staleness.md).
+
+Pure but for ``Admission``'s wait; the counts come from the store.
 """
 
 from __future__ import annotations
@@ -12,17 +35,62 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
 
 from server.errors import StalenessBound
+from server.store.groups import GroupKey, key_of
 from server.store.run_config import RunConfig
 
 RETRY_AFTER_S = 5
 
 
-def admits(admitted: int, config: RunConfig, policy_version: int) -> bool:
-    limit = config.admission_limit(policy_version)
-    return limit is None or admitted < limit
+@dataclass(frozen=True)
+class Held:
+    """A run's sessions that hold places: how many per group key, and how many have none."""
+
+    groups: dict[GroupKey, int] = field(default_factory=dict)
+    keyless: int = 0
+
+    @classmethod
+    def of(cls, rows: Iterable[tuple[str | None, str | None, int]], group_size: int) -> Held:
+        """From (group_id, task_id, sessions) rows of held sessions."""
+        groups: dict[GroupKey, int] = {}
+        keyless = 0
+        for group_id, task_id, count in rows:
+            key = key_of(group_id, task_id, by_task=group_size > 1)
+            if key is None:
+                keyless += count
+            else:
+                groups[key] = groups.get(key, 0) + count
+        return cls(groups, keyless)
+
+    def places(self, group_size: int) -> int:
+        """Places held: a group max(group_size, its members), a keyless session one."""
+        size = max(group_size, 1)
+        return self.keyless + sum(max(size, count) for count in self.groups.values())
+
+    def cost(self, key: GroupKey | None, group_size: int) -> int:
+        """Places one more session of ``key`` takes: none when it joins a group still short of
+        group_size (its place is held already), group_size when it starts a group, else one."""
+        if key is None or group_size <= 1:
+            return 1
+        members = self.groups.get(key, 0)
+        if members == 0:
+            return group_size
+        return 0 if members < group_size else 1
+
+
+def admits(held: Held, key: GroupKey | None, config: RunConfig) -> bool:
+    """May one more training session of group ``key`` be admitted? Always when the run has no
+    batch_size; else when its places fit under the limit (or it takes none). A run holding no
+    place admits, so a group larger than the limit is never shut out for good."""
+    limit = config.admission_limit()
+    if limit is None:
+        return True
+    size = config.group_size or 1
+    places, cost = held.places(size), held.cost(key, size)
+    return cost == 0 or places == 0 or places + cost <= limit
 
 
 class Admission:
@@ -38,7 +106,8 @@ class Admission:
         return self._locks.setdefault(run_id, asyncio.Lock())
 
     async def notify(self) -> None:
-        """A version was published or sessions were dropped: waiters look again."""
+        """Places were freed (sessions trained or dropped) or the run's config changed: waiters
+        look again."""
         async with self._changed:
             self._changed.notify_all()
 

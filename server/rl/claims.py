@@ -1,6 +1,7 @@
 """The trainer's claims as the REST API sees them: take sessions (grouped as the run says),
-renew the lease, drop sessions, confirm (with drops), release. The store does the exactly-once
-part (``server.store.claims``); this module adds the run's config and wakes admission."""
+renew the lease, mark trained, drop sessions, confirm (with drops), release. The store does the
+exactly-once part (``server.store.claims``); this module adds the run's config and wakes
+admission."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from server.rl.schemas import (
     ReleaseOut,
     RenewOut,
     RowOut,
+    TrainedOut,
 )
 from server.store import claims
 from server.store.groups import GroupRule
@@ -79,6 +81,16 @@ async def confirm(ctx: ServerContext, claim_id: str, dropped: dict[str, str]) ->
     if settlement.dropped:
         await ctx.admission.notify()
     return ConfirmOut(claim_id=claim_id, **vars(settlement))
+
+
+async def mark_trained(ctx: ServerContext, claim_id: str, version: int) -> TrainedOut:
+    """A step trained the claim and published ``version``: its sessions free their admission
+    places, and admission waiters look again."""
+    async with ctx.sessionmaker() as db, db.begin():
+        marked = await claims.mark_trained(db, claim_id, version)
+    if marked:
+        await ctx.admission.notify()
+    return TrainedOut(claim_id=claim_id, trained=marked)
 
 
 async def drop(ctx: ServerContext, claim_id: str, dropped: dict[str, str]) -> DropOut:

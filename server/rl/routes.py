@@ -39,6 +39,8 @@ from server.rl.schemas import (
     SessionSummary,
     StepIn,
     StepOut,
+    TrainedIn,
+    TrainedOut,
     WeightGroupIn,
     WeightsIn,
     WeightsOut,
@@ -280,6 +282,16 @@ async def confirm_claim(
     claim_id: PathId, ctx: Ctx, _: AdminDep, body: ConfirmIn | None = None
 ) -> ConfirmOut:
     return await claims.confirm(ctx, claim_id, body.dropped if body is not None else {})
+
+
+@runs_router.post(
+    "/claims/{claim_id}/trained",
+    response_model=TrainedOut,
+    summary="Mark a claim's sessions trained by a step (they free their admission places)",
+    responses=documented(400, 401, 403, 422),
+)
+async def claim_trained(claim_id: PathId, body: TrainedIn, ctx: Ctx, _: AdminDep) -> TrainedOut:
+    return await claims.mark_trained(ctx, claim_id, body.version)
 
 
 @runs_router.post(

@@ -12,11 +12,12 @@ from typing import Any
 from server.context import ServerContext
 from server.errors import GroupMixesEval, RunNotFound, SessionNotFound
 from server.rl import runs as run_views
-from server.rl.admission import admits
+from server.rl.admission import Held, admits
 from server.rl.schemas import RewardOut, RowOut, SessionCreated, SessionOut, SessionSummary, TurnOut
 from server.store import claims, rewards, runs
 from server.store import sessions as store
 from server.store.database import Sessionmaker
+from server.store.groups import key_of
 from server.store.rewards import SESSION_TARGET
 from server.store.run_config import RunConfig
 from server.store.tables import Session
@@ -46,8 +47,11 @@ async def create_session(
                     if (not eval) in kinds:
                         raise GroupMixesEval(group_id, "training" if eval else "eval")
                 config = RunConfig.model_validate(run.config)
-                admitted = await store.admitted_count(db, run_id)
-                room = eval or admits(admitted, config, run.policy_version)
+                room = eval or config.admission_limit() is None
+                if not room:
+                    size = config.group_size or 1
+                    held = Held.of(await store.held_places(db, run_id), size)
+                    room = admits(held, key_of(group_id, task_id, size > 1), config)
             if room:
                 async with ctx.sessionmaker() as db, db.begin():
                     created.append(

@@ -3,7 +3,9 @@ them.
 
 A claim marks sessions ``claimed`` with a lease and its ``claim_id``. Confirming marks them
 ``consumed`` (or ``dropped``, with the trainer's reason); dropping some before the confirm marks
-them ``dropped`` at once; releasing gives them back. Dropped and consumed sessions keep the
+them ``dropped`` at once; releasing gives them back. Marking a claim trained (a step trained it,
+before the checkpoint that confirms it) records the step's version on its sessions, which frees
+their admission places (``server.rl.admission``). Dropped and consumed sessions keep the
 claim's id, so a confirm counts them as settled. A lease that runs out returns the sessions to
 ``trainable`` but they keep the claim's id, so its owner can still renew, drop or confirm them
 until another claim takes them (which overwrites the id).
@@ -252,6 +254,23 @@ async def runs_of(db: AsyncSession, claim_ids: list[str]) -> list[str]:
 def _held(claim_id: str) -> tuple[ColumnElement[bool], ...]:
     """The claim's sessions it can still settle: claimed, or lapsed and not retaken."""
     return (Session.claim_id == claim_id, Session.status.in_(HELD))
+
+
+async def mark_trained(db: AsyncSession, claim_id: str, version: int) -> int:
+    """A training step that published ``version`` trained the claim's sessions (held, or lapsed
+    and not retaken): the ones no step trained before get ``trained_version``, and hold no
+    admission place from now on. How many of the claim's held sessions are now marked; marking
+    again changes nothing (a session keeps the version of the first step that trained it, even
+    when a restart hands it back to be trained again: its place was freed once)."""
+    await db.execute(
+        update(Session)
+        .where(*_held(claim_id), Session.trained_version.is_(None))
+        .values(trained_version=version)
+    )
+    marked = await db.scalar(
+        select(func.count()).where(*_held(claim_id), Session.trained_version.is_not(None))
+    )
+    return int(marked or 0)
 
 
 async def confirm(db: AsyncSession, claim_id: str, dropped: dict[str, str]) -> Settlement:

@@ -73,12 +73,17 @@ class Plan:
     drop: list[tuple[Group, str]] = field(default_factory=list)  # each with its reason
 
 
-def group_key(candidate: Candidate, by_task: bool) -> GroupKey | None:
-    if candidate.group_id is not None:
-        return ("group", candidate.group_id)
-    if by_task and candidate.task_id is not None:
-        return ("task", candidate.task_id)
+def key_of(group_id: str | None, task_id: str | None, by_task: bool) -> GroupKey | None:
+    """A session's group key: its group_id, else (``by_task``) its task_id, else none."""
+    if group_id is not None:
+        return ("group", group_id)
+    if by_task and task_id is not None:
+        return ("task", task_id)
     return None
+
+
+def group_key(candidate: Candidate, by_task: bool) -> GroupKey | None:
+    return key_of(candidate.group_id, candidate.task_id, by_task)
 
 
 def form_groups(candidates: list[Candidate], by_task: bool) -> list[Group]:

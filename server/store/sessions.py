@@ -100,13 +100,24 @@ async def end_session(db: AsyncSession, session: Session, now: datetime | None =
     await db.refresh(session)
 
 
-async def admitted_count(db: AsyncSession, run_id: str) -> int:
-    """Sessions the run has admitted that may still be trained (all but dropped ones; eval
-    sessions are never trained, so never count)."""
-    query = select(func.count()).where(
-        Session.run_id == run_id, Session.status != DROPPED, Session.eval.is_(False)
+# A training session holds an admission place in these statuses until a step trains it.
+HOLDING = (OPEN, ENDED, TRAINABLE, CLAIMED)
+
+
+async def held_places(db: AsyncSession, run_id: str) -> list[tuple[str | None, str | None, int]]:
+    """(group_id, task_id, sessions) of the run's sessions that hold admission places: not
+    eval, not yet trained by a step, neither consumed nor dropped (``server.rl.admission``)."""
+    query = (
+        select(Session.group_id, Session.task_id, func.count())
+        .where(
+            Session.run_id == run_id,
+            Session.status.in_(HOLDING),
+            Session.eval.is_(False),
+            Session.trained_version.is_(None),
+        )
+        .group_by(Session.group_id, Session.task_id)
     )
-    return int(await db.scalar(query) or 0)
+    return [(group_id, task_id, int(count)) for group_id, task_id, count in await db.execute(query)]
 
 
 async def group_eval_flags(db: AsyncSession, run_id: str, group_id: str) -> set[bool]:

@@ -70,8 +70,9 @@ class Run(Base):
 
 class Session(Base):
     """One agent episode in a run; its status moves open -> ended -> trainable -> claimed ->
-    consumed, or to dropped (with a ``drop_reason``) when it cannot be trained. An evaluation
-    session (``eval``) is never trained: it moves open -> ended -> evaluated."""
+    consumed, or to dropped (with a ``drop_reason``) when it cannot be trained; a step that
+    trains it records its version in ``trained_version``. An evaluation session (``eval``) is
+    never trained: it moves open -> ended -> evaluated."""
 
     __tablename__ = "sessions"
     __table_args__ = (
@@ -101,6 +102,9 @@ class Session(Base):
     consumed_at: Mapped[datetime | None]
     drop_reason: Mapped[str | None] = mapped_column(String(DROP_REASON_LENGTH))
     eval: Mapped[bool] = mapped_column(default=False, server_default=false())
+    # The version published by the first training step that trained it (its claim marked
+    # trained): from then on it holds no admission place (server.rl.admission).
+    trained_version: Mapped[int | None] = mapped_column(Integer)
 
 
 class Turn(Base):

@@ -277,9 +277,9 @@ def test_without_a_group_size_a_group_id_is_claimed_whole_and_task_sessions_one_
 
 @BOTH
 def test_an_incomplete_group_no_longer_deadlocks_admission(proxy):
-    """At its admission bound with two sessions each waiting for a group member, a run used to
-    admit nothing forever. Now, after group_timeout_s, the trainer claims them, confirms,
-    publishes a version, and a new session is admitted."""
+    """At its admission bound with a group waiting for its second member, a run used to admit
+    no other group forever. Now, after group_timeout_s, the trainer claims it as it is,
+    confirms, and a new group is admitted."""
     run = proxy.new_run(
         batch_size=2,
         max_staleness=0,
@@ -287,18 +287,16 @@ def test_an_incomplete_group_no_longer_deadlocks_admission(proxy):
         group_timeout_s=GROUP_TIMEOUT_S,
         admission_wait_s=0,
     )
-    waiting = {proxy.trainable_session(run["id"], group_id=name) for name in ("a", "b")}
-    refused = proxy.call("POST", "/rl/sessions", json={"run_id": run["id"]})
+    waiting = {proxy.trainable_session(run["id"], group_id="a")}  # holds the group's 2 places
+    refused = proxy.call("POST", "/rl/sessions", json={"run_id": run["id"], "group_id": "b"})
     assert error_of(refused, 429)["code"] == "staleness_bound"
     assert proxy.claimed_ids(run["id"]) == set()
 
     wait_past_group_timeout()
     claim = proxy.claim(run["id"], max_sessions=2)
     assert {s["session_id"] for s in claim["sessions"]} == waiting
-    assert proxy.confirm(claim["claim_id"])["settled"] == 2
-    body = {"model_path": str(proxy.model_dir), "run_id": run["id"]}
-    assert proxy.ok("POST", "/admin/weights", json=body)["policy_version"] == 1
-    assert proxy.new_session(run["id"])["status"] == "open"
+    assert proxy.confirm(claim["claim_id"])["settled"] == 1
+    assert proxy.new_session(run["id"], group_id="b")["status"] == "open"
 
 
 # --------------------------------------------------------------------------------------------

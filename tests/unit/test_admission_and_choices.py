@@ -6,28 +6,73 @@ import asyncio
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from server.errors import StalenessBound
 from server.proxy.generation import Completion, SamplingRequest, engine_body, parse_version
 from server.proxy.outputs import TextStreamer, final_text
-from server.rl.admission import Admission, admits
+from server.rl.admission import Admission, Held, admits
 from server.store.run_config import RunConfig
 from server.text.tokenization import Tokenizer
 
 
+def held(*rows: tuple[str | None, str | None, int], group_size: int = 1) -> Held:
+    return Held.of(rows, group_size)
+
+
 @pytest.mark.parametrize(
-    ("admitted", "version", "eta", "expected"),
-    [(0, 0, 0, True), (3, 0, 0, True), (4, 0, 0, False), (4, 1, 0, True), (11, 0, 2, True),
-     (12, 0, 2, False), (15, 1, 2, True), (16, 1, 2, False)],
-)  # fmt: skip
-def test_admits_follows_areal(admitted, version, eta, expected):
+    ("sessions", "eta", "expected"),
+    [(0, 0, True), (3, 0, True), (4, 0, False), (11, 2, True), (12, 2, False)],
+)
+def test_admits_up_to_eta_plus_one_batches_of_places(sessions, eta, expected):
     config = RunConfig(batch_size=4, max_staleness=eta)
-    assert config.admission_limit(version) == (eta + version + 1) * 4
-    assert admits(admitted, config, version) is expected
+    assert config.admission_limit() == (eta + 1) * 4
+    assert admits(held((None, None, sessions)), None, config) is expected
 
 
 def test_no_batch_size_admits_everything():
-    assert admits(10**9, RunConfig(), 0)
+    assert admits(held((None, None, 10**9)), None, RunConfig())
+
+
+def test_a_group_is_admitted_as_a_unit():
+    """The first member of a group takes group_size places; the others come in at once, even
+    when the run is full; a new group waits for room for all of it."""
+    config = RunConfig(batch_size=4, max_staleness=1, group_size=4)  # 8 places
+    full = held(("g1", None, 1), ("g2", None, 3), group_size=4)
+    assert full.places(4) == 8
+    assert full.cost(("group", "g1"), 4) == 0 and admits(full, ("group", "g1"), config)
+    assert full.cost(("group", "g3"), 4) == 4 and not admits(full, ("group", "g3"), config)
+    half = held(("g1", None, 4), group_size=4)
+    assert half.places(4) == 4 and admits(half, ("group", "g3"), config)
+    # a fifth member of a whole group takes a place of its own
+    assert half.cost(("group", "g1"), 4) == 1
+
+
+def test_task_ids_form_groups_only_under_a_group_size():
+    rows = (None, "task", 3), (None, None, 2)
+    assert held(*rows, group_size=4).places(4) == 4 + 2
+    assert held(*rows, group_size=1).places(1) == 5
+    assert held(*rows, group_size=4).groups == {("task", "task"): 3}
+
+
+def test_a_group_larger_than_the_limit_is_not_shut_out():
+    config = RunConfig(batch_size=2, max_staleness=0, group_size=4)  # 2 places, groups of 4
+    assert admits(Held(), ("group", "g"), config)
+    assert not admits(held(("h", None, 4), group_size=4), ("group", "g"), config)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    counts=st.lists(st.integers(1, 9), max_size=8),
+    keyless=st.integers(0, 20),
+    group_size=st.integers(1, 8),
+)
+def test_places_count_every_group_at_least_group_size(counts, keyless, group_size):
+    rows = [(f"g{i}", None, n) for i, n in enumerate(counts)] + [(None, None, keyless)]
+    places = Held.of(rows, group_size).places(group_size)
+    assert places == keyless + sum(max(n, group_size) for n in counts)
+    assert places >= keyless + sum(counts)
 
 
 def test_waiting_then_admitted_when_notified():
