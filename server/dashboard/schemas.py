@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from server.rl.schemas import ROW_TURNS, RunEval, SessionOut, SessionSummary
+from server.rl.schemas import ROW_TURNS, RunEval, RunTraining, SessionOut, SessionSummary
 
 
 class RunSummary(BaseModel):
@@ -35,6 +35,10 @@ class RunSummary(BaseModel):
     trainer_quiet_since: datetime | None = Field(
         description="When the last word came from a trainer that has gone quiet (no step for "
         "three step intervals, 30 s at least) without saying it stopped; null otherwise."
+    )
+    training: RunTraining = Field(
+        description="What of the sampled tokens trained and why the rest did not, with a "
+        "warning below min_trained_share, as GET /rl/runs/{id} shows it."
     )
 
 
@@ -88,6 +92,9 @@ class RunSeries(BaseModel):
         description="Trainer steps after `after_step`, in order (every n-th when many)."
     )
     step_count: int = Field(description="Steps the run has in all.")
+    min_trained_share: float = Field(
+        description="The run's min_trained_share, drawn beside the steps' trained share."
+    )
     bucket_seconds: int = Field(description="Width of the reward and session buckets.")
     rewards: list[RewardPoint] = Field(description="Session rewards by time of arrival.")
     sessions: list[SessionPoint] = Field(description="Sessions started and ended by time.")

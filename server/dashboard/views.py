@@ -34,6 +34,7 @@ from server.engine_client.pool import EngineState
 from server.rl import runs as run_views
 from server.rl import sessions as session_views
 from server.store import runs, stats, steps
+from server.store.run_config import RunConfig
 from server.store.tables import Run, TrainerStep
 
 NICE_WIDTHS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200)
@@ -93,6 +94,7 @@ async def _summaries(ctx: ServerContext, found: list[Run]) -> list[dict[str, Any
         rewards = await stats.reward_means(db, ids)
         spans = await stats.step_spans(db, ids)
         latest = await steps.latest_steps(db, ids)
+        dropped = await stats.dropped_by_reason(db, ids)
     now = datetime.now(UTC)
     out = []
     for run in found:
@@ -118,6 +120,11 @@ async def _summaries(ctx: ServerContext, found: list[Run]) -> list[dict[str, Any
                 "trainer_active": trainer == "training",
                 "trainer": trainer,
                 "trainer_quiet_since": quiet_since,
+                "training": run_views.training_view(
+                    last.metrics if last else None,
+                    dropped[run.id],
+                    RunConfig.model_validate(run.config).min_trained_share,
+                ),
             }
         )
     return out
@@ -167,6 +174,7 @@ async def run_series(
         now=time.time(),
         steps=[_step_point(step) for step in found],
         step_count=count,
+        min_trained_share=RunConfig.model_validate(run.config).min_trained_share,
         bucket_seconds=width,
         rewards=[
             RewardPoint(

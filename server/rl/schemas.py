@@ -27,7 +27,7 @@ from server.bounds import (
     Name,
     Shape,
 )
-from server.store.run_config import MAX_COUNT, REWARD_BOUND, RunConfig, Seconds
+from server.store.run_config import REWARD_BOUND, RunConfig, Seconds
 from server.store.tables import DROP_REASON_LENGTH
 from server.store.turns import TurnFields
 
@@ -86,6 +86,35 @@ class RunEval(BaseModel):
     versions: list[EvalFigures] = Field(description="Per version, over every task.")
 
 
+class RunTraining(BaseModel):
+    """What of the run's sampled tokens trained, and why the rest did not."""
+
+    total_sampled_tokens: int | None = Field(
+        description="Tokens the sessions the trainer claimed sampled (trained, masked, or in "
+        "dropped sessions), as its latest step reports them (null: no step yet)."
+    )
+    total_trained_tokens: int | None = Field(description="Of those, the tokens that trained.")
+    total_trained_share: float | None = Field(
+        description="total_trained_tokens / total_sampled_tokens (1.0 when nothing was sampled)."
+    )
+    total_masked_tokens: dict[str, int] | None = Field(
+        description="Tokens masked out of the loss, by cause (stale, off_temperature, ...)."
+    )
+    total_dropped_sessions: dict[str, int] | None = Field(
+        description="Sessions the trainer dropped, by reason code."
+    )
+    dropped_sessions: dict[str, int] = Field(
+        description="Every dropped session of the run by reason code (the text of its "
+        "drop_reason before the colon), the server's drops included (no_turns, no_reward, "
+        "incomplete_group, ...)."
+    )
+    min_trained_share: float = Field(description="The run's min_trained_share.")
+    warning: str | None = Field(
+        description="A sentence naming the biggest causes when total_trained_share is below "
+        "min_trained_share; null otherwise."
+    )
+
+
 class RunOut(BaseModel):
     id: str
     name: str
@@ -104,6 +133,10 @@ class RunOut(BaseModel):
     sessions: dict[str, int] = Field(description="Sessions by status.")
     totals: dict[str, int] = Field(description="Turns, tokens and multi-turn breaks.")
     eval: RunEval = Field(description="Held-out rewards of eval sessions by version and task.")
+    training: RunTraining = Field(
+        description="What of the sampled tokens trained (the trainer's totals) and why the rest "
+        "did not: masked tokens by cause, dropped sessions by reason."
+    )
 
 
 class RunCreated(RunOut):
@@ -310,22 +343,6 @@ class DropOut(BaseModel):
     held: int = Field(description="Sessions of the claim still claimed.")
 
 
-class TrainedIn(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    version: int = Field(
-        ge=0, le=MAX_COUNT, description="The policy version the step that trained it published."
-    )
-
-
-class TrainedOut(BaseModel):
-    claim_id: str
-    trained: int = Field(
-        description="Sessions of the claim now marked trained (they no longer hold admission "
-        "places); 0 for an unknown or settled claim."
-    )
-
-
 class ReleaseOut(BaseModel):
     claim_id: str
     released: int = Field(description="Sessions given back to the pool.")
@@ -410,7 +427,8 @@ class WeightGroupIn(BaseModel):
 
 MetricText = Annotated[str, StringConstraints(max_length=10_000)]
 MetricItem = StrictFloat | StrictInt | MetricText | None
-MetricValue = MetricItem | Annotated[list[MetricItem], Field(max_length=100_000)]
+MetricCounts = Annotated[dict[Name, StrictInt], Field(max_length=1000)]  # e.g. tokens by cause
+MetricValue = MetricItem | Annotated[list[MetricItem], Field(max_length=100_000)] | MetricCounts
 
 
 class StepIn(BaseModel):
@@ -421,7 +439,8 @@ class StepIn(BaseModel):
     metrics: dict[Name, MetricValue] = Field(
         default_factory=dict,
         max_length=500,
-        description="The step's figures by name: numbers, strings, lists of them, or null "
+        description="The step's figures by name: numbers, strings, lists of them, counts by "
+        "name (masked_tokens, total_dropped_sessions), or null "
         "(reward_mean, trained_tokens, staleness_mean, staleness_histogram, clip_fraction, ...; "
         "see the README). Non-finite numbers are stored as null. A `session_ids` list is used "
         "to compute the batch's reward spread (reward_std, reward_min, reward_max) and is not "

@@ -72,6 +72,22 @@ async def reward_means(db: AsyncSession, run_ids: list[str]) -> dict[str, tuple[
     return {r: (float(mean), int(n)) for r, mean, n in (await db.execute(query)).all()}
 
 
+async def dropped_by_reason(db: AsyncSession, run_ids: list[str]) -> dict[str, dict[str, int]]:
+    """{run_id: {reason code: dropped sessions}}: the code is the text of ``drop_reason`` before
+    its first colon (the details after it differ from session to session), the server's drops
+    and the trainer's alike. Grouped by the whole reason in SQL, by code here."""
+    query = (
+        select(Session.run_id, Session.drop_reason, func.count())
+        .where(Session.run_id.in_(run_ids), Session.drop_reason.is_not(None))
+        .group_by(Session.run_id, Session.drop_reason)
+    )
+    out: dict[str, dict[str, int]] = {run_id: {} for run_id in run_ids}
+    for run_id, reason, count in (await db.execute(query)).all():
+        code = str(reason).split(":", 1)[0].strip()
+        out[run_id][code] = out[run_id].get(code, 0) + int(count)
+    return out
+
+
 @dataclass(frozen=True)
 class StepSpan:
     count: int

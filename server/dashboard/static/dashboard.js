@@ -199,6 +199,20 @@ function charts() {
       ],
       empty: "No trainer steps yet.",
     },
+    "trained-share": {
+      traces: [
+        line("this step", steps, (s) => metric(s, "trained_share")),
+        line("the run so far", steps, (s) => metric(s, "total_trained_share"), { line: { width: 3 } }),
+        ...(steps.length && series.min_trained_share !== null ? [{
+          name: "min_trained_share", x: [stepX(steps[0]), stepX(steps[steps.length - 1])],
+          y: [series.min_trained_share, series.min_trained_share],
+          mode: "lines", type: "scatter", line: { dash: "dot", color: COLOURS[4] },
+        }] : []),
+      ],
+      layout: { yaxis: { range: [0, 1.05], tickformat: ".0%" } },
+      empty: steps.length ? "The trainer does not report a trained share." : "No trainer steps yet.",
+      hasData: steps.some((s) => metric(s, "trained_share") !== null),
+    },
     "staleness-histogram": {
       traces: histogram.length ? [{ type: "bar", name: "tokens", x: histogram.map((_, i) => i), y: histogram.map((c) => c || 0) }] : [],
       layout: { xaxis: { type: "linear", title: { text: "versions behind" }, dtick: 1 } },
