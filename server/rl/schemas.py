@@ -27,7 +27,7 @@ from server.bounds import (
     Name,
     Shape,
 )
-from server.store.run_config import REWARD_BOUND, RunConfig, Seconds
+from server.store.run_config import MAX_COUNT, REWARD_BOUND, RunConfig, Seconds
 from server.store.tables import DROP_REASON_LENGTH
 from server.store.turns import TurnFields
 
@@ -341,6 +341,22 @@ class DropOut(BaseModel):
     claim_id: str
     dropped: int = Field(description="Sessions this call marked dropped.")
     held: int = Field(description="Sessions of the claim still claimed.")
+
+
+class TrainedIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    version: int = Field(
+        ge=0, le=MAX_COUNT, description="The policy version the step that trained it published."
+    )
+
+
+class TrainedOut(BaseModel):
+    claim_id: str
+    trained: int = Field(
+        description="Sessions of the claim now marked trained (they no longer hold admission "
+        "places); 0 for an unknown or settled claim."
+    )
 
 
 class ReleaseOut(BaseModel):

@@ -49,7 +49,9 @@ class RunConfig(BaseModel):
         1,
         ge=0,
         le=MAX_COUNT,
-        description="How many policy versions generation may run ahead (AReaL's eta).",
+        description="How many policy versions generation may run ahead of training (eta): "
+        "the run's sessions not yet trained hold at most (max_staleness + 1) * batch_size "
+        "places.",
     )
     group_size: int | None = Field(
         None,
@@ -122,11 +124,12 @@ class RunConfig(BaseModel):
         "(its owner may still renew or confirm them until another claim takes them).",
     )
 
-    def admission_limit(self, policy_version: int) -> int | None:
-        """AReaL's bound on sessions admitted so far: (eta + version + 1) * batch_size."""
+    def admission_limit(self) -> int | None:
+        """Places the run's training sessions may hold: (max_staleness + 1) * batch_size
+        (``server.rl.admission``); None: admission is off."""
         if self.batch_size is None:
             return None
-        return (self.max_staleness + policy_version + 1) * self.batch_size
+        return (self.max_staleness + 1) * self.batch_size
 
 
 # How long a run's config is kept in memory: another server process on the same store sees a
