@@ -3,8 +3,9 @@
 A checkpoint is a directory ``checkpoints/step-NNNNNN`` holding the workers' model and optimizer
 (``train_state.pt``, written by the workers) and ``trainer.json``: the run and server it belongs
 to, the step, the policy version, the versions republished after restarts (the staleness rule
-needs them), the running baseline, and the claims whose sessions the checkpointed weights were
-trained on, each with its size and the sessions the trainer dropped (with their reasons).
+needs them), the running baseline, the claims whose sessions the checkpointed weights were
+trained on, each with its size and the sessions the trainer dropped (with their reasons), and
+the run's totals of tokens sampled, trained and masked and of sessions dropped.
 
 Claims are confirmed (their sessions marked consumed, or dropped) only once a checkpoint covers
 them, and every claim is written to a journal (``claims.jsonl``) the moment it is taken. On
@@ -39,6 +40,20 @@ class TrainerState:
     baseline: dict[str, Any] = field(default_factory=dict)
     # {"claim_id", "sessions": how many it holds, "dropped": {session_id: reason}}
     covered_claims: list[dict[str, Any]] = field(default_factory=list)
+    # The run's totals of what was sampled and what of it trained, over every claimed session
+    # (a step that trained nothing included): restored with the checkpoint, so a resumed
+    # trainer adds what it trains again to its checkpoint's totals.
+    total_sampled_tokens: int = 0
+    total_trained_tokens: int = 0
+    total_masked_tokens: dict[str, int] = field(default_factory=dict)  # cause -> tokens
+    total_dropped_sessions: dict[str, int] = field(default_factory=dict)  # reason code -> sessions
+
+    @property
+    def total_trained_share(self) -> float:
+        """Trained tokens over sampled ones, so far (1.0 before anything was sampled)."""
+        if not self.total_sampled_tokens:
+            return 1.0
+        return self.total_trained_tokens / self.total_sampled_tokens
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TrainerState:

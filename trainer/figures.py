@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,12 +76,14 @@ def step_record(
     ``stats`` are the step's totals (`combine`: ``loss.STAT_NAMES`` and the worker's own sums,
     ``grad_norms``, wall times); fractions and the entropy are over the step's loss tokens, the
     ratio and KL figures over the tokens the behaviour mask kept. ``reference_kl`` adds the KL
-    to the reference model (trained with ``kl_coef > 0``).
+    to the reference model (trained with ``kl_coef > 0``). ``trained_share`` is the step's
+    trained tokens over every token its sessions sampled (trained, masked by cause, or in a
+    dropped session); the ``total_*`` figures are the run's so far, as ``state`` keeps them.
     """
     tokens = batch.loss_tokens
     tokens_all = max(stats.get("tokens", tokens), 1)
     kept = max(stats.get("kept_tokens", 0.0), 1.0)
-    sampled = max(tokens + sum(batch.masked.values()), 1)
+    sampled = max(batch.sampled_tokens, 1)
     grad_norms = stats.get("grad_norms", [])
     train_s = stats.get("seconds", 0.0)
     proximal_s = stats.get("proximal_seconds", 0.0)
@@ -99,10 +101,15 @@ def step_record(
         "sessions": batch.sessions,
         "session_ids": batch.session_ids,
         "dropped_sessions": batch.dropped_sessions,
-        **_drop_counts(batch.dropped.values()),
+        **{f"dropped_{code}": n for code, n in reason_codes(batch.dropped.values()).items()},
         "reward_mean": _mean(batch.rewards),
         **_summary("advantage", advantages),
         "trained_tokens": tokens,
+        "sampled_tokens": batch.sampled_tokens,
+        "trained_share": trained_share(tokens, batch.sampled_tokens),
+        "masked_tokens": {cause: n for cause, n in sorted(batch.masked.items()) if n},
+        "dropped_tokens": batch.dropped_tokens,
+        **totals(state),
         "stale_tokens": batch.stale_tokens,
         "off_temperature_tokens": batch.masked[OFF_TEMPERATURE],
         "alternative_tokens": batch.masked[ALTERNATIVE],
@@ -140,13 +147,60 @@ def step_record(
     return record
 
 
-def _drop_counts(reasons: Any) -> dict[str, int]:
-    """``dropped_<code>``: sessions dropped for each reason code (the text before the colon)."""
+def reason_codes(reasons: Iterable[str]) -> dict[str, int]:
+    """Sessions dropped for each reason code (the text before the colon)."""
     counts: dict[str, int] = {}
     for reason in reasons:
-        key = "dropped_" + reason.split(":", 1)[0]
-        counts[key] = counts.get(key, 0) + 1
+        code = reason.split(":", 1)[0]
+        counts[code] = counts.get(code, 0) + 1
     return counts
+
+
+def trained_share(trained: int, sampled: int) -> float:
+    """The share of sampled tokens that trained (1.0 when nothing was sampled)."""
+    return trained / sampled if sampled else 1.0
+
+
+# ----- the run's totals: what was sampled, and what of it trained ------------------------------
+
+
+def add_to_totals(state: TrainerState, batch: Batch) -> None:
+    """Count the batch (trained or not) in the run's totals that ``state`` keeps."""
+    state.total_sampled_tokens += batch.sampled_tokens
+    state.total_trained_tokens += batch.loss_tokens
+    for cause, n in batch.masked.items():
+        if n:
+            state.total_masked_tokens[cause] = state.total_masked_tokens.get(cause, 0) + n
+    for code, n in reason_codes(batch.dropped.values()).items():
+        state.total_dropped_sessions[code] = state.total_dropped_sessions.get(code, 0) + n
+
+
+def totals(state: TrainerState) -> dict[str, Any]:
+    """The run's totals as a step's record carries them."""
+    return {
+        "total_sampled_tokens": state.total_sampled_tokens,
+        "total_trained_tokens": state.total_trained_tokens,
+        "total_trained_share": state.total_trained_share,
+        "total_masked_tokens": dict(state.total_masked_tokens),
+        "total_dropped_sessions": dict(state.total_dropped_sessions),
+    }
+
+
+def share_warning(state: TrainerState, min_share: float) -> str | None:
+    """A sentence when less of what the run sampled trained than ``min_share``, naming the
+    biggest causes (masked tokens by cause, dropped sessions by reason code); else None."""
+    share = state.total_trained_share
+    if share >= min_share:
+        return None
+    masked = sorted(state.total_masked_tokens.items(), key=lambda item: -item[1])
+    dropped = sorted(state.total_dropped_sessions.items(), key=lambda item: -item[1])
+    causes = [f"{n} tokens masked as {cause}" for cause, n in masked[:3]]
+    causes += [f"{n} sessions dropped as {code}" for code, n in dropped[:3]]
+    return (
+        f"only {share:.0%} of the {state.total_sampled_tokens} tokens the run sampled trained "
+        f"(min_trained_share {min_share:g}); the biggest causes: "
+        + ("; ".join(causes) or "none counted")
+    )
 
 
 ETA_AFTER = 3  # step intervals measured before there is an ETA
@@ -230,7 +284,8 @@ class Progress:
         return (
             f"step {record['step']}{of} · v{record['version']} · "
             f"reward {record['reward_mean']:.3f} · {record['sessions']} sessions{dropped}, "
-            f"{record['trained_tokens']} tokens ({record['tokens_per_second']:.0f} tok/s) · "
+            f"{record['trained_tokens']} tokens (trained {record['trained_share']:.0%}, "
+            f"{record['tokens_per_second']:.0f} tok/s) · "
             f"staleness {record['staleness_mean']:.2f} (max {record['staleness_max']}) · "
             f"loss {record['loss']:.4f} · entropy {record['entropy']:.3f} · "
             f"clip {record['clip_fraction']:.3f} · seconds: {seconds} · {left}"

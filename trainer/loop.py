@@ -23,7 +23,7 @@ from trainer.checkpoint import Checkpoints, TrainerState
 from trainer.claims import Claim, ClaimLost, Leases, lost_message
 from trainer.cluster import WorkerGroup
 from trainer.config import AlgorithmConfig, TrainConfig, to_dict
-from trainer.figures import Phases, Progress, combine
+from trainer.figures import Phases, Progress, add_to_totals, combine, reason_codes, share_warning
 from trainer.model import check_supported
 from trainer.plan import plan_step
 from trainer.publish import Publisher
@@ -40,6 +40,8 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length",
 # Settings of the algorithm that the run's config holds, as the one value both sides use: the
 # trainer writes those its config sets at start, then follows the run's from claim to claim.
 RUN_HELD = ("temperature", "off_temperature", "group_size")
+# The trainer's own settings it follows the same way (it writes its config's at start).
+RUN_PACE = ("batch_size", "max_staleness")
 
 
 def run_held(algorithm: AlgorithmConfig) -> dict[str, Any]:
@@ -56,6 +58,45 @@ def follow_run(algorithm: AlgorithmConfig, run_config: dict[str, Any]) -> Algori
         off_temperature=run_config["off_temperature"],
         group_size=run_config.get("group_size") or 1,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Followed:
+    """What the trainer takes from the run's config at every claim: the algorithm's `RUN_HELD`
+    settings, the sessions per step and the staleness bound."""
+
+    algorithm: AlgorithmConfig
+    batch_size: int
+    max_staleness: int
+
+    def changes(self, other: Followed) -> dict[str, Any]:
+        """The settings whose values ``other`` changes, with its values."""
+        mine = {**{k: getattr(self.algorithm, k) for k in RUN_HELD}, **self._pace()}
+        theirs = {**{k: getattr(other.algorithm, k) for k in RUN_HELD}, **other._pace()}
+        return {key: value for key, value in theirs.items() if value != mine[key]}
+
+    def _pace(self) -> dict[str, int]:
+        return {key: getattr(self, key) for key in RUN_PACE}
+
+
+def follow(
+    current: Followed, own: AlgorithmConfig, run_config: dict[str, Any]
+) -> tuple[Followed, str | None]:
+    """The settings of the run's config (``own``: the trainer's algorithm, whose other settings
+    stay), and a warning when its batch size cannot be followed: one that is not a multiple
+    of the group size keeps the last valid one, as does an unset one (admission off)."""
+    algorithm = follow_run(own, run_config)
+    batch_size = run_config.get("batch_size") or current.batch_size
+    group_size = algorithm.group_size or 1
+    refused = None
+    if batch_size % group_size:
+        refused = (
+            f"the run's batch_size {batch_size} is not a multiple of its group_size "
+            f"{group_size}; training {current.batch_size} sessions a step meanwhile"
+        )
+        batch_size = current.batch_size
+    max_staleness = int(run_config.get("max_staleness", current.max_staleness))
+    return Followed(algorithm, int(batch_size), max_staleness), refused
 
 
 def row_limit(algorithm: AlgorithmConfig, model_dir: str) -> tuple[int | None, str]:
@@ -107,9 +148,14 @@ class Trainer:
         run = server.run(config.run_id) if config.run_id else server.default_run()
         self.run_id: str = run["id"]
         self.model_dir: str = config.model or run["model_path"]
-        self.algorithm = follow_run(
-            config.algorithm, {**run["config"], **run_held(config.algorithm)}
+        self.followed = Followed(
+            follow_run(config.algorithm, {**run["config"], **run_held(config.algorithm)}),
+            config.batch_size,
+            config.max_staleness,
         )
+        self.refused: str | None = None  # the last warning of a run setting not followed
+        self.min_trained_share: float | None = run["config"].get("min_trained_share")
+        self.warned_at_step: int | None = None  # of the last low-trained-share warning
         if (Path(self.model_dir) / "config.json").exists():  # else only the workers see it
             check_supported(self.model_dir)  # refused before Ray or a worker starts
         self.row_limit = row_limit(self.algorithm, self.model_dir)
@@ -176,18 +222,21 @@ class Trainer:
                 )
         self.checkpoints.clear_journal(republished=self.state.republished)
 
+    @property
+    def algorithm(self) -> AlgorithmConfig:
+        return self.followed.algorithm
+
     def follow(self, run_config: dict[str, Any]) -> None:
-        """Take the run's temperature, off-temperature rule and group size, saying so when
-        they change."""
-        algorithm = follow_run(self.config.algorithm, run_config)
-        changed = {
-            key: getattr(algorithm, key)
-            for key in RUN_HELD
-            if getattr(algorithm, key) != getattr(self.algorithm, key)
-        }
+        """Take the run's temperature, off-temperature rule, group size, batch size and
+        staleness bound, saying so when they change (and once when one cannot be followed)."""
+        followed, refused = follow(self.followed, self.config.algorithm, run_config)
+        changed = self.followed.changes(followed)
         if changed:
             log.info("the run's config changed: %s; training with it from this step", changed)
-        self.algorithm = algorithm
+        if refused is not None and refused != self.refused:
+            log.warning("%s", refused)
+        self.followed, self.refused = followed, refused
+        self.min_trained_share = run_config.get("min_trained_share")  # null: a server without it
 
     # ----- the loop ---------------------------------------------------------------------------
 
@@ -218,16 +267,22 @@ class Trainer:
                 claim_s = time.monotonic() - started
                 batch = build_batch(claimed.sessions, self.rules(), self.baseline)  # 2. samples
                 self.drop(claimed, batch.dropped)  # bad data: dropped with a reason, not fatal
+                add_to_totals(self.state, batch)
+                self.pending += claimed.claims  # settled by the next checkpoint, trained or not
+                if not batch.samples:  # not a step: no update, no version, no figures
+                    log.info("%s", nothing_to_train(batch))
+                    continue
                 self.leases.check()  # never train sessions another claim holds
                 stats = self.train(batch)  # 3. proximal logprobs, PPO minibatches
                 self.reach("trained", step)
-                publish_s = self.publish(batch)  # 4. the engines swap
+                publish_s = self.publish()  # 4. the engines swap
                 self.reach("published", step)
                 self.state.step = step
-                self.pending += claimed.claims
+                self.mark_trained(claimed.claims)  # they stop counting against admission
                 saved = self.save_checkpoint_if_due()  # 5. weights, optimizer, what was consumed
                 phases = Phases(claim_s, publish=publish_s, checkpoint=saved[1] if saved else 0.0)
                 progress.step(self.state, batch, stats, phases, self.algorithm.temperature)  # 6.
+                self.warn_if_little_trains()
                 if saved:
                     self.commit_checkpoint(saved[0])  # 7. the checkpoint counts: confirm claims
             if self.pending:
@@ -253,7 +308,7 @@ class Trainer:
         return Rules(
             algorithm=self.algorithm,
             policy_version=self.state.version,
-            max_staleness=self.config.max_staleness,
+            max_staleness=self.followed.max_staleness,
             republished=[(restored, new) for restored, new in self.state.republished],
             row_limit=self.row_limit[0],
             row_limit_name=self.row_limit[1],
@@ -263,12 +318,13 @@ class Trainer:
         failpoints.reach(point, step, self.output)
 
     def claim(self) -> Claimed | None:
-        """``batch_size`` trainable sessions (whole groups), waiting as long as it takes."""
+        """The run's ``batch_size`` trainable sessions (whole groups), waiting as long as it
+        takes; the run's config, answered with every claim, is followed from claim to claim."""
         config = self.config
         claimed = Claimed()
         waited_since = time.monotonic()
         last_note = 0.0
-        while len(claimed.sessions) < config.batch_size:
+        while len(claimed.sessions) < self.followed.batch_size:
             if self.stopping:
                 for claim in claimed.claims:  # untrained: back to the pool
                     self.leases.let_go(claim.claim_id)
@@ -278,7 +334,7 @@ class Trainer:
             self.leases.check()
             result = self.server.claim(
                 self.run_id,
-                config.batch_size - len(claimed.sessions),
+                self.followed.batch_size - len(claimed.sessions),
                 config.claim_lease_s,
                 self.algorithm.group_size or 1,
             )
@@ -296,15 +352,13 @@ class Trainer:
                 log.info(
                     "waiting for trainable sessions: %d of %d (%.0fs)",
                     len(claimed.sessions),
-                    config.batch_size,
+                    self.followed.batch_size,
                     waited,
                 )
             time.sleep(config.claim_wait_s)
         return claimed
 
     def train(self, batch: Batch) -> dict[str, Any]:
-        if not batch.samples:
-            return {}
         algo = self.algorithm
         plan = plan_step(
             batch.samples,
@@ -328,13 +382,32 @@ class Trainer:
             except ServerError as exc:
                 log.warning("could not drop sessions of claim %s yet: %s", claim.claim_id, exc)
 
-    def publish(self, batch: Batch) -> float:
-        """Serve the updated weights as the next version (nothing trained: nothing to serve)."""
-        if not batch.samples:
-            log.info("nothing to train in this step's %d sessions", batch.sessions)
-            return 0.0
+    def publish(self) -> float:
+        """Serve the updated weights as the next version."""
         self.state.version += 1
         return self.publisher.publish(self.state.version)
+
+    def mark_trained(self, claims: list[Claim]) -> None:
+        """Tell the server the claims' sessions trained into the version just published, so
+        they stop counting against admission now (best effort: the confirm after the next
+        checkpoint settles them anyway)."""
+        for claim in claims:
+            try:
+                self.server.trained(claim.claim_id, self.state.version)
+            except ServerError as exc:
+                log.warning("could not mark claim %s trained yet: %s", claim.claim_id, exc)
+
+    def warn_if_little_trains(self) -> None:
+        """Warn (every 10 steps at most) while less of what the run sampled trains than its
+        ``min_trained_share``."""
+        if self.min_trained_share is None:
+            return
+        if self.warned_at_step is not None and self.state.step - self.warned_at_step < 10:
+            return
+        warning = share_warning(self.state, float(self.min_trained_share))
+        if warning is not None:
+            log.warning("%s", warning)
+            self.warned_at_step = self.state.step
 
     def save_checkpoint_if_due(self) -> tuple[Path, float] | None:
         """Every ``checkpoint_every`` steps and at the last: save one; where, and the seconds
@@ -349,6 +422,8 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         path = self.checkpoints.path(self.state.step)
+        if (path / "trainer.json").exists():  # no step since it: its weights are these
+            return path  # committed again, to cover the claims of steps that trained nothing
         self.workers.call("save_checkpoint", str(path))
         self.reach("checkpoint_saved", self.state.step)
         return path
@@ -378,6 +453,12 @@ class Trainer:
             raise KeyboardInterrupt
         log.info("stopping after this step (Ctrl-C again to stop now)")
         self.stopping = True
+
+
+def nothing_to_train(batch: Batch) -> str:
+    """The line a batch whose every session was dropped logs."""
+    reasons = ", ".join(f"{n} {code}" for code, n in reason_codes(batch.dropped.values()).items())
+    return f"nothing to train in {batch.sessions} sessions ({reasons}); not counted as a step"
 
 
 def install_signal_handlers(trainer: Trainer) -> None:

@@ -100,6 +100,12 @@ class ServerAPI:
         body = {"dropped": dropped or {}}
         return self._call("POST", f"/rl/claims/{claim_id}/confirm", json=body)
 
+    def trained(self, claim_id: str, version: int) -> int:
+        """Mark the claim's sessions trained by the step that published ``version``: they stop
+        counting against admission before a checkpoint confirms them. How many it marked."""
+        body = {"version": version}
+        return int(self._call("POST", f"/rl/claims/{claim_id}/trained", json=body)["trained"])
+
     def release(self, claim_id: str) -> int:
         return int(self._call("POST", f"/rl/claims/{claim_id}/release")["released"])
 
