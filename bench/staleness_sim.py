@@ -21,9 +21,9 @@ The decisions are the project's own, imported, never copied, so that they cannot
 Modelled, because they are SQL or I/O rather than functions (each held to the real code by
 ``tests/unit/test_staleness_sim.py``, on random inputs):
 
-- the admission count, ``server/store/sessions.py`` ``admitted_count`` (line 103): the run's
+- the admission count of the rule before issue 24 (:func:`areal_admits`): the run's
   sessions not ``dropped`` (consumed ones count; eval sessions are not simulated). Here:
-  :func:`counts_toward_admission`, checked against the SQL on a real SQLite store;
+  :func:`counts_toward_admission` (the server no longer has this count);
 - the claim, ``server/store/claims.py`` ``claim`` (line 74): with one trainer every planned
   session is locked, so ``_whole_groups`` is one ``plan_claim``; no session lacks turns and no
   lease lapses, so ``_drop_without_turns`` and ``_return_lapsed`` do nothing. Here:
@@ -69,7 +69,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.staleness_sim_report import plot, report  # noqa: E402
-from server.rl.admission import admits  # noqa: E402
 from server.rl.claims import group_rule  # noqa: E402
 from server.store.groups import Candidate, plan_claim  # noqa: E402
 from server.store.run_config import RunConfig  # noqa: E402
@@ -83,9 +82,19 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def counts_toward_admission(status: str) -> bool:
-    """Does a (training) session of this status count in ``admitted_count``? Mirrors
-    server/store/sessions.py:103 (status != dropped)."""
+    """Does a (training) session of this status count toward :func:`areal_admits`? All but
+    dropped ones (consumed ones count)."""
     return status != DROPPED
+
+
+def areal_admits(admitted: int, config: RunConfig, policy_version: int) -> bool:
+    """The admission rule before issue 24, kept so the comparison stays runnable: AReaL's
+    ``admitted < (max_staleness + version + 1) * batch_size`` over the run's training sessions
+    not dropped. The one rule this bench defines itself; the server now admits by places
+    (``server.rl.admission``)."""
+    if config.batch_size is None:
+        return True
+    return admitted < (config.max_staleness + policy_version + 1) * config.batch_size
 
 
 # --- the policy: one entry per design ------------------------------------------------------
@@ -106,7 +115,7 @@ class Policy:
 
 POLICIES: dict[str, Policy] = {
     "current": Policy(
-        room=admits,
+        room=areal_admits,
         plan=plan_claim,
         judge=build_batch,
         stale="mask",
@@ -114,7 +123,7 @@ POLICIES: dict[str, Policy] = {
         "stale tokens masked",
     ),
     "current-drop": Policy(
-        room=admits,
+        room=areal_admits,
         plan=plan_claim,
         judge=build_batch,
         stale="drop",

@@ -144,38 +144,6 @@ async def _store(tmp: str):
     return engine, maker
 
 
-STATUSES = st.sampled_from(store.STATUSES)
-
-
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(STATUSES, st.booleans()), max_size=30))
-def test_the_admission_count_is_the_stores(sessions):
-    """counts_toward_admission against server/store/sessions.py admitted_count."""
-
-    async def count() -> int:
-        with tempfile.TemporaryDirectory() as tmp:
-            engine, maker = await _store(tmp)
-            try:
-                async with maker() as db, db.begin():
-                    for i, (status, is_eval) in enumerate(sessions):
-                        db.add(
-                            Session(
-                                id=f"s{i}",
-                                run_id="run",
-                                api_key_hash=f"k{i}",
-                                status=status,
-                                eval=is_eval,
-                            )
-                        )
-                async with maker() as db:
-                    return await store.admitted_count(db, "run")
-            finally:
-                await engine.dispose()
-
-    modelled = sum(sim.counts_toward_admission(s) for s, is_eval in sessions if not is_eval)
-    assert asyncio.run(count()) == modelled
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     group_size=st.sampled_from([1, 2, 4]),
