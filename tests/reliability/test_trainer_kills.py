@@ -48,7 +48,7 @@ def test_a_trainer_killed_at_any_point_trains_every_session_exactly_once(
     sessions = [server.episode(reward=float(i % 2)) for i in range(batch * steps)]
     common = [
         f"batch_size={batch}", f"max_steps={steps}", "checkpoint_every=2",
-        f"max_staleness={steps - 1}",
+        f"max_staleness={steps - 1}", "algorithm.stale=mask",  # the rule under test masks
     ]  # fmt: skip
     kill_at(server, out, common, f"{point}@{step}")
     before = metrics(out)
@@ -85,7 +85,7 @@ def test_a_second_kill_before_the_republish_is_checkpointed_loses_nothing(server
     sessions = [server.episode(reward=float(i % 2)) for i in range(batch * steps)]
     common = [
         f"batch_size={batch}", f"max_steps={steps}", "checkpoint_every=2",
-        f"max_staleness={steps}",
+        f"max_staleness={steps}", "algorithm.stale=mask",  # the rule under test masks
     ]  # fmt: skip
     records = []
     for pause in ("published@3", "published@4"):
