@@ -10,6 +10,7 @@ killed at each point of a step is drilled in tests/reliability/test_trainer_kill
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -85,11 +86,22 @@ def test_the_training_temperature_is_one_value_with_the_run(server, tmp_path):
     assert all(server.get(s)["status"] == "consumed" for s in sessions)
 
 
+def wait_for_log(process, text: str, count: int = 1) -> None:
+    """Until the trainer's log holds ``text`` ``count`` times (the trainer still running)."""
+    deadline = time.monotonic() + 240
+    while process.log_path.read_text().count(text) < count:
+        assert process.poll() is None, process.log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"never logged {text!r} {count} times"
+        time.sleep(0.2)
+
+
 def test_sessions_the_trainer_drops_free_admission_at_once(server, tmp_path):
     """Every session sampled at 0.7 while the run trains at 1.0 (masked: the default), under an
-    admission bound of 4 sessions set before the agent starts: the trainer drops each batch and
-    publishes nothing, so the bound never grows. Were the drops only settled at a checkpoint,
-    the agent would wait for admission and the trainer for sessions, for ever."""
+    admission bound of 4 sessions set before the agent starts: the trainer drops each batch,
+    which is not a step (nothing trained, published or recorded), so the bound never grows.
+    Were the drops only settled at a checkpoint, the agent would wait for admission and the
+    trainer for sessions, for ever. The trainer follows the run's batch_size when it changes,
+    and a stop confirms the dropped-only claims in a final checkpoint."""
     out = tmp_path / "train"
     server.configure(batch_size=2, max_staleness=1, admission_wait_s=20)  # bound: 4 sessions
     stop = threading.Event()
@@ -119,18 +131,31 @@ def test_sessions_the_trainer_drops_free_admission_at_once(server, tmp_path):
     while len(created) < 4:  # the agent is at the bound before the trainer starts
         assert time.monotonic() < deadline and thread.is_alive()
         time.sleep(0.1)
-    options = ["batch_size=2", "max_staleness=1", "max_steps=4", "checkpoint_every=100"]
+    options = ["batch_size=2", "max_staleness=1", "max_steps=1", "checkpoint_every=100"]
+    process = start_trainer(server, out, *options)
     try:
-        finish(start_trainer(server, out, *options), 240)
+        wait_for_log(process, "nothing to train in 2 sessions (2 no_trainable_tokens)", 4)
+        server.configure(batch_size=4)  # followed from the next claim on
+        wait_for_log(process, "the run's config changed: {'batch_size': 4}")
+        wait_for_log(process, "nothing to train in 4 sessions (4 no_trainable_tokens)")
+        process.send_signal(signal.SIGTERM)
+        log = finish(process, 240)
     finally:
         stop.set()
         thread.join(60)
-    steps = metrics(out)
-    assert [s["dropped_sessions"] for s in steps] == [2, 2, 2, 2]
-    assert [s["version"] for s in steps] == [0, 0, 0, 0]  # nothing trained, nothing published
+    assert "not counted as a step" in log
+    assert metrics(out) == []  # no step: nothing recorded
+    run = server.run
+    assert run["policy_version"] == 0  # nothing trained, nothing published
     assert len(created) >= 8  # admission let the agent go on past its bound of 4
-    reasons = {server.get(s)["drop_reason"] for step in steps for s in step["session_ids"]}
-    assert all(r.startswith("no_trainable_tokens:") for r in reasons)
+    statuses = server.statuses()
+    assert "claimed" not in statuses.values()  # the final checkpoint confirmed every claim
+    dropped = [s for s in created if statuses[s] == "dropped"]
+    assert len(dropped) >= 12
+    assert all(server.get(s)["drop_reason"].startswith("no_trainable_tokens:") for s in dropped)
+    training = run["training"]
+    assert training["total_trained_share"] is None  # no step reported its totals
+    assert training["dropped_sessions"]["no_trainable_tokens"] == len(dropped)
 
 
 # ----- 3. bad data never stops the trainer --------------------------------------------------
