@@ -133,8 +133,15 @@ class Figures:
     sampled: int  # loss tokens in the rows of every claimed session
     trained: int  # trained_tokens over the steps
     masked: dict[str, int]  # by cause, over the steps
-    staleness_mean: float  # versions behind, over the trained tokens
-    staleness_max: int
+    staleness: list[int]  # trained tokens by versions behind: 0, 1, 2, ...
+
+    @property
+    def staleness_mean(self) -> float:
+        return sum(k * n for k, n in enumerate(self.staleness)) / max(sum(self.staleness), 1)
+
+    @property
+    def staleness_max(self) -> int:
+        return max((k for k, n in enumerate(self.staleness) if n), default=0)
 
     @property
     def share(self) -> float:
@@ -147,7 +154,7 @@ class Figures:
             f"{dict(self.groups)}; trained "
             f"{self.trained} of {self.sampled} sampled tokens: trained share {self.share:.3f} "
             f"(masked {self.masked}); staleness mean {self.staleness_mean:.2f} max "
-            f"{self.staleness_max}"
+            f"{self.staleness_max} (trained tokens by versions behind: {self.staleness})"
         )
 
 
@@ -157,7 +164,6 @@ def figures(server: Server, steps: list[dict]) -> Figures:
     histogram: Counter = Counter()
     for step in steps:
         histogram.update(dict(enumerate(step["staleness_histogram"])))
-    behind = sum(histogram.values())
     return Figures(
         settled=len(claimed),
         statuses=Counter(d["status"] for d in details),
@@ -167,8 +173,7 @@ def figures(server: Server, steps: list[dict]) -> Figures:
         sampled=sum(sum(row["loss_mask"]) for d in details for row in d["rows"]),
         trained=sum(step["trained_tokens"] for step in steps),
         masked=dict(sum((masked_tokens(step) for step in steps), Counter())),
-        staleness_mean=sum(k * n for k, n in histogram.items()) / max(behind, 1),
-        staleness_max=max((k for k, n in histogram.items() if n), default=0),
+        staleness=[histogram[k] for k in range(max(histogram, default=-1) + 1)],
     )
 
 
