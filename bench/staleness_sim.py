@@ -50,6 +50,7 @@ entry, compared in the same run (``--policies current,other``). The table and th
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import heapq
 import math
@@ -69,16 +70,25 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.staleness_sim_report import plot, report  # noqa: E402
+from server.rl.admission import Held, admits  # noqa: E402
 from server.rl.claims import group_rule  # noqa: E402
-from server.store.groups import Candidate, plan_claim  # noqa: E402
+from server.store.groups import Candidate, GroupKey, key_of, plan_claim  # noqa: E402
 from server.store.run_config import RunConfig  # noqa: E402
-from server.store.sessions import CLAIMED, CONSUMED, DROPPED, OPEN, TRAINABLE  # noqa: E402
+from server.store.sessions import (  # noqa: E402
+    CLAIMED,
+    CONSUMED,
+    DROPPED,
+    HOLDING,
+    OPEN,
+    TRAINABLE,
+)
 from trainer.advantages import RunningBaseline  # noqa: E402
 from trainer.config import AlgorithmConfig  # noqa: E402
 from trainer.rollouts import Batch, Rules, build_batch  # noqa: E402
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)  # simulated second 0, for the store's datetimes
 RESULTS = ROOT / "bench" / "results"
+TITLE = "Staleness simulator: what each admission, claim and staleness rule trains"
 
 
 def counts_toward_admission(status: str) -> bool:
@@ -97,16 +107,43 @@ def areal_admits(admitted: int, config: RunConfig, policy_version: int) -> bool:
     return admitted < (config.max_staleness + policy_version + 1) * config.batch_size
 
 
+def holds_place(status: str, trained_version: int | None) -> bool:
+    """Does a (training) session hold an admission place? Mirrors
+    ``server/store/sessions.py`` ``held_places``: a status in ``HOLDING``, no step trained it."""
+    return status in HOLDING and trained_version is None
+
+
 # --- the policy: one entry per design ------------------------------------------------------
+
+
+def room_by_versions(run: Run, key: GroupKey | None) -> bool:
+    return areal_admits(run.admitted, run.config, run.server_version)
+
+
+def room_by_places(run: Run, key: GroupKey | None) -> bool:
+    return admits(run.held_sessions(), key, run.config)
+
+
+def admitted_untrained(run: Run) -> int:
+    """Sessions the rule before issue 24 counted (not dropped) that no step trained."""
+    return run.admitted - run.trained_sessions
+
+
+def places_held(run: Run) -> int:
+    return run.held_sessions().places(run.group_size)
 
 
 @dataclass(frozen=True)
 class Policy:
-    """The rules one simulated run follows. ``room``: may one more session be admitted;
-    ``plan``: what one claim takes and drops; ``judge``: the trainer's batch; ``stale``: the
-    trainer's ``algorithm.stale``."""
+    """The rules one simulated run follows. ``room``: may one more session of a group key be
+    admitted; ``plan``: what one claim takes and drops; ``judge``: the trainer's batch;
+    ``stale``: the trainer's ``algorithm.stale``; ``backlog``: what admission holds against
+    (eta + 1) * batch_size, which under a ``bounded`` policy it never exceeds (checked at every
+    admission, restarts included: a breach stops the cell)."""
 
-    room: Callable[[int, RunConfig, int], bool]
+    room: Callable[[Run, GroupKey | None], bool]
+    backlog: Callable[[Run], int]
+    bounded: bool
     plan: Callable[..., Any]
     judge: Callable[..., Batch]
     stale: str = "mask"
@@ -115,19 +152,33 @@ class Policy:
 
 POLICIES: dict[str, Policy] = {
     "current": Policy(
-        room=areal_admits,
+        room=room_by_versions,
+        backlog=admitted_untrained,
+        bounded=False,
         plan=plan_claim,
         judge=build_batch,
         stale="mask",
-        description="today's code: AReaL's bound on sessions not dropped, whole oldest groups, "
-        "stale tokens masked",
+        description="before issue 24: AReaL's bound on sessions not dropped, whole oldest "
+        "groups, stale tokens masked",
     ),
     "current-drop": Policy(
-        room=areal_admits,
+        room=room_by_versions,
+        backlog=admitted_untrained,
+        bounded=False,
         plan=plan_claim,
         judge=build_batch,
         stale="drop",
-        description="today's code with algorithm.stale=drop",
+        description="before issue 24, with algorithm.stale=drop",
+    ),
+    "places": Policy(
+        room=room_by_places,
+        backlog=places_held,
+        bounded=True,
+        plan=plan_claim,
+        judge=build_batch,
+        stale="keep",
+        description="issue 24: (eta + 1) * batch_size places held until a step trains a session, "
+        "a group admitted as a unit, stale tokens kept",
     ),
 }
 
@@ -183,6 +234,8 @@ class SimSession:
     versions: list[list[int]] = field(default_factory=list)  # per generated turn, per token
     trainable_at: float = 0.0
     candidate: Candidate | None = None
+    trained_version: int | None = None  # of the first step that trained it (its place freed)
+    claimable_at: float | None = None  # when its group was first claimable: whole, or timed out
 
     @property
     def tokens(self) -> int:
@@ -197,8 +250,12 @@ def draw_session(rng: random.Random, n: int, cell: Cell) -> SimSession:
         gen = w.gen_s * (rng.lognormvariate(0, w.gen_sigma) if w.gen_sigma else 1.0)
         tool = w.tool_s * rng.lognormvariate(0, w.tool_sigma) if w.tool_sigma else w.tool_s
         turns.append((gen, tool, max(1, round(gen * w.tokens_per_s))))
-    task = f"task-{n // cell.group_size}"  # a group's sessions are asked one after another
-    return SimSession(f"s{n:06d}", task, turns, float(rng.random() < 0.5))
+    return SimSession(f"s{n:06d}", task_of(n, cell), turns, float(rng.random() < 0.5))
+
+
+def task_of(n: int, cell: Cell) -> str:
+    """The n-th session's task: a group's sessions are asked one after another."""
+    return f"task-{n // cell.group_size}"
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -213,6 +270,7 @@ class Judged:
     masked: int
     dropped_reason: str | None
     turns: int
+    queue_lag: int | None = None  # trained: versions from its group claimable to its step
 
 
 @dataclass
@@ -220,10 +278,12 @@ class Result:
     cell: Cell
     judged: dict[str, Judged]
     staleness: Counter[int]  # updates behind -> trained tokens
-    backlog: list[tuple[float, int, int]]  # (time, step, admitted-but-untrained sessions)
+    backlog: list[tuple[float, int, int]]  # (time, step, the policy's backlog) per step
+    backlog_peak: int  # the largest backlog any admission left
     sessions: int  # created
     sim_s: float  # simulated seconds to the last step
     steps_run: int  # steps trained, lost ones included
+    stalled_at: tuple[float, int] | None  # (time, step) the run could not go on, if it stalled
     events: list[float] = field(default_factory=list)  # event times, in processing order
 
     def totals(self) -> dict[str, Any]:
@@ -235,6 +295,7 @@ class Result:
         kept = [x for x in j if x.dropped_reason is None]
         stale = sorted(self.staleness.elements())
         reasons = Counter(x.dropped_reason.split(":")[0] for x in dropped)  # type: ignore[union-attr]
+        lags = sorted(x.queue_lag for x in kept if x.queue_lag is not None)
         return {
             "sampled": sampled,
             "trained": trained,
@@ -248,13 +309,22 @@ class Result:
             "staleness_mean": statistics.fmean(stale) if stale else 0.0,
             "staleness_p99": stale[min(len(stale) - 1, int(0.99 * len(stale)))] if stale else 0,
             "staleness_max": stale[-1] if stale else 0,
+            "queue_lag_mean": statistics.fmean(lags) if lags else 0.0,
+            "queue_lag_p99": lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else 0,
+            "queue_lag_max": lags[-1] if lags else 0,
+            "lag_over_eta_share": sum(lag > self.cell.eta for lag in lags) / len(lags)
+            if lags
+            else 0.0,
             "turns_kept": statistics.fmean(x.turns for x in kept) if kept else 0.0,
             "turns_sampled": statistics.fmean(x.turns for x in j) if j else 0.0,
             "backlog_end": self.backlog[-1][2] if self.backlog else 0,
-            "backlog_max": max((b for _, _, b in self.backlog), default=0),
+            "backlog_max": max([self.backlog_peak, *(b for _, _, b in self.backlog)]),
+            "bound": (self.cell.eta + 1) * self.cell.batch_size,
             "trained_tokens_per_s": trained / self.sim_s if self.sim_s else 0.0,
             "sampled_tokens_per_s": sampled / self.sim_s if self.sim_s else 0.0,
             "sim_minutes": self.sim_s / 60,
+            "stalled": int(self.stalled_at is not None),
+            "steps": self.stalled_at[1] if self.stalled_at else self.cell.steps,
         }
 
 
@@ -272,6 +342,7 @@ class Run:
             group_timeout_s=cell.group_timeout_s,
         )
         self.rule = group_rule(self.config, None)  # as POST /rl/claims builds it
+        self.group_size = cell.group_size
         algorithm = AlgorithmConfig(stale=self.policy.stale)  # type: ignore[arg-type]
         self.algorithm = dataclasses.replace(
             algorithm, temperature=1.0, off_temperature="mask", group_size=cell.group_size
@@ -283,9 +354,12 @@ class Run:
         self.sessions: dict[str, SimSession] = {}
         self.trainable: dict[str, SimSession] = {}  # in the order they became trainable
         self.admitted = 0  # counts_toward_admission, kept as statuses change
+        self.holding: Counter[str] = Counter()  # task id -> sessions that hold_place
+        self.backlog_peak = 0
         self.open = 0
         self.server_version = 0
         self.published: list[tuple[float, int]] = [(0.0, 0)]  # (time, version) served from
+        self.published_at: list[float] = [0.0]  # their times, for bisect
         # the trainer's books (trainer/loop.py)
         self.version = 0
         self.step = 0
@@ -294,6 +368,9 @@ class Run:
         self.checkpoint: tuple[int, int] = (0, 0)  # (step, version) of the last checkpoint
         self.pending: list[list[str]] = []  # claims trained since it, not yet confirmed
         self.held: list[str] = []  # the step being claimed
+        # (time, step) when the trainer waited for a batch that nothing could fill: no session
+        # open, none trainable, and admission refused the next (Trainer.claim waits forever)
+        self.stalled_at: tuple[float, int] | None = None
         self.trained_sessions = 0
         self.judged: dict[str, Judged] = {}
         self.pending_judged: dict[str, Judged] = {}
@@ -322,36 +399,68 @@ class Run:
             self.judged,
             self.staleness,
             self.backlog,
+            self.backlog_peak,
             len(self.sessions),
             self.now,
             self.steps_run,
+            self.stalled_at,
             self.events or [],
         )
 
     # --- the server: admission, sessions, claims
 
-    def set_status(self, session: SimSession, status: str) -> None:
+    def set_status(
+        self, session: SimSession, status: str, trained_version: int | None = None
+    ) -> None:
+        """A session's new status (and the version of the step that first trained it): the
+        admission books follow."""
         self.admitted += counts_toward_admission(status) - counts_toward_admission(session.status)
+        held = holds_place(session.status, session.trained_version)
+        if session.trained_version is None:
+            session.trained_version = trained_version
         session.status = status
+        self.holding[session.task_id] += holds_place(status, session.trained_version) - held
+        if not self.holding[session.task_id]:
+            del self.holding[session.task_id]
+
+    def held_sessions(self) -> Held:
+        """The run's sessions that hold places, as ``server.store.sessions.held_places`` gives
+        them: (group_id, task_id, sessions) rows; the sim's sessions carry no group_id, their
+        task id is their group key under a group_size above 1."""
+        rows = ((None, task, n) for task, n in self.holding.items())
+        return Held.of(rows, self.group_size)
 
     def admit(self) -> None:
-        """Admit waiting sessions while the rule has room (the agents always want more)."""
+        """Admit waiting sessions while the rule has room (the agents always want more): the
+        next session is of a group by its task id, so under places a group's first member takes
+        its places and the rest come in at once, as the server admits them."""
         cap = self.cell.workload.max_open
-        while (cap is None or self.open < cap) and self.policy.room(
-            self.admitted, self.config, self.server_version
-        ):
+        while cap is None or self.open < cap:
+            task = task_of(len(self.sessions), self.cell)
+            if not self.policy.room(self, key_of(None, task, by_task=self.group_size > 1)):
+                break
             session = draw_session(self.rng, len(self.sessions), self.cell)
             self.sessions[session.sid] = session
             self.admitted += counts_toward_admission(session.status)
+            self.holding[session.task_id] += 1  # open, untrained: it holds a place
             self.open += 1
             self.at(self.now + session.turns[0][0], "turn_end", (session, 0, self.now))
+            self.check_bound()
+
+    def check_bound(self) -> None:
+        """Under a bounded policy, admission never holds more than (eta + 1) * batch_size."""
+        backlog = self.policy.backlog(self)
+        self.backlog_peak = max(self.backlog_peak, backlog)
+        limit = self.config.admission_limit()
+        if self.policy.bounded and limit is not None and backlog > limit:
+            raise AssertionError(
+                f"{self.cell}: {backlog} places held at {self.now:.1f} s, above the "
+                f"(eta + 1) * batch_size = {limit} the admission rule keeps"
+            )
 
     def version_at(self, t: float) -> int:
         """The version the engines served at time ``t`` (the last one published by then)."""
-        for when, version in reversed(self.published):
-            if when <= t:
-                return version
-        return 0
+        return self.published[bisect.bisect_right(self.published_at, t) - 1][1]
 
     def on_turn_end(self, payload: tuple[SimSession, int, float]) -> None:
         session, i, started = payload
@@ -386,11 +495,23 @@ class Run:
             for sid in group.session_ids:
                 self.drop(sid)
                 self.settle(sid, reason)
+        for group in plan.claim:
+            self.note_claimable(group)
         chosen = [sid for group in plan.claim for sid in group.session_ids]
         for sid in chosen:
             self.set_status(self.sessions[sid], CLAIMED)
             del self.trainable[sid]
         return chosen
+
+    def note_claimable(self, group: Any) -> None:
+        """When a claimed group first became claimable: when it was whole (its newest member
+        trainable), else when its oldest member's group_timeout_s ran out."""
+        whole = len(group.members) >= self.rule.size
+        at = group.newest if whole else group.oldest + timedelta(seconds=self.rule.timeout_s or 0)
+        for sid in group.session_ids:
+            session = self.sessions[sid]
+            if session.claimable_at is None:  # a restart's release does not reset it
+                session.claimable_at = (at - EPOCH).total_seconds()
 
     # --- the trainer
 
@@ -399,6 +520,9 @@ class Run:
         self.held += self.claim_once(self.cell.batch_size - len(self.held))
         self.admit()  # dropped groups left the count
         if len(self.held) < self.cell.batch_size:
+            if not self.open and not self.trainable:  # admit() found no room either
+                self.stalled_at = (self.now, self.step)  # nothing can ever fill the batch
+                return
             self.at(self.now + self.cell.claim_wait_s, "claim")
             return
         claimed, self.held = self.held, []
@@ -453,31 +577,41 @@ class Run:
         for sid in claimed:
             session = self.sessions[sid]
             reason = batch.dropped.get(sid)
+            served = self.version_at(session.claimable_at or 0.0)
             self.pending_judged[sid] = Judged(
                 sampled=session.tokens,
                 trained=0 if reason else trained[sid],
                 masked=0 if reason else session.tokens - trained[sid],
                 dropped_reason=reason,
                 turns=len(session.turns),
+                queue_lag=None if reason else self.version - served,
             )
         self.pending_staleness.update(batch.staleness)
-        self.pending.append(claimed)
+        self.pending.append(claimed)  # settled by the next checkpoint, trained or not
         self.admit()
-        self.at(self.now + self.cell.step_s, "step_end", bool(batch.samples))
+        if not batch.samples:  # Trainer.run: not a step (no update, no version); claim again
+            self.at(self.now, "claim")
+            return
+        self.at(self.now + self.cell.step_s, "step_end", claimed)
 
     def publish(self, version: int) -> None:
         self.server_version = version
         self.published.append((self.now, version))
+        self.published_at.append(self.now)
 
-    def on_step_end(self, trained_something: bool) -> None:
-        if trained_something:  # Trainer.publish: nothing trained, nothing served
-            self.version += 1
-            self.publish(self.version)
+    def on_step_end(self, claimed: list[str]) -> None:
+        """``Trainer.run`` after the update: publish, mark the step's claims trained (POST
+        /rl/claims/{id}/trained: a session keeps the version of the first step that trained
+        it, which frees its place), then maybe crash, else checkpoint when due and claim."""
+        self.version += 1
+        self.publish(self.version)
         self.step += 1
         self.steps_run += 1
-        self.trained_sessions += sum(
-            1 for sid in self.pending[-1] if self.sessions[sid].status != DROPPED
-        )
+        for sid in claimed:
+            session = self.sessions[sid]
+            if session.status == CLAIMED:
+                self.trained_sessions += 1
+                self.set_status(session, CLAIMED, trained_version=self.version)
         self.admit()
         self.record()
         crash = self.cell.restart_every and self.steps_run % self.cell.restart_every == 0
@@ -489,8 +623,8 @@ class Run:
         self.at(self.now, "claim")
 
     def record(self) -> None:
-        """Admitted-but-untrained sessions: counted by admission, not trained in a step."""
-        self.backlog.append((self.now, self.step, self.admitted - self.trained_sessions))
+        """The policy's backlog after a step (or a restart)."""
+        self.backlog.append((self.now, self.step, self.policy.backlog(self)))
 
     def confirm(self) -> None:
         """A checkpoint: what it covers is settled (consumed, or dropped with its reason)."""
@@ -511,14 +645,15 @@ class Run:
     def on_restart(self, _: Any) -> None:
         """A crash: the steps since the checkpoint are lost, their claims released (drops
         stay), and the checkpoint's weights republished as a new version
-        (``Trainer.start``/``republish``)."""
+        (``Trainer.start``/``republish``). A released session keeps its trained mark, so it
+        takes no place again (the server's rule)."""
         for claimed in self.pending:
             for sid in claimed:
                 session = self.sessions[sid]
                 if session.status == CLAIMED:
                     self.set_status(session, TRAINABLE)
                     self.trainable[sid] = session
-                    self.trained_sessions -= 1
+                    self.trained_sessions -= session.trained_version is not None
         self.trainable = dict(sorted(self.trainable.items(), key=lambda kv: kv[1].trainable_at))
         self.judged.update(  # its drops were told to the server: they stay dropped
             {sid: j for sid, j in self.pending_judged.items() if j.dropped_reason is not None}
@@ -600,8 +735,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--policies",
         type=lambda s: s.split(","),
-        default=["current"],
-        help=f"comma-separated entries of POLICIES: {', '.join(POLICIES)}",
+        default=["current", "places"],
+        help=f"comma-separated entries of POLICIES: {', '.join(POLICIES)} (the first is the "
+        "before of the before/after table)",
     )
     p.add_argument("--groups", type=ints, default=[1, 4, 8], help="group sizes")
     p.add_argument("--etas", type=ints, default=[0, 1, 2, 4, 8, 16], help="max staleness values")
@@ -623,6 +759,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--restart-every", type=int, default=0, help="a trainer crash every N steps")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--no-write", action="store_true", help="print the table only")
+    p.add_argument(
+        "--append",
+        metavar="TITLE",
+        help="append the tables under this heading to the results' staleness-sim.md (a second "
+        "workload beside the grid's) and leave the plot as it is",
+    )
     args = p.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     try:  # Cell's own check, before the grid starts
@@ -642,14 +784,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     started = time.monotonic()
     grid = run_grid(cells_of(args))
-    text = report(grid, args, cells_of(args)[0].workload)
+    descriptions = {name: policy.description for name, policy in POLICIES.items()}
+    title = f"## {args.append}" if args.append else f"# {TITLE}"
+    text = report(grid, args, cells_of(args)[0].workload, descriptions, title)
     print(text)
     print(f"{len(grid)} cells x {args.seeds} seeds in {time.monotonic() - started:.0f}s")
-    if not args.no_write:
-        args.results_dir.mkdir(parents=True, exist_ok=True)
-        (args.results_dir / "staleness-sim.md").write_text(text)
-        plot(grid, args, args.results_dir / "staleness-sim.png")
-        print(f"wrote {args.results_dir / 'staleness-sim.md'} and staleness-sim.png")
+    if args.no_write:
+        return 0
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    path = args.results_dir / "staleness-sim.md"
+    if args.append:
+        with path.open("a") as out:
+            out.write("\n" + text.replace("\n## ", "\n### "))
+        print(f"appended to {path}")
+        return 0
+    path.write_text(text)
+    plot(grid, args, args.results_dir / "staleness-sim.png")
+    print(f"wrote {path} and staleness-sim.png")
     return 0
 
 

@@ -1,7 +1,7 @@
 """The staleness simulator (bench/staleness_sim.py): its books balance, it is deterministic, it
-keeps the bound where the bound holds, and the two parts it models rather than imports (the
-admission count and the single trainer's claim, both SQL) agree with the real store on random
-inputs."""
+keeps the bound where the bound holds (places held never above (eta + 1) * batch_size under
+``places``, restarts included), and the two parts it models rather than imports (the held-place
+count and the single trainer's claim, both SQL) agree with the real store on random inputs."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from server.rl.admission import Held
 from server.store import claims, database
 from server.store import sessions as store
 from server.store.groups import GroupRule
@@ -67,6 +68,9 @@ def test_events_are_processed_in_time_order():
         dict(group_size=8, eta=4, group_timeout_s=30.0),
         dict(group_size=4, eta=1, restart_every=7, checkpoint_every=5),
         dict(group_size=4, eta=1, policy="current-drop"),
+        dict(group_size=1, eta=1, policy="places"),
+        dict(group_size=8, eta=2, policy="places", group_timeout_s=30.0),
+        dict(group_size=4, eta=1, policy="places", restart_every=7, checkpoint_every=5),
     ],
 )
 def test_every_judged_token_is_trained_masked_or_dropped_exactly(changes):
@@ -94,12 +98,15 @@ def test_a_seed_gives_the_same_run_and_another_seed_another():
     assert sim.simulate(cell(group_size=4, eta=2, seed=1)).totals() != a.totals()
 
 
-def test_single_turn_sessions_lose_almost_nothing():
-    """AReaL's bound was made for single-turn rollouts: there it keeps every token fresh."""
+@pytest.mark.parametrize("policy", ["current", "places"])
+def test_single_turn_sessions_lose_almost_nothing(policy):
+    """AReaL's bound was made for single-turn rollouts: there it keeps every token fresh, and
+    so does admission by places."""
     one_turn = sim.Workload(turns_median=1, turns_min=1, turns_max=1, tool_sigma=0)
     for group in (1, 4):
         for eta in (1, 4):
-            t = sim.simulate(cell(group_size=group, eta=eta, workload=one_turn)).totals()
+            run = cell(policy=policy, group_size=group, eta=eta, workload=one_turn)
+            t = sim.simulate(run).totals()
             assert t["trained_share"] >= 0.99, (group, eta, t)
             assert t["sessions_dropped"] == 0
 
@@ -110,6 +117,77 @@ def test_sessions_are_admitted_up_to_the_bound_and_no_further():
     assert run.admitted == len(run.sessions) == (2 + 0 + 1) * 8
     run.admit()
     assert len(run.sessions) == 24
+
+
+def test_places_admit_whole_groups_up_to_the_bound():
+    """Groups of 4, batch 8, eta 1: 16 places, four whole groups, nothing more."""
+    run = sim.Run(cell(policy="places", group_size=4, eta=1))
+    run.admit()
+    assert len(run.sessions) == 16 and sim.places_held(run) == 16
+    assert Counter(Counter(s.task_id for s in run.sessions.values()).values()) == {4: 4}
+    run.admit()
+    assert len(run.sessions) == 16
+
+
+def recount(run: sim.Run) -> Held:
+    """The run's held places counted afresh from every session (its books keep them as they
+    change)."""
+    rows = Counter(
+        s.task_id for s in run.sessions.values() if sim.holds_place(s.status, s.trained_version)
+    )
+    return Held.of([(None, task, n) for task, n in rows.items()], run.group_size)
+
+
+@pytest.mark.parametrize(("group_size", "eta"), [(1, 0), (1, 3), (4, 1), (8, 2), (8, 0)])
+def test_places_hold_the_bound_through_restarts_and_drop_nothing_for_staleness(group_size, eta):
+    """Under ``places`` with a trainer crash every 7 steps: the places held never exceed
+    (eta + 1) * batch_size (Run.check_bound raises at any admission that would), the books
+    agree with a recount, no session is dropped for staleness and no token is masked."""
+    run = sim.Run(
+        cell(
+            policy="places",
+            group_size=group_size,
+            eta=eta,
+            steps=60,
+            restart_every=7,
+            checkpoint_every=5,
+        )
+    )
+    result = run.run()
+    t = result.totals()
+    assert t["backlog_max"] <= (eta + 1) * 8 == t["bound"]
+    assert run.held_sessions() == recount(run)
+    assert "stale" not in t["drop_reasons"] and t["masked"] == 0
+    assert len(run.republished) >= 5 and result.stalled_at is None  # it crashed, went on
+
+
+@pytest.mark.parametrize(("group_size", "eta"), [(1, 0), (1, 2), (4, 1), (4, 4), (8, 2)])
+def test_without_restarts_no_session_waits_more_than_eta_versions(group_size, eta):
+    """Every session ahead of a group that just became claimable holds a place, so the
+    group trains within eta versions of the one served then."""
+    t = sim.simulate(cell(policy="places", group_size=group_size, eta=eta, steps=60)).totals()
+    assert t["queue_lag_max"] <= eta and t["lag_over_eta_share"] == 0
+    assert t["trained_share"] == 1.0 and t["sessions_dropped"] == 0
+
+
+def test_a_run_that_cannot_fill_a_batch_stops_and_says_so():
+    """Groups of 8 split by a 30 s group timeout: each remnant (a few members, claimed late)
+    still holds 8 places (Held.places), so three remnants fill (2 + 1) * 8 places with fewer
+    than a batch of sessions, and the trainer, waiting for a whole batch, never gets one.
+    The simulator ends such a run and records where, rather than spinning."""
+    result = sim.simulate(cell(policy="places", group_size=8, eta=2, group_timeout_s=30.0))
+    assert result.stalled_at is not None
+    assert result.totals()["stalled"] == 1 and result.totals()["steps"] < 30
+
+
+def test_a_bounded_policy_that_overruns_its_bound_stops_the_cell(monkeypatch):
+    """The bound is checked in the code path: a policy that admits everything while claiming
+    to be bounded fails at its first admission past (eta + 1) * batch_size."""
+    greedy = dataclasses.replace(sim.POLICIES["places"], room=lambda run, key: True)
+    monkeypatch.setitem(sim.POLICIES, "greedy", greedy)
+    capped = sim.Workload(max_open=40)
+    with pytest.raises(AssertionError, match="above the"):
+        sim.simulate(cell(policy="greedy", eta=1, workload=capped))
 
 
 def test_the_bound_leaks_what_the_trainer_drops(monkeypatch):
@@ -131,6 +209,24 @@ def test_the_bound_leaks_what_the_trainer_drops(monkeypatch):
     assert [b for _, _, b in result.backlog] == [22, 28]
 
 
+def test_places_do_not_leak_what_the_trainer_drops(monkeypatch):
+    """The same drops under places: a dropped session frees its place and nothing else
+    does, so the places held stay at (eta + 1) * batch_size."""
+
+    def drop_six(sessions, rules, baseline):
+        batch = sim.build_batch(sessions, rules, baseline)
+        for data in sessions[:6]:
+            batch.dropped[data["session_id"]] = "test: dropped"
+        batch.samples = [s for s in batch.samples if s.session_id not in batch.dropped]
+        return batch
+
+    leaky = dataclasses.replace(sim.POLICIES["places"], judge=drop_six)
+    monkeypatch.setitem(sim.POLICIES, "places-drops-six", leaky)
+    one_turn = sim.Workload(turns_median=1, turns_min=1, turns_max=1, tool_sigma=0)
+    result = sim.simulate(cell(policy="places-drops-six", eta=1, steps=6, workload=one_turn))
+    assert max(b for _, _, b in result.backlog) <= 16 and result.backlog_peak == 16
+
+
 # --- the modelled parts against the real store ------------------------------------------------
 
 
@@ -142,6 +238,58 @@ async def _store(tmp: str):
     async with maker() as db, db.begin():
         db.add(Run(id="run", name="sim", model="m", config={}, api_key_hash="run-key"))
     return engine, maker
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sessions=st.lists(
+        st.tuples(
+            st.sampled_from(store.STATUSES),
+            st.booleans(),  # eval
+            st.one_of(st.none(), st.integers(0, 5)),  # trained_version
+            st.one_of(st.none(), st.sampled_from(["g1", "g2", "g3"])),  # group_id
+            st.one_of(st.none(), st.sampled_from(["t1", "t2"])),  # task_id
+        ),
+        max_size=30,
+    ),
+    group_size=st.sampled_from([1, 2, 4]),
+)
+def test_the_held_places_are_the_stores(sessions, group_size):
+    """holds_place, counted as the sim counts it, against server/store/sessions.py
+    held_places: the same places, groups and keyless sessions."""
+
+    async def real() -> list[tuple[str | None, str | None, int]]:
+        with tempfile.TemporaryDirectory() as tmp:
+            engine, maker = await _store(tmp)
+            try:
+                async with maker() as db, db.begin():
+                    for i, (status, is_eval, trained, group_id, task_id) in enumerate(sessions):
+                        db.add(
+                            Session(
+                                id=f"s{i}",
+                                run_id="run",
+                                api_key_hash=f"k{i}",
+                                status=status,
+                                eval=is_eval,
+                                trained_version=trained,
+                                group_id=group_id,
+                                task_id=task_id,
+                            )
+                        )
+                async with maker() as db:
+                    return await store.held_places(db, "run")
+            finally:
+                await engine.dispose()
+
+    modelled = Counter(
+        (group_id, task_id)
+        for status, is_eval, trained, group_id, task_id in sessions
+        if not is_eval and sim.holds_place(status, trained)
+    )
+    ours = Held.of([(g, t, n) for (g, t), n in modelled.items()], group_size)
+    theirs = Held.of(asyncio.run(real()), group_size)
+    assert ours == theirs
+    assert ours.places(group_size) == theirs.places(group_size)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -232,7 +380,8 @@ def test_grid_cli_writes_nothing_with_no_write(tmp_path, capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "| current | 1 | 1 |" in out and "[1/1]" in out
+    assert "| current | 1 | 1 |" in out and "| places | 1 | 1 |" in out and "[2/2]" in out
+    assert "## Before / after: current → places" in out
     assert not list(tmp_path.iterdir())
 
 
