@@ -33,6 +33,25 @@ class RunEval(TypedDict):
     """Per version, over every task."""
 
 
+class RunTraining(TypedDict):
+    """What of a run's sampled tokens trained, and why the rest did not."""
+
+    total_sampled_tokens: int | None
+    """Tokens of the sessions the trainer claimed, as its latest step reports them (None: no
+    step yet)."""
+    total_trained_tokens: int | None
+    total_trained_share: float | None
+    total_masked_tokens: dict[str, int] | None
+    """Tokens masked out of the loss, by cause."""
+    total_dropped_sessions: dict[str, int] | None
+    """Sessions the trainer dropped, by reason code."""
+    dropped_sessions: dict[str, int]
+    """Every dropped session of the run by reason code, the server's drops included."""
+    min_trained_share: float
+    warning: str | None
+    """A sentence when the trained share is below min_trained_share, else None."""
+
+
 class Run(TypedDict):
     """A run: one training job."""
 
@@ -56,6 +75,8 @@ class Run(TypedDict):
     """turns, prompt_tokens, completion_tokens, breaks."""
     eval: RunEval
     """Eval sessions' rewards by policy version (and task)."""
+    training: RunTraining
+    """What of the sampled tokens trained, and why the rest did not."""
 
 
 class RunCreated(Run):

@@ -102,7 +102,8 @@ def step_record(
         "session_ids": batch.session_ids,
         "dropped_sessions": batch.dropped_sessions,
         **{f"dropped_{code}": n for code, n in reason_codes(batch.dropped.values()).items()},
-        "reward_mean": _mean(batch.rewards),
+        "reward_mean": _mean(batch.rewards),  # the sessions' undiscounted outcomes
+        "return_mean": _mean(batch.returns),  # their first turns' discounted returns
         **_summary("advantage", advantages),
         "trained_tokens": tokens,
         "sampled_tokens": batch.sampled_tokens,

@@ -53,6 +53,7 @@ STATE_FILE = "tracking.json"
 # figure in the step's record -> its name in the trackers, grouped by what it measures
 NAMES = {
     "reward_mean": "reward/mean",
+    "return_mean": "reward/return_mean",
     "advantage_mean": "advantage/mean",
     "advantage_std": "advantage/std",
     "advantage_min": "advantage/min",

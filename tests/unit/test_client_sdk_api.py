@@ -49,7 +49,7 @@ PUBLIC_API = {
     "BadRequestError", "AuthenticationError", "PermissionDeniedError", "NotFoundError",
     "ConflictError", "UnprocessableEntityError", "RateLimitError", "InternalServerError",
     "Run", "RunCreated", "RunMetrics", "SessionCreated", "SessionDetail", "Turn", "Row",
-    "RewardResult", "SessionEnded", "EvalFigures", "RunEval",
+    "RewardResult", "SessionEnded", "EvalFigures", "RunEval", "RunTraining",
 }  # fmt: skip
 KEY = "sk-admin"
 RUN = {"id": "run-1", "name": "r", "policy_version": 3, "sessions": {"open": 1}, "totals": {}}

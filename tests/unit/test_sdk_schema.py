@@ -37,6 +37,7 @@ SCHEMAS = {
     "SessionEnded": "SessionEnded",
     "EvalFigures": "EvalFigures",
     "RunEval": "RunEval",
+    "RunTraining": "RunTraining",
 }
 # Types the SDK builds from another answer: the schema, and each field's name there.
 SAME = "policy_version", "sessions", "totals"
@@ -190,6 +191,7 @@ class DriftedRun(TypedDict):
     sessions: dict[str, int]
     totals: dict[str, float]
     eval: _types.RunEval
+    training: _types.RunTraining
     note: str
 
 

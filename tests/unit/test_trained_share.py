@@ -102,6 +102,13 @@ def test_a_step_records_what_it_sampled_trained_masked_and_dropped():
     json.dumps(record)
 
 
+def test_the_reward_figure_is_the_undiscounted_outcome_and_the_return_its_own_figure():
+    """A 3-turn success at discount 0.9 reads reward 1.0; its first turn's return is 0.81."""
+    batch = Batch([], session_ids=["a", "b"], rewards=[1.0, 0.0], returns=[0.81, 0.0])
+    record = step_record(TrainerState(step=1), batch, {}, Phases(0.0, 0.0))
+    assert record["reward_mean"] == 0.5 and record["return_mean"] == pytest.approx(0.405)
+
+
 def test_nothing_sampled_is_a_share_of_one():
     empty = Batch([], session_ids=[])
     record = step_record(TrainerState(step=1), empty, {}, Phases(0.0, 0.0))
