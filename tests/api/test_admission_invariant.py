@@ -101,6 +101,38 @@ def admitted(held: int, cost: int, limit: int) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
+# calls that need the engine
+
+
+def served(api: Api, path: str, key: str, body: dict) -> dict:
+    """A call that needs the engine. The pool's health check takes the engine out of rotation
+    for an interval (2 s) when its probe races a publish: it compares the version the engine
+    answered before the swap with the one expected after it (or the reverse), and a chat or
+    publish in that window answers 503. That defect is not this test's subject, so the call
+    waits for the engine to be back and is made once more."""
+    reply = api.call("POST", path, key=key, json=body)
+    if reply.status_code == 503:
+        deadline = time.monotonic() + ENGINE_WAIT_S
+        while api.call("GET", "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the engine did not come back"
+            time.sleep(0.05)
+        reply = api.call("POST", path, key=key, json=body)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def chat(api: Api, key: str, max_tokens: int = 1) -> None:
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    served(api, "/v1/chat/completions", key, {**request, "max_tokens": max_tokens})
+
+
+def publish(api: Api, run_id: str) -> int:
+    """Publish the tiny model's weights again as the run's next version; that version."""
+    body = {"model_path": str(api.model_dir), "run_id": run_id}
+    return served(api, "/admin/weights", ADMIN_KEY, body)["policy_version"]
+
+
+# --------------------------------------------------------------------------------------------
 # the model
 
 
@@ -216,8 +248,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         assert self.api.ok("POST", f"{path}/end")["status"] == session.status
 
     def chat(self, session: Modelled, max_tokens: int) -> None:
-        request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
-        self.served("/v1/chat/completions", session.api_key, {**request, "max_tokens": max_tokens})
+        chat(self.api, session.api_key, max_tokens)
         session.turns += 1
 
     # ----------------------------------------------------------------------------------------
@@ -321,27 +352,8 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     @rule()
     def publish(self) -> None:
-        body = {"model_path": str(self.api.model_dir), "run_id": self.run_id}
-        reply = self.served("/admin/weights", ADMIN_KEY, body)
         self.version += 1
-        assert reply["policy_version"] == self.version
-
-    def served(self, path: str, key: str, body: dict) -> dict:
-        """A call that needs the engine. The pool's health check takes the engine out of
-        rotation for an interval (2 s) when its probe races a publish: it compares the version
-        the engine answered before the swap with the one expected after it (or the reverse),
-        and a chat or publish in that window answers 503. That defect is not this test's
-        subject, so the call waits for the engine to be back and is made once more.
-        """
-        reply = self.api.call("POST", path, key=key, json=body)
-        if reply.status_code == 503:
-            deadline = time.monotonic() + ENGINE_WAIT_S
-            while self.api.call("GET", "/health").status_code != 200:
-                assert time.monotonic() < deadline, "the engine did not come back"
-                time.sleep(0.05)
-            reply = self.api.call("POST", path, key=key, json=body)
-        assert reply.status_code == 200, reply.text
-        return reply.json()
+        assert publish(self.api, self.run_id) == self.version
 
     @precondition(lambda self: any(self.held_by(c) for c in self.claims))
     @rule()
@@ -429,3 +441,89 @@ def test_random_traffic_never_breaks_the_bound(api: Api, store: sqlalchemy.Engin
             suppress_health_check=[HealthCheck.too_slow],
         ),
     )
+
+
+def trainable_session(api: Api, run_id: str) -> str:
+    """A session admitted, with one turn, rewarded and ended; its id."""
+    session = api.new_session(run_id)
+    chat(api, session["api_key"])
+    path = f"/rl/sessions/{session['session_id']}"
+    api.ok("POST", f"{path}/reward", json={"reward": 1.0})
+    assert api.ok("POST", f"{path}/end")["status"] == TRAINABLE
+    return session["session_id"]
+
+
+def refused(api: Api, run_id: str) -> bool:
+    reply = api.call("POST", "/rl/sessions", json={"run_id": run_id})
+    if reply.status_code == 201:
+        return False
+    assert_error(reply, 429, code="staleness_bound")
+    return True
+
+
+def held_places(store: sqlalchemy.Engine, run_id: str) -> int:
+    """Places the run's sessions hold, from the store (no group size: one per session)."""
+    query = sqlalchemy.select(sqlalchemy.func.count()).where(
+        SessionRow.run_id == run_id,
+        SessionRow.status.in_(["open", "ended", TRAINABLE, CLAIMED]),
+        SessionRow.eval.is_(False),
+        SessionRow.trained_version.is_(None),
+    )
+    with store.connect() as db:
+        return int(db.scalar(query) or 0)
+
+
+def claimed_ids(api: Api, run_id: str) -> tuple[str, set[str]]:
+    claim = api.ok("POST", f"/rl/runs/{run_id}/claims", json={"max_sessions": 10})
+    return claim["claim_id"], {s["session_id"] for s in claim["sessions"]}
+
+
+def test_drops_never_raise_the_limit(api: Api, store: sqlalchemy.Engine) -> None:
+    """B=2, eta=0: two sessions fill the run; once claimed and dropped they free exactly their
+    two places, and publishing versions frees none (the old bound, counted against versions,
+    let every drop and every publish admit more for good)."""
+    run_id = api.new_run(batch_size=2, max_staleness=0, admission_wait_s=0)["id"]
+    first = {trainable_session(api, run_id) for _ in range(2)}
+    assert refused(api, run_id)
+    claim_id, taken = claimed_ids(api, run_id)
+    assert taken == first
+    dropped = api.ok(
+        "POST", f"/rl/claims/{claim_id}/drop", json={"dropped": dict.fromkeys(first, TEST_DROP)}
+    )
+    assert dropped["dropped"] == 2 and held_places(store, run_id) == 0
+    publish(api, run_id)
+
+    assert [refused(api, run_id) for _ in range(3)] == [False, False, True]
+    for _ in range(3):
+        publish(api, run_id)
+        assert refused(api, run_id)
+    assert held_places(store, run_id) == 2
+
+
+def test_a_restart_does_not_raise_the_limit(api: Api, store: sqlalchemy.Engine) -> None:
+    """B=2, eta=0: two sessions claimed and marked trained free their places; a trainer
+    restart releases them (claimable again, still marked) and a republish follows: the places
+    held stay as they were, so exactly two more sessions are admitted."""
+    run_id = api.new_run(batch_size=2, max_staleness=0, admission_wait_s=0)["id"]
+    sessions = {trainable_session(api, run_id) for _ in range(2)}
+    claim_id, taken = claimed_ids(api, run_id)
+    assert taken == sessions
+    version = publish(api, run_id)
+    trained = api.ok("POST", f"/rl/claims/{claim_id}/trained", json={"version": version})
+    assert trained["trained"] == 2 and held_places(store, run_id) == 0
+
+    assert api.ok("POST", f"/rl/claims/{claim_id}/release")["released"] == 2
+    publish(api, run_id)
+    assert held_places(store, run_id) == 0
+    again, retaken = claimed_ids(api, run_id)
+    assert retaken == sessions
+    # Marked again by the step that retrains them, they keep the version that first trained
+    # them: their places were freed once.
+    later = publish(api, run_id)
+    assert api.ok("POST", f"/rl/claims/{again}/trained", json={"version": later})["trained"] == 2
+    query = sqlalchemy.select(SessionRow.trained_version).where(SessionRow.run_id == run_id)
+    with store.connect() as db:
+        assert set(db.scalars(query)) == {version}
+
+    assert [refused(api, run_id) for _ in range(3)] == [False, False, True]
+    assert held_places(store, run_id) == 2
