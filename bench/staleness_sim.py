@@ -9,18 +9,21 @@ staleness, drops what cannot train, steps for ``--step-s`` seconds and publishes
 
 The decisions are the project's own, imported, never copied, so that they cannot drift:
 
-- admission: ``server.rl.admission.admits`` with a real ``RunConfig`` (its
-  ``admission_limit``, AReaL's ``(eta + version + 1) * batch_size``);
+- admission (policy ``places``): ``server.rl.admission.Held`` and ``admits`` with a real
+  ``RunConfig`` (its ``admission_limit``, ``(eta + 1) * batch_size`` places), group keys by
+  ``server.store.groups.key_of``; the trainer marks a step's claims trained after publishing;
 - claims: ``server.store.groups.plan_claim`` (which whole groups a claim takes, which
   incomplete ones it drops, in what order, with the store's drop reasons);
 - staleness and drops: ``trainer.rollouts.build_batch`` on rows shaped as the server sends them
   (``versions`` per token; it calls ``trainer.staleness.versions_behind``, restarts' republishes
-  included), with a real ``AlgorithmConfig`` (``stale=mask`` by default, as the trainer's);
+  included), with a real ``AlgorithmConfig`` (``stale`` as the policy says);
 - publish: a step publishes a version only when its batch has samples (``Trainer.publish``).
 
 Modelled, because they are SQL or I/O rather than functions (each held to the real code by
 ``tests/unit/test_staleness_sim.py``, on random inputs):
 
+- which sessions hold places, ``server/store/sessions.py`` ``held_places``: :func:`holds_place`,
+  checked against the SQL on a real SQLite store;
 - the admission count of the rule before issue 24 (:func:`areal_admits`): the run's
   sessions not ``dropped`` (consumed ones count; eval sessions are not simulated). Here:
   :func:`counts_toward_admission` (the server no longer has this count);
@@ -39,11 +42,13 @@ sessions run: the admission bound, not the engine, limits concurrency, unless ``
 admission's wait-then-429 (a waiting session is admitted the moment there is room, first come
 first served), reward latency, idle and reward deadlines, and what the update learns.
 
-The rules are an entry of ``POLICIES``: ``current`` is today's code; a new design is another
-entry, compared in the same run (``--policies current,other``). The table and the plot are
-``bench/staleness_sim_report.py``'s.
+The rules are an entry of ``POLICIES``: ``current`` the rules before issue 24 (their admission
+rule is the one thing this bench defines itself, :func:`areal_admits`), ``places`` today's; a
+new design is another entry, compared in the same run (``--policies current,other``). A run
+whose trainer waits for a batch nothing can fill stops and is reported stalled. The tables
+and the plot are ``bench/staleness_sim_report.py``'s.
 
-    python bench/staleness_sim.py                       # the default grid, about a minute
+    python bench/staleness_sim.py                       # the default grid, several minutes
     python bench/staleness_sim.py --groups 4 --etas 1 --seeds 1 --steps 60   # one small cell
 """
 
