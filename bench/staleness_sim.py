@@ -241,6 +241,7 @@ class SimSession:
     candidate: Candidate | None = None
     trained_version: int | None = None  # of the first step that trained it (its place freed)
     claimable_at: float | None = None  # when its group was first claimable: whole, or timed out
+    created_at: float = 0.0  # when it was admitted
 
     @property
     def tokens(self) -> int:
@@ -359,7 +360,8 @@ class Run:
         self.sessions: dict[str, SimSession] = {}
         self.trainable: dict[str, SimSession] = {}  # in the order they became trainable
         self.admitted = 0  # counts_toward_admission, kept as statuses change
-        self.holding: Counter[str] = Counter()  # task id -> sessions that hold_place
+        # task id -> the sessions of it that hold places, each with when it was created
+        self.holding: dict[str, dict[str, float]] = {}
         self.backlog_peak = 0
         self.open = 0
         self.server_version = 0
@@ -424,16 +426,26 @@ class Run:
         if session.trained_version is None:
             session.trained_version = trained_version
         session.status = status
-        self.holding[session.task_id] += holds_place(status, session.trained_version) - held
-        if not self.holding[session.task_id]:
-            del self.holding[session.task_id]
+        holds = holds_place(status, session.trained_version)
+        if held and not holds:  # (a test may set sessions up without admitting them)
+            members = self.holding.get(session.task_id, {})
+            members.pop(session.sid, None)
+            if not members:
+                self.holding.pop(session.task_id, None)
+        elif holds and not held:
+            self.holding.setdefault(session.task_id, {})[session.sid] = session.created_at
 
     def held_sessions(self) -> Held:
         """The run's sessions that hold places, as ``server.store.sessions.held_places`` gives
-        them: (group_id, task_id, sessions) rows; the sim's sessions carry no group_id, their
-        task id is their group key under a group_size above 1."""
-        rows = ((None, task, n) for task, n in self.holding.items())
-        return Held.of(rows, self.group_size)
+        them: (group_id, task_id, sessions, the oldest one's created_at) rows; the sim's
+        sessions carry no group_id, their task id is their group key under a group_size above
+        1."""
+        rows = (
+            (None, task, len(members), EPOCH + timedelta(seconds=min(members.values())))
+            for task, members in self.holding.items()
+        )
+        now = EPOCH + timedelta(seconds=self.now)
+        return Held.of(rows, self.group_size, now, self.config.group_timeout_s)
 
     def admit(self) -> None:
         """Admit waiting sessions while the rule has room (the agents always want more): the
@@ -447,7 +459,8 @@ class Run:
             session = draw_session(self.rng, len(self.sessions), self.cell)
             self.sessions[session.sid] = session
             self.admitted += counts_toward_admission(session.status)
-            self.holding[session.task_id] += 1  # open, untrained: it holds a place
+            session.created_at = self.now
+            self.holding.setdefault(session.task_id, {})[session.sid] = self.now  # open: held
             self.open += 1
             self.at(self.now + session.turns[0][0], "turn_end", (session, 0, self.now))
             self.check_bound()

@@ -13,10 +13,13 @@ version, changes nothing (AReaL's ``(eta + version + 1) * B`` counted sessions a
 and every drop or republish moved the limit for good).
 
 A GRPO group is admitted as a unit: under a ``group_size`` G > 1, sessions that share a group
-key (``server.store.groups.key_of``) hold max(G, members) places while any of them is held, so
-the first member of a group takes G places and the next G - 1 come in at once, never refused
-half way; a session without a key holds one. When the places run out a caller waits (up to the
-run's ``admission_wait_s``) for the trainer to free some, then gets a 429 with Retry-After.
+key (``server.store.groups.key_of``) hold max(G, members) places while they gather, so the first
+member of a group takes G places and the next G - 1 come in at once, never refused half way; a
+session without a key holds one. A group gathers until its oldest session is ``group_timeout_s``
+old, when a claim would resolve it as it is; from then on it holds one place per member, so
+places held for members that never came cannot block a run. When the places run out a caller
+waits (up to the run's ``admission_wait_s``) for the trainer to free some, then gets a 429 with
+Retry-After.
 Runs without a ``batch_size`` admit everything. Evaluation sessions are never trained: they
 hold no place and never wait (``server.rl.sessions``).
 
@@ -37,6 +40,7 @@ import contextlib
 import math
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 
 from server.errors import StalenessBound
 from server.store.groups import GroupKey, key_of
@@ -47,38 +51,60 @@ RETRY_AFTER_S = 5
 
 @dataclass(frozen=True)
 class Held:
-    """A run's sessions that hold places: how many per group key, and how many have none."""
+    """A run's sessions that hold places: how many per group key, which of those groups still
+    gather (their places held for the members to come), and how many sessions have no key."""
 
     groups: dict[GroupKey, int] = field(default_factory=dict)
+    gathering: frozenset[GroupKey] = frozenset()
     keyless: int = 0
 
     @classmethod
-    def of(cls, rows: Iterable[tuple[str | None, str | None, int]], group_size: int) -> Held:
-        """From (group_id, task_id, sessions) rows of held sessions."""
+    def of(
+        cls,
+        rows: Iterable[tuple[str | None, str | None, int, datetime]],
+        group_size: int,
+        now: datetime,
+        timeout_s: float | None,
+    ) -> Held:
+        """From (group_id, task_id, sessions, the oldest one's created_at) rows of held
+        sessions. A group gathers until its oldest session is ``timeout_s`` old (the run's
+        group_timeout_s; None: for ever)."""
         groups: dict[GroupKey, int] = {}
+        gathering: set[GroupKey] = set()
         keyless = 0
-        for group_id, task_id, count in rows:
+        for group_id, task_id, count, oldest in rows:
             key = key_of(group_id, task_id, by_task=group_size > 1)
             if key is None:
                 keyless += count
-            else:
-                groups[key] = groups.get(key, 0) + count
-        return cls(groups, keyless)
+                continue
+            groups[key] = groups.get(key, 0) + count
+            if timeout_s is None or now - oldest < timedelta(seconds=timeout_s):
+                gathering.add(key)
+        return cls(groups, frozenset(gathering), keyless)
+
+    def _places_of(self, key: GroupKey, members: int, size: int) -> int:
+        """A gathering group holds max(size, members) places; one past group_timeout_s (which
+        resolves it as it is, or whose late members will form a group of their own) one per
+        member: places held for members that never came would otherwise block the run."""
+        return max(size, members) if key in self.gathering else members
 
     def places(self, group_size: int) -> int:
-        """Places held: a group max(group_size, its members), a keyless session one."""
+        """Places held: a gathering group max(group_size, its members), any other session one."""
         size = max(group_size, 1)
-        return self.keyless + sum(max(size, count) for count in self.groups.values())
+        return self.keyless + sum(
+            self._places_of(key, members, size) for key, members in self.groups.items()
+        )
 
     def cost(self, key: GroupKey | None, group_size: int) -> int:
-        """Places one more session of ``key`` takes: none when it joins a group still short of
-        group_size (its place is held already), group_size when it starts a group, else one."""
+        """Places one more session of ``key`` takes: none when it joins a gathering group short
+        of group_size (its place is held already), group_size when it starts a group, else one."""
         if key is None or group_size <= 1:
             return 1
         members = self.groups.get(key, 0)
         if members == 0:
             return group_size
-        return 0 if members < group_size else 1
+        before = self._places_of(key, members, group_size)
+        return self._places_of(key, members + 1, group_size) - before
 
 
 def admits(held: Held, key: GroupKey | None, config: RunConfig) -> bool:

@@ -20,7 +20,7 @@ from server.store.database import Sessionmaker
 from server.store.groups import key_of
 from server.store.rewards import SESSION_TARGET
 from server.store.run_config import RunConfig
-from server.store.tables import Session
+from server.store.tables import Session, utcnow
 from server.store.turns import served_fields, turns_by_session
 
 
@@ -50,7 +50,8 @@ async def create_session(
                 room = eval or config.admission_limit() is None
                 if not room:
                     size = config.group_size or 1
-                    held = Held.of(await store.held_places(db, run_id), size)
+                    rows = await store.held_places(db, run_id)
+                    held = Held.of(rows, size, utcnow(), config.group_timeout_s)
                     room = admits(held, key_of(group_id, task_id, size > 1), config)
             if room:
                 async with ctx.sessionmaker() as db, db.begin():

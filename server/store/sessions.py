@@ -104,11 +104,14 @@ async def end_session(db: AsyncSession, session: Session, now: datetime | None =
 HOLDING = (OPEN, ENDED, TRAINABLE, CLAIMED)
 
 
-async def held_places(db: AsyncSession, run_id: str) -> list[tuple[str | None, str | None, int]]:
-    """(group_id, task_id, sessions) of the run's sessions that hold admission places: not
-    eval, not yet trained by a step, neither consumed nor dropped (``server.rl.admission``)."""
+async def held_places(
+    db: AsyncSession, run_id: str
+) -> list[tuple[str | None, str | None, int, datetime]]:
+    """(group_id, task_id, sessions, the oldest one's created_at) of the run's sessions that
+    hold admission places: not eval, not yet trained by a step, neither consumed nor dropped
+    (``server.rl.admission``)."""
     query = (
-        select(Session.group_id, Session.task_id, func.count())
+        select(Session.group_id, Session.task_id, func.count(), func.min(Session.created_at))
         .where(
             Session.run_id == run_id,
             Session.status.in_(HOLDING),
@@ -117,7 +120,8 @@ async def held_places(db: AsyncSession, run_id: str) -> list[tuple[str | None, s
         )
         .group_by(Session.group_id, Session.task_id)
     )
-    return [(group_id, task_id, int(count)) for group_id, task_id, count in await db.execute(query)]
+    rows = await db.execute(query)
+    return [(group, task, int(count), oldest) for group, task, count, oldest in rows]
 
 
 async def group_eval_flags(db: AsyncSession, run_id: str, group_id: str) -> set[bool]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from hypothesis import given, settings
@@ -16,9 +17,15 @@ from server.rl.admission import Admission, Held, admits
 from server.store.run_config import RunConfig
 from server.text.tokenization import Tokenizer
 
+NOW = datetime(2026, 11, 26, tzinfo=UTC)
 
-def held(*rows: tuple[str | None, str | None, int], group_size: int = 1) -> Held:
-    return Held.of(rows, group_size)
+
+def held(
+    *rows: tuple[str | None, str | None, int], group_size: int = 1, age_s: float = 0.0
+) -> Held:
+    """Held sessions whose oldest per group is ``age_s`` old, under a group timeout of 600 s."""
+    oldest = NOW - timedelta(seconds=age_s)
+    return Held.of([(*row, oldest) for row in rows], group_size, NOW, 600.0)
 
 
 @pytest.mark.parametrize(
@@ -56,9 +63,23 @@ def test_task_ids_form_groups_only_under_a_group_size():
     assert held(*rows, group_size=4).groups == {("task", "task"): 3}
 
 
+def test_a_group_gathers_until_its_group_timeout_then_holds_one_place_per_member():
+    """Past group_timeout_s a claim resolves a group as it is, and its late members form a
+    group of their own: places held for members that never came must not block the run (three
+    such remnants of groups of 8 used to hold every place while the trainer waited)."""
+    config = RunConfig(batch_size=8, max_staleness=2, group_size=8)  # 24 places
+    rows = ("a", None, 2), ("b", None, 3), ("c", None, 2)
+    young, old = held(*rows, group_size=8, age_s=10), held(*rows, group_size=8, age_s=601)
+    assert young.places(8) == 24 and not admits(young, None, config)
+    assert old.places(8) == 7 and admits(old, ("group", "d"), config)
+    assert old.cost(("group", "a"), 8) == 1  # no longer a place waiting for it
+    forever = Held.of([("a", None, 2, NOW - timedelta(days=9))], 8, NOW, None)
+    assert forever.places(8) == 8  # group_timeout_s None: a group waits for all of itself
+
+
 def test_a_group_larger_than_the_limit_is_not_shut_out():
     config = RunConfig(batch_size=2, max_staleness=0, group_size=4)  # 2 places, groups of 4
-    assert admits(Held(), ("group", "g"), config)
+    assert admits(held(group_size=4), ("group", "g"), config)
     assert not admits(held(("h", None, 4), group_size=4), ("group", "g"), config)
 
 
@@ -69,8 +90,8 @@ def test_a_group_larger_than_the_limit_is_not_shut_out():
     group_size=st.integers(1, 8),
 )
 def test_places_count_every_group_at_least_group_size(counts, keyless, group_size):
-    rows = [(f"g{i}", None, n) for i, n in enumerate(counts)] + [(None, None, keyless)]
-    places = Held.of(rows, group_size).places(group_size)
+    rows = [(f"g{i}", None, n, NOW) for i, n in enumerate(counts)] + [(None, None, keyless, NOW)]
+    places = Held.of(rows, group_size, NOW, 600.0).places(group_size)
     assert places == keyless + sum(max(n, group_size) for n in counts)
     assert places >= keyless + sum(counts)
 

@@ -13,7 +13,7 @@ import re
 import sys
 import tempfile
 from collections import Counter
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,8 @@ from server.store import claims, database
 from server.store import sessions as store
 from server.store.groups import GroupRule
 from server.store.tables import Base, Run, Session, utcnow
+
+NOW = utcnow()  # the store's own clock: its datetimes come back as it writes them
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -132,10 +134,16 @@ def test_places_admit_whole_groups_up_to_the_bound():
 def recount(run: sim.Run) -> Held:
     """The run's held places counted afresh from every session (its books keep them as they
     change)."""
-    rows = Counter(
-        s.task_id for s in run.sessions.values() if sim.holds_place(s.status, s.trained_version)
-    )
-    return Held.of([(None, task, n) for task, n in rows.items()], run.group_size)
+    members: dict[str, list[float]] = {}
+    for s in run.sessions.values():
+        if sim.holds_place(s.status, s.trained_version):
+            members.setdefault(s.task_id, []).append(s.created_at)
+    rows = [
+        (None, task, len(created), sim.EPOCH + timedelta(seconds=min(created)))
+        for task, created in members.items()
+    ]
+    now = sim.EPOCH + timedelta(seconds=run.now)
+    return Held.of(rows, run.group_size, now, run.config.group_timeout_s)
 
 
 @pytest.mark.parametrize(("group_size", "eta"), [(1, 0), (1, 3), (4, 1), (8, 2), (8, 0)])
@@ -170,14 +178,14 @@ def test_without_restarts_no_session_waits_more_than_eta_versions(group_size, et
     assert t["trained_share"] == 1.0 and t["sessions_dropped"] == 0
 
 
-def test_a_run_that_cannot_fill_a_batch_stops_and_says_so():
+def test_groups_split_by_their_timeout_no_longer_stall_a_run():
     """Groups of 8 split by a 30 s group timeout: each remnant (a few members, claimed late)
-    still holds 8 places (Held.places), so three remnants fill (2 + 1) * 8 places with fewer
-    than a batch of sessions, and the trainer, waiting for a whole batch, never gets one.
-    The simulator ends such a run and records where, rather than spinning."""
+    used to hold 8 places (Held.places), so three remnants filled (2 + 1) * 8 places with fewer
+    than a batch of sessions, and the trainer, waiting for a whole batch, never got one. A
+    group past its timeout now holds one place per member: the run goes on."""
     result = sim.simulate(cell(policy="places", group_size=8, eta=2, group_timeout_s=30.0))
-    assert result.stalled_at is not None
-    assert result.totals()["stalled"] == 1 and result.totals()["steps"] < 30
+    assert result.stalled_at is None
+    assert result.totals()["stalled"] == 0 and result.totals()["steps"] == 30
 
 
 def test_a_bounded_policy_that_overruns_its_bound_stops_the_cell(monkeypatch):
@@ -249,6 +257,7 @@ async def _store(tmp: str):
             st.one_of(st.none(), st.integers(0, 5)),  # trained_version
             st.one_of(st.none(), st.sampled_from(["g1", "g2", "g3"])),  # group_id
             st.one_of(st.none(), st.sampled_from(["t1", "t2"])),  # task_id
+            st.sampled_from([0.0, 30.0, 700.0]),  # age: either side of a 600 s group timeout
         ),
         max_size=30,
     ),
@@ -258,12 +267,13 @@ def test_the_held_places_are_the_stores(sessions, group_size):
     """holds_place, counted as the sim counts it, against server/store/sessions.py
     held_places: the same places, groups and keyless sessions."""
 
-    async def real() -> list[tuple[str | None, str | None, int]]:
+    async def real() -> list[tuple[str | None, str | None, int, datetime]]:
         with tempfile.TemporaryDirectory() as tmp:
             engine, maker = await _store(tmp)
             try:
                 async with maker() as db, db.begin():
-                    for i, (status, is_eval, trained, group_id, task_id) in enumerate(sessions):
+                    for i, row in enumerate(sessions):
+                        status, is_eval, trained, group_id, task_id, age = row
                         db.add(
                             Session(
                                 id=f"s{i}",
@@ -274,6 +284,7 @@ def test_the_held_places_are_the_stores(sessions, group_size):
                                 trained_version=trained,
                                 group_id=group_id,
                                 task_id=task_id,
+                                created_at=NOW - timedelta(seconds=age),
                             )
                         )
                 async with maker() as db:
@@ -281,13 +292,15 @@ def test_the_held_places_are_the_stores(sessions, group_size):
             finally:
                 await engine.dispose()
 
-    modelled = Counter(
-        (group_id, task_id)
-        for status, is_eval, trained, group_id, task_id in sessions
-        if not is_eval and sim.holds_place(status, trained)
-    )
-    ours = Held.of([(g, t, n) for (g, t), n in modelled.items()], group_size)
-    theirs = Held.of(asyncio.run(real()), group_size)
+    modelled: dict[tuple[str | None, str | None], list[float]] = {}
+    for status, is_eval, trained, group_id, task_id, age in sessions:
+        if not is_eval and sim.holds_place(status, trained):
+            modelled.setdefault((group_id, task_id), []).append(age)
+    rows = [
+        (g, t, len(ages), NOW - timedelta(seconds=max(ages))) for (g, t), ages in modelled.items()
+    ]
+    ours = Held.of(rows, group_size, NOW, 600.0)
+    theirs = Held.of(asyncio.run(real()), group_size, NOW, 600.0)
     assert ours == theirs
     assert ours.places(group_size) == theirs.places(group_size)
 
