@@ -25,20 +25,22 @@ the sessions' lengths. With a discount or per-turn rewards, a return is only com
 returns at the same position, so returns that differ only by where in a session they fall get
 nothing from it.
 
-**The scale comes from the outcomes, not the discount.** The baseline b is a mean of the
-discounted returns, but the scale of grpo and reinforce_pp is read from the same pool's
-*undiscounted* values (the returns at discount 1, stand-ins included): their std + eps when
-they differ; when they are all equal (every session reached the same result, so there is no
-outcome contrast) but the discounted returns still differ, their mean size |value| (0: no
-signal, every advantage 0). Normalising by the std of the discounted returns would blow a pure
-difference in length up to unit size: four sessions that all succeed in 1 to 4 turns would get
--1.7..+1.4 at any discount below 1. Read this way, advantages are proportional, like those of
-dr_grpo, rloo and running (scale 1): sessions rewarded R once, at the end, after paths of at
-most L turns get |A| <= 1 - discount^L (<= L * (1 - discount)), which goes to 0 as the discount
-goes to 1. At discount 1 both values are the same and the scale is the usual std + eps: no
-advantage then exceeds sqrt(N - 1) in size, N the values in its position's pool (the largest
-z-score N numbers can reach; std is the population std). Under a discount that bound does not
-hold: a small spread of outcomes divides a larger spread of discounted returns.
+**Under a discount, the outcome and the discount's part are scaled apart.** A return G is its
+undiscounted value U (the same rewards at discount 1, stand-ins included) less what the discount
+took off it, D = G - U. grpo and reinforce_pp give
+
+    A = (U - mean U) / (std U + eps)  +  (D - mean D) / max(std U, mean |U|)
+
+over the position's pool: the outcomes' usual z-score, plus the discount's part measured in the
+outcomes' own size, never in its own spread (every outcome 0: no signal). Normalising G by the
+std of the discounted returns, as before, blew a pure difference in length up to unit size:
+four sessions that all succeed in 1 to 4 turns got -1.7..+1.4 at any discount below 1. Now
+sessions that reach the same outcome R once, at the end, after paths of at most L turns get
+|A| <= 1 - discount^L (<= L * (1 - discount)), which goes to 0 as the discount goes to 1, and a
+tiny spread of outcomes never magnifies a large spread of lengths. At discount 1, D = 0 and A
+is the usual (G - mean) / (std + eps), bit for bit: no advantage then exceeds sqrt(N - 1) in
+size, N the values in its position's pool (the largest z-score N numbers can reach; std is the
+population std).
 
 **No contrast, no signal.** A pool of fewer than two sessions has nothing to compare with, and a
 pool whose values are all equal has no spread: every estimator but `running` gives 0 there.
@@ -88,13 +90,22 @@ def turn_returns(
 
 @dataclass(frozen=True)
 class Shift:
-    """Turns a return into an advantage: (value - baseline) / scale."""
+    """Turns a return into an advantage: (value - baseline) / scale. A split shift (a normalised
+    estimator under a discount) takes the return's undiscounted part U and what the discount
+    took off it, D = G - U, apart: (U - outcome[0]) / outcome[1] + (D - baseline) / scale."""
 
     baseline: float
     scale: float = 1.0
+    outcome: tuple[float, float] | None = None  # (baseline, scale) of U, when split
 
-    def __call__(self, value: float) -> float:
-        return (value - self.baseline) / self.scale
+    def __call__(self, value: float, undiscounted: float) -> float:
+        if self.outcome is None:
+            return (value - self.baseline) / self.scale
+        outcome_baseline, outcome_scale = self.outcome
+        discounted_by = value - undiscounted
+        return (undiscounted - outcome_baseline) / outcome_scale + (
+            discounted_by - self.baseline
+        ) / self.scale
 
 
 @dataclass(frozen=True)
@@ -137,22 +148,23 @@ def _contrast(pool: Pool) -> bool:
     return len(pool.returns) >= 2 and max(values) != min(values)
 
 
-def _outcome_scale(undiscounted: Sequence[float], eps: float) -> float | None:
-    """The scale of normalised advantages: the spread of the outcomes, else their size (None:
-    no signal). Never the spread of the discounted returns, which grows with length alone."""
-    if max(undiscounted) != min(undiscounted):
-        return _std(undiscounted) + eps
-    return abs(undiscounted[0]) or None  # all equal: their mean size is any one's size
-
-
 def normalised(pool: Pool, eps: float) -> Shifts:
-    """(G - mean) / scale over every value of the pool (scale: `_outcome_scale`)."""
+    """(G - mean) / (std + eps) over every value of the pool; under a discount, split (see the
+    module docstring): the outcomes' z-score, plus what the discount took off each return
+    measured in the outcomes' own size, never in its own spread."""
     if not _contrast(pool):
         return dict.fromkeys(pool.returns)
-    scale = _outcome_scale(_values(pool.undiscounted), eps)
-    if scale is None:
+    returns, undiscounted = _values(pool.returns), _values(pool.undiscounted)
+    if returns == undiscounted:  # no discount at work: the usual z-score, bit for bit
+        return dict.fromkeys(pool.returns, Shift(_mean(returns), _std(returns) + eps))
+    spread = _std(undiscounted)
+    size = _mean([abs(u) for u in undiscounted])
+    unit = max(spread, size)
+    if unit == 0:  # every outcome 0: nothing to measure the discount's part in
         return dict.fromkeys(pool.returns)
-    return dict.fromkeys(pool.returns, Shift(_mean(_values(pool.returns)), scale))
+    discounted_by = [g - u for g, u in zip(returns, undiscounted, strict=True)]
+    outcome = (_mean(undiscounted), spread + eps)
+    return dict.fromkeys(pool.returns, Shift(_mean(discounted_by), unit, outcome))
 
 
 def centred(pool: Pool, eps: float) -> Shifts:
@@ -385,8 +397,8 @@ def session_advantages(
         served += members
     advantages = [
         [
-            0.0 if (shift := shifts.get((i, p))) is None else shift(g)
-            for g, p in zip(s.returns, s.positions, strict=True)
+            0.0 if (shift := shifts.get((i, p))) is None else shift(g, u)
+            for g, u, p in zip(s.returns, s.undiscounted or s.returns, s.positions, strict=True)
         ]
         for i, s in enumerate(sessions)
     ]

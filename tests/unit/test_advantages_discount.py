@@ -1,4 +1,5 @@
-"""The scale of normalised advantages under a discount: read from the undiscounted returns.
+"""Normalised advantages under a discount: the outcomes' z-score plus the discount's part in the
+outcomes' own size.
 
 A pure difference in length (sessions that reached the same outcome in more or fewer turns) must
 give advantages that shrink with 1 - discount, not unit-size z-scores. Checked against the bound
@@ -49,26 +50,32 @@ def stand_in(values: list[float], position: int, outcome: float) -> float:
 
 
 def reference(sessions: list[SessionReturns], name: str) -> list[list[float]]:
-    """A = (G - mean of the pool's discounted values) / s, s the std of its undiscounted values
-    + eps when they differ, else their mean |value| (0: no signal). One pool: the group (all
-    sessions share a key here) or, for reinforce_pp, the batch; path turns only."""
+    """At discount 1 (every G equals its U): (G - mean G) / (std G + eps). Else
+    A = (U - mean U) / (std U + eps) + (D - mean D) / max(std U, mean |U|), D = G - U, over the
+    pool's values (0 when every U is 0). No contrast (fewer than two sessions, or every G
+    equal): 0. One pool: the group (all sessions share a key here) or, for reinforce_pp, the
+    batch; path turns only."""
     out = []
     for me in sessions:
         advantages = []
-        for t, g in enumerate(me.returns):
+        for t, (g, u) in enumerate(zip(me.returns, me.undiscounted, strict=True)):
             discounted = [stand_in(s.returns, t, s.returns[-1]) for s in sessions]
             undiscounted = [stand_in(s.undiscounted, t, s.undiscounted[-1]) for s in sessions]
             if len(sessions) < 2 or len(set(discounted)) == 1:
                 advantages.append(0.0)
                 continue
-            if len(set(undiscounted)) > 1:
-                scale = statistics.pstdev(undiscounted) + EPS
-            else:
-                scale = statistics.fmean(abs(u) for u in undiscounted)
-            if scale == 0:
+            if discounted == undiscounted:
+                scale = statistics.pstdev(discounted) + EPS
+                advantages.append((g - statistics.fmean(discounted)) / scale)
+                continue
+            spread = statistics.pstdev(undiscounted)
+            unit = max(spread, statistics.fmean(abs(x) for x in undiscounted))
+            if unit == 0:
                 advantages.append(0.0)
                 continue
-            advantages.append((g - statistics.fmean(discounted)) / scale)
+            by = [gd - ud for gd, ud in zip(discounted, undiscounted, strict=True)]
+            outcome_part = (u - statistics.fmean(undiscounted)) / (spread + EPS)
+            advantages.append(outcome_part + ((g - u) - statistics.fmean(by)) / unit)
         out.append(advantages)
     return out
 
@@ -143,14 +150,30 @@ def test_four_failures_of_one_to_four_turns_at_0_99_stay_small():
 # --- the scale by hand ----------------------------------------------------------------------
 
 
-def test_an_outcome_contrast_is_scaled_by_the_undiscounted_spread():
+def test_an_outcome_contrast_and_the_discount_s_part_are_scaled_apart():
     # two successes (1 and 3 turns) and a failure (1 turn) at discount 0.5. Position 0:
-    # discounted 1, 0.25, 0 (mean 5/12); undiscounted 1, 1, 0 (std sqrt(2) / 3)
+    # undiscounted 1, 1, 0 (mean 2/3, std sqrt(2)/3); the discount took 0, 0.75, 0 off them
+    # (D = 0, -0.75, 0, mean -1/4), measured in max(std, mean |U| = 2/3) = 2/3
     sessions = [ended_with(1.0, 1, 0.5), ended_with(1.0, 3, 0.5), ended_with(0.0, 1, 0.5)]
     out = session_advantages(sessions, "grpo", None)
-    scale = math.sqrt(2) / 3 + EPS
-    want = [(1 - 5 / 12) / scale, (0.25 - 5 / 12) / scale, (0 - 5 / 12) / scale]
+    spread = math.sqrt(2) / 3 + EPS
+    want = [
+        (1 - 2 / 3) / spread + (0 + 1 / 4) / (2 / 3),
+        (1 - 2 / 3) / spread + (-0.75 + 1 / 4) / (2 / 3),
+        (0 - 2 / 3) / spread + (0 + 1 / 4) / (2 / 3),
+    ]
     assert close([a[0] for a in out], want, 1e-12)
+    # the slow success is still far above the failure, a little below the quick success
+    assert out[2][0] < out[1][0] < out[0][0]
+
+
+def test_a_tiny_outcome_spread_never_magnifies_a_spread_of_lengths():
+    # before, scaling every return by the outcomes' std: rewards 1, 1, 1 and 0.999 after 1 to 40
+    # turns at discount 0.9 gave advantages in the hundreds
+    sessions = [ended_with(r, n, 0.9) for r, n in ((1.0, 1), (1.0, 10), (1.0, 40), (0.999, 1))]
+    for name in NORMALISED:
+        out = session_advantages(sessions, name, None)
+        assert max(abs(a) for advantages in out for a in advantages) < 3.0
 
 
 def test_equal_outcomes_of_zero_give_no_signal():
