@@ -45,19 +45,23 @@ def test_turns_at_other_temperatures_are_masked_then_trained_off_policy(server, 
 
     finish(start_trainer(server, out, "batch_size=8", "max_steps=1"))
     (step,) = metrics(out)
-    # masked (the default), and counted: the 0.7 and greedy tokens are a quarter to a half
+    # masked (the default), and counted: the 0.7 tokens by off_temperature, the greedy ones by
+    # greedy (a point mass no behaviour weight corrects)
     assert step["off_temperature_tokens"] > 0 and step["off_policy_tokens"] == 0
+    assert step["masked_tokens"]["greedy"] > 0
     assert 0 < step["off_temperature_masked_fraction"] < 1
     assert step["logprob_mismatch_mean"] < MISMATCH_LIMIT  # on the tokens that trained
     assert step["dropped_sessions"] == 4 and step["dropped_no_trainable_tokens"] == 4
-    for session_id in warm + greedy:
-        shown = server.get(session_id)
-        assert shown["status"] == "dropped"
-        assert shown["drop_reason"].startswith("no_trainable_tokens:")
-        assert "another temperature than the run's 1" in shown["drop_reason"]
+    for session_ids, why in ((warm, "another temperature than the run's 1"), (greedy, "greedily")):
+        for session_id in session_ids:
+            shown = server.get(session_id)
+            assert shown["status"] == "dropped"
+            assert shown["drop_reason"].startswith("no_trainable_tokens:")
+            assert why in shown["drop_reason"]
     assert all(server.get(s)["status"] == "consumed" for s in plain)
 
     # The same run, trained off-policy now: the trainer writes the rule into the run's config.
+    # The 0.7 turns train with their own behaviour logprobs; greedy turns stay masked.
     plain = [server.episode(reward=float(i % 2)) for i in range(4)]
     warm = [server.episode(temperature=0.7, reward=float(i % 2)) for i in range(2)]
     greedy = [server.episode(temperature=0.0, reward=1.0) for _ in range(2)]
@@ -68,10 +72,12 @@ def test_turns_at_other_temperatures_are_masked_then_trained_off_policy(server, 
     )
     assert server.run["config"]["off_temperature"] == "off_policy"
     step = metrics(out)[-1]
-    assert step["step"] == 2 and step["dropped_sessions"] == 0
+    assert step["step"] == 2 and step["dropped_sessions"] == 2
+    assert step["dropped_no_trainable_tokens"] == 2 and step["masked_tokens"]["greedy"] > 0
     assert step["off_policy_tokens"] > 0 and step["off_temperature_tokens"] == 0
     assert step["logprob_mismatch_mean"] < MISMATCH_LIMIT  # off-policy tokens are not in it
-    assert all(server.get(s)["status"] == "consumed" for s in plain + warm + greedy)
+    assert all(server.get(s)["status"] == "consumed" for s in plain + warm)
+    assert all("greedily" in server.get(s)["drop_reason"] for s in greedy)
 
 
 def test_the_training_temperature_is_one_value_with_the_run(server, tmp_path):
