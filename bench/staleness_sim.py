@@ -437,11 +437,11 @@ class Run:
 
     def held_sessions(self) -> Held:
         """The run's sessions that hold places, as ``server.store.sessions.held_places`` gives
-        them: (group_id, task_id, sessions, the oldest one's created_at) rows; the sim's
+        them: (group_id, task_id, sessions, the newest one's created_at) rows; the sim's
         sessions carry no group_id, their task id is their group key under a group_size above
         1."""
         rows = (
-            (None, task, len(members), EPOCH + timedelta(seconds=min(members.values())))
+            (None, task, len(members), EPOCH + timedelta(seconds=max(members.values())))
             for task, members in self.holding.items()
         )
         now = EPOCH + timedelta(seconds=self.now)

@@ -5,9 +5,12 @@ A training session holds a place from its admission until a training step first 
 (the trainer marks its claim trained when the step's version is published) or it is dropped;
 nothing else frees one, and nothing but an admission takes one. So the invariant
 
-    places held <= (eta + 1) * B
+    places held <= max((eta + 1) * B, group_size)
 
-holds whatever drops, trainer restarts, republishes, lapsed leases and claim orders happen: it
+holds whatever drops, trainer restarts, republishes, lapsed leases and claim orders happen (the
+second term only where a group is larger than the limit, which a trainer's config never allows:
+its batch_size is a multiple of group_size; a run holding no place admits such a group whole
+rather than never): it
 counts sessions, not versions, so a restart that rolls steps back, or a republish that adds a
 version, changes nothing (AReaL's ``(eta + version + 1) * B`` counted sessions against versions,
 and every drop or republish moved the limit for good).
@@ -15,9 +18,12 @@ and every drop or republish moved the limit for good).
 A GRPO group is admitted as a unit: under a ``group_size`` G > 1, sessions that share a group
 key (``server.store.groups.key_of``) hold max(G, members) places while they gather, so the first
 member of a group takes G places and the next G - 1 come in at once, never refused half way; a
-session without a key holds one. A group gathers until its oldest session is ``group_timeout_s``
-old, when a claim would resolve it as it is; from then on it holds one place per member, so
-places held for members that never came cannot block a run. When the places run out a caller
+session without a key holds one. A group gathers until its newest session is
+``group_timeout_s`` old (by then a claim resolves it as it is); from then on it holds one place
+per member, so places held for members that never came cannot block a run. (Its newest, not its
+oldest: a member that leaves can only make the group older, so no place is ever taken but by an
+admission; a session that joins a group that stopped gathering starts it gathering again, and
+pays for that at its admission.) When the places run out a caller
 waits (up to the run's ``admission_wait_s``) for the trainer to free some, then gets a 429 with
 Retry-After.
 Runs without a ``batch_size`` admit everything. Evaluation sessions are never trained: they
@@ -66,26 +72,26 @@ class Held:
         now: datetime,
         timeout_s: float | None,
     ) -> Held:
-        """From (group_id, task_id, sessions, the oldest one's created_at) rows of held
-        sessions. A group gathers until its oldest session is ``timeout_s`` old (the run's
+        """From (group_id, task_id, sessions, the newest one's created_at) rows of held
+        sessions. A group gathers until its newest session is ``timeout_s`` old (the run's
         group_timeout_s; None: for ever)."""
         groups: dict[GroupKey, int] = {}
         gathering: set[GroupKey] = set()
         keyless = 0
-        for group_id, task_id, count, oldest in rows:
+        for group_id, task_id, count, newest in rows:
             key = key_of(group_id, task_id, by_task=group_size > 1)
             if key is None:
                 keyless += count
                 continue
             groups[key] = groups.get(key, 0) + count
-            if timeout_s is None or now - oldest < timedelta(seconds=timeout_s):
+            if timeout_s is None or now - newest < timedelta(seconds=timeout_s):
                 gathering.add(key)
         return cls(groups, frozenset(gathering), keyless)
 
     def _places_of(self, key: GroupKey, members: int, size: int) -> int:
         """A gathering group holds max(size, members) places; one past group_timeout_s (which
-        resolves it as it is, or whose late members will form a group of their own) one per
-        member: places held for members that never came would otherwise block the run."""
+        resolves it as it is) one per member: places held for members that never came would
+        otherwise block the run."""
         return max(size, members) if key in self.gathering else members
 
     def places(self, group_size: int) -> int:
@@ -97,14 +103,13 @@ class Held:
 
     def cost(self, key: GroupKey | None, group_size: int) -> int:
         """Places one more session of ``key`` takes: none when it joins a gathering group short
-        of group_size (its place is held already), group_size when it starts a group, else one."""
+        of group_size (its place is held already), group_size when it starts a group, and when
+        it joins a group that stopped gathering, what starting it gathering again adds."""
         if key is None or group_size <= 1:
             return 1
         members = self.groups.get(key, 0)
-        if members == 0:
-            return group_size
-        before = self._places_of(key, members, group_size)
-        return self._places_of(key, members + 1, group_size) - before
+        before = self._places_of(key, members, group_size) if members else 0
+        return max(group_size, members + 1) - before  # the newcomer: gathering again
 
 
 def admits(held: Held, key: GroupKey | None, config: RunConfig) -> bool:

@@ -107,11 +107,11 @@ HOLDING = (OPEN, ENDED, TRAINABLE, CLAIMED)
 async def held_places(
     db: AsyncSession, run_id: str
 ) -> list[tuple[str | None, str | None, int, datetime]]:
-    """(group_id, task_id, sessions, the oldest one's created_at) of the run's sessions that
+    """(group_id, task_id, sessions, the newest one's created_at) of the run's sessions that
     hold admission places: not eval, not yet trained by a step, neither consumed nor dropped
     (``server.rl.admission``)."""
     query = (
-        select(Session.group_id, Session.task_id, func.count(), func.min(Session.created_at))
+        select(Session.group_id, Session.task_id, func.count(), func.max(Session.created_at))
         .where(
             Session.run_id == run_id,
             Session.status.in_(HOLDING),
@@ -121,7 +121,7 @@ async def held_places(
         .group_by(Session.group_id, Session.task_id)
     )
     rows = await db.execute(query)
-    return [(group, task, int(count), oldest) for group, task, count, oldest in rows]
+    return [(group, task, int(count), newest) for group, task, count, newest in rows]
 
 
 async def group_eval_flags(db: AsyncSession, run_id: str, group_id: str) -> set[bool]:

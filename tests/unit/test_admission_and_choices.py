@@ -23,9 +23,9 @@ NOW = datetime(2026, 11, 26, tzinfo=UTC)
 def held(
     *rows: tuple[str | None, str | None, int], group_size: int = 1, age_s: float = 0.0
 ) -> Held:
-    """Held sessions whose oldest per group is ``age_s`` old, under a group timeout of 600 s."""
-    oldest = NOW - timedelta(seconds=age_s)
-    return Held.of([(*row, oldest) for row in rows], group_size, NOW, 600.0)
+    """Held sessions whose newest per group is ``age_s`` old, under a group timeout of 600 s."""
+    newest = NOW - timedelta(seconds=age_s)
+    return Held.of([(*row, newest) for row in rows], group_size, NOW, 600.0)
 
 
 @pytest.mark.parametrize(
@@ -72,7 +72,8 @@ def test_a_group_gathers_until_its_group_timeout_then_holds_one_place_per_member
     young, old = held(*rows, group_size=8, age_s=10), held(*rows, group_size=8, age_s=601)
     assert young.places(8) == 24 and not admits(young, None, config)
     assert old.places(8) == 7 and admits(old, ("group", "d"), config)
-    assert old.cost(("group", "a"), 8) == 1  # no longer a place waiting for it
+    # a newcomer starts the group gathering again, and pays for the places that takes
+    assert old.cost(("group", "a"), 8) == 8 - 2 and old.cost(("group", "d"), 8) == 8
     forever = Held.of([("a", None, 2, NOW - timedelta(days=9))], 8, NOW, None)
     assert forever.places(8) == 8  # group_timeout_s None: a group waits for all of itself
 
@@ -179,3 +180,64 @@ def test_engine_body_resumes_with_the_tokens_so_far():
 )
 def test_parse_version(version, expected):
     assert parse_version(version) == expected
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.sampled_from(["a", "b", "c", None])),
+        st.tuples(st.just("leave"), st.integers(0, 50)),  # trained or dropped: the i-th held
+        st.tuples(st.just("wait"), st.sampled_from([1.0, 100.0, 400.0, 700.0])),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=OPS,
+    batch_size=st.integers(1, 6),
+    eta=st.integers(0, 2),
+    group_size=st.integers(1, 4),
+    timeout_s=st.sampled_from([None, 300.0, 600.0]),
+)
+def test_only_an_admission_takes_places_and_never_past_the_limit(
+    ops, batch_size, eta, group_size, timeout_s
+):
+    """The pure rule over random admissions, departures (a step trained the session, or it
+    was dropped) and the passing of time: places rise only by an admission, by exactly its
+    cost; time and departures never raise them (groups stop gathering, never start again by
+    themselves); and they never pass max((eta + 1) * batch_size, group_size)."""
+    config = RunConfig(
+        batch_size=batch_size, max_staleness=eta, group_size=group_size, group_timeout_s=timeout_s
+    )
+    limit = max((eta + 1) * batch_size, group_size)
+    now = NOW
+    sessions: list[tuple[str | None, datetime]] = []  # (group id, created_at) of held sessions
+
+    def held_now() -> Held:
+        rows: dict[str | None, list[datetime]] = {}
+        for group, created in sessions:
+            rows.setdefault(group, []).append(created)
+        table = [
+            (group, None, len(created), max(created))
+            for group, created in rows.items()
+            if group is not None
+        ]
+        table += [(None, None, len(rows.get(None, [])), now)]
+        return Held.of(table, group_size, now, timeout_s)
+
+    for op, arg in ops:
+        before = held_now()
+        places = before.places(group_size)
+        if op == "admit":
+            key = None if arg is None else ("group", arg)
+            if admits(before, key, config):
+                sessions.append((arg, now))
+                assert held_now().places(group_size) == places + before.cost(key, group_size)
+        elif op == "leave" and sessions:
+            sessions.pop(arg % len(sessions))
+            assert held_now().places(group_size) <= places
+        elif op == "wait":
+            now += timedelta(seconds=arg)
+            assert held_now().places(group_size) <= places
+        assert held_now().places(group_size) <= limit

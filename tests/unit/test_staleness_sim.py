@@ -139,7 +139,7 @@ def recount(run: sim.Run) -> Held:
         if sim.holds_place(s.status, s.trained_version):
             members.setdefault(s.task_id, []).append(s.created_at)
     rows = [
-        (None, task, len(created), sim.EPOCH + timedelta(seconds=min(created)))
+        (None, task, len(created), sim.EPOCH + timedelta(seconds=max(created)))
         for task, created in members.items()
     ]
     now = sim.EPOCH + timedelta(seconds=run.now)
@@ -297,7 +297,7 @@ def test_the_held_places_are_the_stores(sessions, group_size):
         if not is_eval and sim.holds_place(status, trained):
             modelled.setdefault((group_id, task_id), []).append(age)
     rows = [
-        (g, t, len(ages), NOW - timedelta(seconds=max(ages))) for (g, t), ages in modelled.items()
+        (g, t, len(ages), NOW - timedelta(seconds=min(ages))) for (g, t), ages in modelled.items()
     ]
     ours = Held.of(rows, group_size, NOW, 600.0)
     theirs = Held.of(asyncio.run(real()), group_size, NOW, 600.0)
