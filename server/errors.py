@@ -184,7 +184,7 @@ class StalenessBound(ProxrlError):
     def __init__(self, retry_after_s: int) -> None:
         super().__init__(
             "The run is at its staleness bound: generation is ahead of training. "
-            "Retry after the trainer publishes a new policy version.",
+            "Retry once the trainer has trained (or dropped) sessions it holds.",
             retry_after_s=retry_after_s,
         )
 

@@ -178,6 +178,7 @@ class EnginePool:
     async def check(self, engine: EngineState) -> bool:
         """Probe one engine (``/model_info``: cheap, and answered even while paused)."""
         engine.note_rate(time.monotonic())
+        expected, swapping = self.expected_version, self.update_lock.locked()
         try:
             info = await engine.client.model_info()
             if engine.context_length is None:
@@ -194,8 +195,11 @@ class EnginePool:
         if engine.context_length is None:
             self.mark_down(engine, UNKNOWN_CONTEXT, failure=False)
             return False
+        if swapping or self.update_lock.locked() or self.expected_version != expected:
+            # a weight swap overlapped the probe: the version it read may be from either side
+            # of the swap, so it says nothing; the swap judges the engines it loaded
+            return engine.healthy
         engine.weight_version = str(info.get("weight_version"))
-        expected = self.expected_version
         if expected is not None and parse_version(engine.weight_version) != expected:
             self.mark_down(engine, f"serves version {engine.weight_version}, not {expected}")
             return False

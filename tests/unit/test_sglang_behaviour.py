@@ -238,3 +238,54 @@ def test_an_unknown_context_is_not_counted_as_a_failure():
     engine = _check_against({"context_length": None}, {"data": [{"id": "m"}]})
     assert not engine.healthy and engine.failures == 0
     assert "context length is unknown" in (engine.last_error or "")
+
+
+def test_a_probe_that_overlaps_a_weight_swap_does_not_take_the_engine_out():
+    """A health probe reads the engine's version while a swap is on: it may read the version of
+    either side of the swap. Judged against the pool's expected version afterwards, it took a
+    good engine out of rotation for a probe interval (503s on chats and the next publish);
+    now a probe that overlapped a swap decides nothing, and the next one judges."""
+
+    async def scenario() -> tuple[bool, bool]:
+        reading, release = asyncio.Event(), asyncio.Event()
+        state = {"version": "1", "probes": 0}
+
+        async def model_info(request: web.Request) -> web.Response:
+            answer = {"weight_version": state["version"], "context_length": 64}
+            state["probes"] += 1
+            if state["probes"] == 2:  # the second probe reads, then waits out the swap
+                reading.set()
+                await release.wait()
+            return web.json_response(answer)
+
+        async def server_info(request: web.Request) -> web.Response:
+            return web.json_response({"context_length": 64, "tp_size": 1})
+
+        app = web.Application()
+        app.router.add_get("/model_info", model_info)
+        app.router.add_get("/server_info", server_info)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        pool = EnginePool([f"http://127.0.0.1:{port}"])
+        engine = pool.engines[0]
+        try:
+            pool.expected_version = 1
+            assert await pool.check(engine)
+            probe = asyncio.create_task(pool.check(engine))
+            await reading.wait()  # the probe has read version 1; now a swap to 2 completes
+            async with pool.update_lock:
+                state["version"] = "2"
+                pool.expected_version = 2
+            release.set()
+            during = await probe and engine.healthy
+            after = await pool.check(engine)
+            return during, after
+        finally:
+            await pool.stop()
+            await runner.cleanup()
+
+    during, after = asyncio.run(scenario())
+    assert during, "a probe overlapping a swap took the engine out of rotation"
+    assert after
