@@ -79,12 +79,13 @@ class Followed:
         return {key: getattr(self, key) for key in RUN_PACE}
 
 
-def follow(
+def followed_from(
     current: Followed, own: AlgorithmConfig, run_config: dict[str, Any]
 ) -> tuple[Followed, str | None]:
     """The settings of the run's config (``own``: the trainer's algorithm, whose other settings
-    stay), and a warning when its batch size cannot be followed: one that is not a multiple
-    of the group size keeps the last valid one, as does an unset one (admission off)."""
+    stay), and a warning when its batch size is not a multiple of the group size (the last
+    valid one stays). An unset batch size (admission off) keeps the last one too, silently:
+    the trainer's own is the one it trains with then."""
     algorithm = follow_run(own, run_config)
     batch_size = run_config.get("batch_size") or current.batch_size
     group_size = algorithm.group_size or 1
@@ -229,7 +230,7 @@ class Trainer:
     def follow(self, run_config: dict[str, Any]) -> None:
         """Take the run's temperature, off-temperature rule, group size, batch size and
         staleness bound, saying so when they change (and once when one cannot be followed)."""
-        followed, refused = follow(self.followed, self.config.algorithm, run_config)
+        followed, refused = followed_from(self.followed, self.config.algorithm, run_config)
         changed = self.followed.changes(followed)
         if changed:
             log.info("the run's config changed: %s; training with it from this step", changed)

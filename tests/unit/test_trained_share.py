@@ -24,7 +24,7 @@ from trainer.figures import (
     step_record,
     totals,
 )
-from trainer.loop import Followed, follow, follow_run, nothing_to_train
+from trainer.loop import Followed, follow_run, followed_from, nothing_to_train
 from trainer.rollouts import ALTERNATIVE, OFF_TEMPERATURE, STALE, Batch, Sample
 
 RUN = {"temperature": 1.0, "off_temperature": "mask", "group_size": 4, "max_staleness": 1}
@@ -39,27 +39,31 @@ def followed(batch_size: int = 8, max_staleness: int = 1) -> Followed:
 
 def test_the_run_s_batch_size_and_max_staleness_are_followed_and_named_as_changes():
     current = followed()
-    new, refused = follow(current, AlgorithmConfig(), {**RUN, "batch_size": 12, "max_staleness": 3})
+    new, refused = followed_from(
+        current, AlgorithmConfig(), {**RUN, "batch_size": 12, "max_staleness": 3}
+    )
     assert refused is None
     assert (new.batch_size, new.max_staleness) == (12, 3)
     assert current.changes(new) == {"batch_size": 12, "max_staleness": 3}
-    same, _ = follow(new, AlgorithmConfig(), {**RUN, "batch_size": 12, "max_staleness": 3})
+    same, _ = followed_from(new, AlgorithmConfig(), {**RUN, "batch_size": 12, "max_staleness": 3})
     assert new.changes(same) == {}
 
 
 def test_a_batch_size_that_is_not_a_multiple_of_the_group_keeps_the_last_valid_one():
-    new, refused = follow(followed(8), AlgorithmConfig(), {**RUN, "batch_size": 10})
+    new, refused = followed_from(followed(8), AlgorithmConfig(), {**RUN, "batch_size": 10})
     assert new.batch_size == 8
     assert refused is not None and "batch_size 10" in refused and "group_size 4" in refused
 
 
 def test_an_unset_batch_size_admission_off_keeps_the_last_one():
-    new, refused = follow(followed(8), AlgorithmConfig(), {**RUN, "batch_size": None})
+    new, refused = followed_from(followed(8), AlgorithmConfig(), {**RUN, "batch_size": None})
     assert (new.batch_size, refused) == (8, None)
 
 
 def test_a_temperature_change_is_named_with_the_pace_unchanged():
-    new, _ = follow(followed(8), AlgorithmConfig(), {**RUN, "temperature": 0.5, "batch_size": 8})
+    new, _ = followed_from(
+        followed(8), AlgorithmConfig(), {**RUN, "temperature": 0.5, "batch_size": 8}
+    )
     assert followed(8).changes(new) == {"temperature": 0.5}
 
 
