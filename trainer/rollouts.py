@@ -7,9 +7,9 @@ and whether the session continued them (``alternative``). This module decides, p
 - **dropped, with a reason** (never an exception: bad data must not stop the trainer): no turns;
   a return that is not a finite number; a row longer than the per-row limit; under
   ``stale=drop`` a token too stale; nothing left to train once tokens are masked; or, under
-  ``dynamic_sampling``, every advantage 0. Only tokens that could train count (an alternative
-  without a reward of its own trains nothing). The trainer tells the server at once, so a
-  dropped session stops counting against admission;
+  ``dynamic_sampling``, every advantage 0. Only tokens that could train decide a drop (an
+  alternative without a reward of its own trains nothing). The trainer tells the server at
+  once, so a dropped session stops counting against admission;
 - **masked tokens, counted by cause**: under ``stale=mask``, tokens more than ``max_staleness``
   updates behind (`staleness.versions_behind`); greedy turns, always; turns sampled at another
   temperature than the training one under ``off_temperature=mask``; alternatives without a
@@ -25,7 +25,10 @@ and whether the session continued them (``alternative``). This module decides, p
   (with the same returns undiscounted, from which the normalised estimators take their scale).
 
 Every loss token a batch saw is trained, masked (``Batch.masked``) or dropped with its session
-(``Batch.dropped_tokens``): ``Batch.sampled_tokens`` is their sum.
+(``Batch.dropped_tokens``): ``Batch.sampled_tokens`` is their sum. One definition, whether the
+session is kept or dropped, and at whichever point: an alternative without a reward of its own
+is masked as ``alternative``, every other token could train. ``Batch.tallies`` keeps that split
+per dropped session (a restarted trainer counts a dropped claim's sessions from it).
 
 Pure: it knows nothing about HTTP, Ray or torch.
 """
@@ -78,6 +81,19 @@ class Sample:
 
 
 @dataclass
+class Tally:
+    """What became of a dropped session's loss tokens: masked, by cause, or dropped with it
+    (those that could have trained)."""
+
+    masked: Counter[str] = field(default_factory=Counter)
+    dropped_tokens: int = 0
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(self.masked.values()) + self.dropped_tokens
+
+
+@dataclass
 class Batch:
     samples: list[Sample]
     session_ids: list[str]  # every claimed session, trained or dropped
@@ -90,6 +106,8 @@ class Batch:
     # loss tokens that could train, of sessions dropped with them unmasked (not in `masked`)
     dropped_tokens: int = 0
     off_policy_tokens: int = 0  # off-temperature tokens trained with their own behaviour logprob
+    # per dropped session, what became of its tokens (in `masked` and `dropped_tokens` too)
+    tallies: dict[str, Tally] = field(default_factory=dict)
 
     @property
     def sessions(self) -> int:
@@ -174,14 +192,20 @@ class _Session:
         first = self.first
         return 0.0 if first is None or first.undiscounted is None else first.undiscounted
 
-    def trainable_tokens(self) -> int:
-        """Loss tokens that could train: those of every turn with a return."""
+    def unmasked(self) -> Tally:
+        """Its loss tokens when it is dropped before masking: an alternative without a return
+        is masked as `ALTERNATIVE` (as it is in a kept session), every other token could have
+        trained and is dropped with it."""
         rows = self.data["rows"]
-        return sum(
-            sum(rows[t.row]["loss_mask"][t.start : t.end])
-            for t in self.turns
-            if t.value is not None
-        )
+        tally = Tally()
+        for t in self.turns:
+            n = sum(rows[t.row]["loss_mask"][t.start : t.end])
+            if t.value is None:
+                tally.masked[ALTERNATIVE] += n
+            else:
+                tally.dropped_tokens += n
+        tally.masked = +tally.masked  # no cause with 0 tokens
+        return tally
 
 
 def _session(data: dict[str, Any], discount: float) -> _Session:
@@ -401,14 +425,17 @@ def build_batch(
             batch.returns.append(session.first_return)
         reason = _drop_before_masking(session, rules)
         if reason is not None:
-            batch.dropped_tokens += session.trainable_tokens()
+            tally = session.unmasked()
         else:
             masked = _mask(session, rules)
-            batch.masked.update(masked.masked)
+            tally = Tally(masked=masked.masked)
             if not any(turn.trains for turn in session.turns):
                 reason = _nothing_to_train(masked.masked, len(session.turns), rules)
+        batch.masked.update(tally.masked)
+        batch.dropped_tokens += tally.dropped_tokens
         if reason is not None:
             batch.dropped[data["session_id"]] = reason
+            batch.tallies[data["session_id"]] = tally
             continue
         kept.append((session, masked))
     returns = [_returns(session) for session, _ in kept]
@@ -416,8 +443,10 @@ def build_batch(
     no_contrast = _without_contrast(returns, advantages, rules, baseline)
     for k, ((session, masked), values) in enumerate(zip(kept, advantages, strict=True)):
         if k in no_contrast:
+            tally = Tally(masked.masked, sum(row.loss_tokens for row in masked.rows))
             batch.dropped[session.data["session_id"]] = no_contrast[k]
-            batch.dropped_tokens += sum(row.loss_tokens for row in masked.rows)
+            batch.tallies[session.data["session_id"]] = tally
+            batch.dropped_tokens += tally.dropped_tokens
             continue
         batch.staleness += masked.staleness
         batch.off_policy_tokens += masked.off_policy

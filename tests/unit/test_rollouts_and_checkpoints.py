@@ -220,7 +220,7 @@ def test_dynamic_sampling_keeps_what_the_running_baseline_scored():
 # --- accounting -----------------------------------------------------------------------------
 
 
-def test_tokens_of_sessions_dropped_before_masking_are_counted_once():
+def test_tokens_of_sessions_dropped_before_masking_are_counted_once_as_in_kept_ones():
     rows = [
         row(1, [turn([0, 0], order=0, alternative=True)], 0),  # no reward: could never train
         row(1, [turn([2, 2, 2], order=1)], 1),
@@ -233,9 +233,14 @@ def test_tokens_of_sessions_dropped_before_masking_are_counted_once():
     ]
     out = batch(sessions, policy_version=9, stale="drop", max_staleness=1, row_limit=16)
     assert out.dropped["stale"].startswith("stale:") and out.dropped["long"].startswith("row_")
-    assert out.dropped_tokens == 3 + 4  # not the alternative's 2
-    assert out.loss_tokens == 3 and out.masked == {}
-    assert out.sampled_tokens == 10
+    assert out.dropped_tokens == 3 + 4  # not the alternative's 2: masked, as in a kept session
+    assert out.loss_tokens == 3 and out.masked == {ALTERNATIVE: 2}
+    assert out.sampled_tokens == 12
+    assert out.tallies["stale"].masked == {ALTERNATIVE: 2}
+    assert out.tallies["stale"].dropped_tokens == 3
+    assert out.tallies["long"].sampled_tokens == 4 and set(out.tallies) == {"stale", "long"}
+    kept = batch(sessions[:1], policy_version=1)  # the same session, kept: the same count
+    assert kept.masked == {ALTERNATIVE: 2} and kept.loss_tokens == 3 and kept.sampled_tokens == 5
 
 
 # --- sampling temperature -------------------------------------------------------------------
@@ -564,24 +569,25 @@ def test_any_claimed_data_becomes_samples_or_reasons(
     assert sorted(out.staleness) == sorted(
         9 - v for s in out.samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m
     )
-    assert out.sampled_tokens == could_train(sessions, out)
+    assert out.sampled_tokens == sampled(sessions)
+    assert set(out.tallies) == set(out.dropped)
+    for session_id, tally in out.tallies.items():  # a dropped session's tokens, all of them
+        assert tally.sampled_tokens == sampled(
+            [s for s in sessions if s["session_id"] == session_id]
+        )
+    assert sum(t.dropped_tokens for t in out.tallies.values()) == out.dropped_tokens
     assert stale == "mask" or out.stale_tokens == 0
 
 
-def could_train(sessions, out) -> int:
-    """The loss tokens the batch saw, from the claimed data alone: every turn's, but where a
-    session was dropped before masking, only those of turns with a return (an alternative
-    without a reward of its own trains nothing, and nothing counted it)."""
-    early = ("no_turns", "bad_reward", "row_too_long", "stale")
-    total = 0
-    for s in sessions:
-        dropped_early = out.dropped.get(s["session_id"], "").split(":")[0] in early
-        for r in s["rows"]:
-            for t in r["turns"]:
-                if dropped_early and t["alternative"] and t["reward"] is None:
-                    continue
-                total += sum(r["loss_mask"][t["start"] : t["end"]])
-    return total
+def sampled(sessions) -> int:
+    """The loss tokens of the claimed data, every turn's: an alternative without a reward of its
+    own is counted (masked) whether its session is kept or dropped, at whichever point."""
+    return sum(
+        sum(r["loss_mask"][t["start"] : t["end"]])
+        for s in sessions
+        for r in s["rows"]
+        for t in r["turns"]
+    )
 
 
 # --- checkpoints ----------------------------------------------------------------------------
