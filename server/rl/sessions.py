@@ -37,27 +37,29 @@ async def create_session(
     created: list = []
 
     async def check() -> tuple[bool, RunConfig]:
-        async with ctx.admission.lock(run_id):  # held for one check + create, never a wait
-            async with ctx.sessionmaker() as db:
-                run = await runs.get_run(db, run_id)
-                if run is None:
-                    raise RunNotFound(run_id)
-                if group_id is not None:
-                    kinds = await store.group_eval_flags(db, run_id, group_id)
-                    if (not eval) in kinds:
-                        raise GroupMixesEval(group_id, "training" if eval else "eval")
-                config = RunConfig.model_validate(run.config)
-                room = eval or config.admission_limit() is None
-                if not room:
-                    size = config.group_size or 1
-                    rows = await store.held_places(db, run_id)
-                    held = Held.of(rows, size, utcnow(), config.group_timeout_s)
-                    room = admits(held, key_of(group_id, task_id, size > 1), config)
+        # One transaction for the check and the create, under the run's row lock: another
+        # server process on the same store cannot take the last place between them (the
+        # asyncio lock does the same between this process's own callers, without a wait on
+        # the database).
+        async with ctx.admission.lock(run_id), ctx.sessionmaker() as db, db.begin():
+            run = await runs.lock_run(db, run_id)
+            if run is None:
+                raise RunNotFound(run_id)
+            if group_id is not None:
+                kinds = await store.group_eval_flags(db, run_id, group_id)
+                if (not eval) in kinds:
+                    raise GroupMixesEval(group_id, "training" if eval else "eval")
+            config = RunConfig.model_validate(run.config)
+            room = eval or config.admission_limit() is None
+            if not room:
+                size = config.group_size or 1
+                rows = await store.held_places(db, run_id)
+                held = Held.of(rows, size, utcnow(), config.group_timeout_s)
+                room = admits(held, key_of(group_id, task_id, size > 1), config)
             if room:
-                async with ctx.sessionmaker() as db, db.begin():
-                    created.append(
-                        await store.create_session(db, run_id, task_id, group_id, metadata, eval)
-                    )
+                created.append(
+                    await store.create_session(db, run_id, task_id, group_id, metadata, eval)
+                )
             return room, config
 
     await ctx.admission.wait_for_room(check)

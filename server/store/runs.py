@@ -33,6 +33,14 @@ async def get_run(db: AsyncSession, run_id: str) -> Run | None:
     return await db.get(Run, run_id)
 
 
+async def lock_run(db: AsyncSession, run_id: str) -> Run | None:
+    """The run, its row locked until the transaction ends (Postgres: SELECT ... FOR UPDATE), so
+    that server processes sharing the store decide its admissions one at a time. SQLite takes
+    no row locks; a SQLite store has one server process."""
+    query = select(Run).where(Run.id == run_id).with_for_update()
+    return (await db.scalars(query.execution_options(populate_existing=True))).first()
+
+
 async def runs_named(db: AsyncSession, name: str) -> list[Run]:
     """The runs called ``name`` (names need not be unique), oldest first."""
     query = select(Run).where(Run.name == name).order_by(Run.created_at)
