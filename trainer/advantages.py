@@ -58,7 +58,7 @@ of its settings (discount, momentum) are checked once, by the trainer's config.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -345,6 +345,22 @@ def _estimator(name: str) -> Estimator:
     return spec
 
 
+def _position_pools(
+    sessions: Sequence[SessionReturns], members: list[int]
+) -> Iterator[tuple[int, Pool]]:
+    """The pool of each position along the members' paths."""
+    last = max(max(max(s.positions) + 1, s.length or 0) for s in map(sessions.__getitem__, members))
+    for position in range(last):
+        present = [i for i in members if sessions[i].at(position)]
+        yield (
+            position,
+            Pool(
+                returns={i: sessions[i].at(position) for i in present},
+                undiscounted={i: sessions[i].undiscounted_at(position) for i in present},
+            ),
+        )
+
+
 def _by_position(
     sessions: Sequence[SessionReturns],
     members: list[int],
@@ -352,16 +368,31 @@ def _by_position(
     eps: float,
 ) -> dict[tuple[int, int], Shift | None]:
     """The shift of each (session, position), from the pool of each position."""
-    last = max(max(max(s.positions) + 1, s.length or 0) for s in map(sessions.__getitem__, members))
     out: dict[tuple[int, int], Shift | None] = {}
-    for position in range(last):
-        present = [i for i in members if sessions[i].at(position)]
-        pool = Pool(
-            returns={i: sessions[i].at(position) for i in present},
-            undiscounted={i: sessions[i].undiscounted_at(position) for i in present},
-        )
+    for position, pool in _position_pools(sessions, members):
         for i, shift in shifts_of(pool, eps).items():
             out[(i, position)] = shift
+    return out
+
+
+def contrasted(
+    sessions: Sequence[SessionReturns], estimator: str, baseline: RunningBaseline | None
+) -> list[bool | None]:
+    """Per session, whether any pool it was compared in had contrast (two sessions or more whose
+    returns differ); None where the running baseline set its advantages. Dynamic sampling
+    leaves out the sessions of groups without contrast, not a member that sits at its group's
+    mean."""
+    estimated, running = _pools(sessions, _estimator(estimator).pools)
+    out: list[bool | None] = [False] * len(sessions)
+    for members in estimated.values():
+        for _, pool in _position_pools(sessions, members):
+            if _contrast(pool):
+                for i in pool.returns:
+                    out[i] = True
+    if baseline is not None:
+        for members in running.values():
+            for i in members:
+                out[i] = None
     return out
 
 

@@ -45,6 +45,7 @@ from trainer.advantages import (
     ESTIMATORS,
     RunningBaseline,
     SessionReturns,
+    contrasted,
     pool_sizes,
     session_advantages,
     turn_returns,
@@ -393,8 +394,9 @@ def _without_contrast(
     pool = "batch" if ESTIMATORS[algorithm.advantage].pools == "batch" else "group"
     why: dict[int, str] = {}
     sizes = pool_sizes(returns, algorithm.advantage, baseline)
+    spread = contrasted(returns, algorithm.advantage, baseline)
     for i, (size, values) in enumerate(zip(sizes, advantages, strict=True)):
-        if size is None or any(values):
+        if size is None or spread[i] is not False or any(values):
             continue
         if size <= 1:
             why[i] = (

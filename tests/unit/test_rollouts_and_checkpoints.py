@@ -184,6 +184,20 @@ def test_dynamic_sampling_drops_a_group_without_contrast_saying_why():
     assert kept.dropped == {} and kept.loss_tokens == 7 and kept.dropped_tokens == 0
 
 
+def test_dynamic_sampling_keeps_a_member_at_the_mean_of_a_group_with_contrast():
+    """Rewards 0, 0.5 and 1: the middle one's advantages are exactly 0, but its group has
+    contrast, and DAPO leaves out only groups without."""
+    sessions = [
+        session("low", 0.0, [row(1, [turn([5])])]),
+        session("mid", 0.5, [row(1, [turn([5])])]),
+        session("high", 1.0, [row(1, [turn([5])])]),
+    ]
+    out = batch(sessions, dynamic_sampling=True)
+    assert out.dropped == {}
+    assert [s.session_id for s in out.samples] == ["low", "mid", "high"]
+    assert [a for a, m in zip(out.samples[1].advantages, out.samples[1].loss_mask) if m] == [0.0]
+
+
 def test_dynamic_sampling_drops_the_survivor_of_a_group_whose_partner_was_dropped():
     sessions = [
         session("alone", 1.0, [row(1, [turn([5, 5])])], group="a"),
