@@ -20,6 +20,7 @@ document (``documented``) and the error event a stream ends with
     ├── ResourceNotFound         404  no such thing (a dashboard file)
     │   ├── RunNotFound          404
     │   ├── SessionNotFound      404
+    │   ├── ClaimNotFound        404  no session ever carried that claim id
     │   ├── CompletionNotFound   404  no turn with that completion_id in the session
     │   ├── ResponseNotFound     404  no stored (Responses API) response with that id
     │   └── ModelNotFound        404  a model name this server does not serve
@@ -131,6 +132,11 @@ class RunNotFound(ResourceNotFound):
 class SessionNotFound(ResourceNotFound):
     def __init__(self, session_id: str) -> None:
         super().__init__(f"No session {session_id!r}.")
+
+
+class ClaimNotFound(ResourceNotFound):
+    def __init__(self, claim_id: str) -> None:
+        super().__init__(f"No claim {claim_id!r}: no session carries that claim id.")
 
 
 class CompletionNotFound(ResourceNotFound):
@@ -267,6 +273,7 @@ RENDERING: dict[type[ProxrlError], Rendering] = {
     ResourceNotFound: Rendering(404, "not_found_error"),
     RunNotFound: Rendering(404, "not_found_error", "run_not_found"),
     SessionNotFound: Rendering(404, "not_found_error", "session_not_found"),
+    ClaimNotFound: Rendering(404, "not_found_error", "claim_not_found"),
     CompletionNotFound: Rendering(404, "not_found_error", "completion_not_found"),
     ResponseNotFound: Rendering(404, "not_found_error", "response_not_found"),
     ModelNotFound: Rendering(404, "not_found_error", "model_not_found"),

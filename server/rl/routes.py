@@ -288,7 +288,7 @@ async def confirm_claim(
     "/claims/{claim_id}/trained",
     response_model=TrainedOut,
     summary="Mark a claim's sessions trained by a step (they free their admission places)",
-    responses=documented(400, 401, 403, 422),
+    responses=documented(400, 401, 403, 404, 422),
 )
 async def claim_trained(claim_id: PathId, body: TrainedIn, ctx: Ctx, _: AdminDep) -> TrainedOut:
     return await claims.mark_trained(ctx, claim_id, body.version)

@@ -3,9 +3,12 @@ why the rest did not), configure (the validated config is kept in memory for a m
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from server.common.trained_share import share_warning, untrained_warning
 from server.context import ServerContext
 from server.errors import InvalidConfig, RunNotFound
 from server.rl.schemas import EvalFigures, RunEval, RunOut, RunTraining
@@ -44,49 +47,73 @@ async def run_view(ctx: ServerContext, run: Run) -> dict[str, Any]:
     ).model_dump()
 
 
-TOTALS = (
-    "total_sampled_tokens",
-    "total_trained_tokens",
-    "total_trained_share",
-    "total_masked_tokens",
-    "total_dropped_sessions",
-)
-
-
 async def run_training(db: Db, run: Run) -> RunTraining:
-    """What of the run's sampled tokens trained: the totals of the trainer's latest step, and
-    the run's dropped sessions by reason code."""
+    """What of the run's sampled tokens trained: the totals of the trainer's latest step, the
+    run's dropped sessions by reason code, and those dropped under the trainer's claims (for a
+    run no step of which trained anything yet)."""
     latest = (await steps.latest_steps(db, [run.id])).get(run.id)
     dropped = (await stats.dropped_by_reason(db, [run.id]))[run.id]
+    claimed = (await stats.dropped_by_reason(db, [run.id], claimed=True))[run.id]
     min_share = RunConfig.model_validate(run.config).min_trained_share
-    return training_view(latest.metrics if latest else None, dropped, min_share)
+    metrics = latest.metrics if latest else None
+    return training_view(metrics, dropped, min_share, claimed_dropped=claimed)
 
 
 def training_view(
-    metrics: dict[str, Any] | None, dropped: dict[str, int], min_share: float
+    metrics: dict[str, Any] | None,
+    dropped: dict[str, int],
+    min_share: float,
+    claimed_dropped: Mapping[str, int] | None = None,
 ) -> RunTraining:
-    """The trainer's totals from its latest step's ``metrics`` (null each without a step, or
-    from a trainer that does not report it), the drops, and a warning when the trained share
-    is below ``min_share``, naming the biggest causes."""
-    totals = {key: (metrics or {}).get(key) for key in TOTALS}
-    share = totals["total_trained_share"]
-    warning = None
-    if isinstance(share, int | float) and share < min_share:
-        masked = totals["total_masked_tokens"] or {}
-        causes = [f"{n} tokens masked as {cause}" for cause, n in _biggest(masked)]
-        causes += [f"{n} sessions dropped as {code}" for code, n in _biggest(dropped)]
-        warning = (
-            f"Only {share:.0%} of the {totals['total_sampled_tokens']} tokens the trainer's "
-            f"sessions sampled trained, below min_trained_share ({min_share:g}). The biggest "
-            f"causes: {'; '.join(causes) or 'none counted'}."
-        )
+    """The trainer's totals from its latest step's ``metrics`` (null each without a step, from
+    a trainer that does not report it, or mistyped), the run's ``dropped`` sessions by code, and
+    a warning (``server.common.trained_share``): below ``min_share``, naming the trainer's
+    masked tokens and dropped sessions; without a step, naming the sessions dropped under the
+    trainer's claims (``claimed_dropped``): a batch that trains nothing is no step, so a run
+    whose every batch was dropped has no totals."""
+    # A step record holds whatever JSON the trainer sent: a mistyped total reads as null, never
+    # as a 500 on every read of the run.
+    got = (metrics or {}).get
+    sampled, share = _count(got("total_sampled_tokens")), _share(got("total_trained_share"))
+    masked, by_trainer = _counts(got("total_masked_tokens")), _counts(got("total_dropped_sessions"))
+    if metrics is None:
+        warning = untrained_warning(claimed_dropped or {})
+    else:
+        warning = share_warning(share, sampled, masked or {}, by_trainer or {}, min_share)
     return RunTraining(
-        **totals, dropped_sessions=dropped, min_trained_share=min_share, warning=warning
+        total_sampled_tokens=sampled,
+        total_trained_tokens=_count(got("total_trained_tokens")),
+        total_trained_share=share,
+        total_masked_tokens=masked,
+        total_dropped_sessions=by_trainer,
+        dropped_sessions=dropped,
+        min_trained_share=min_share,
+        warning=warning,
     )
 
 
-def _biggest(counts: dict[str, int], top: int = 3) -> list[tuple[str, int]]:
-    return sorted(counts.items(), key=lambda item: -item[1])[:top]
+def _count(value: Any) -> int | None:
+    """A count, or None for anything else (a bool, a fraction, a negative, a text)."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _share(value: Any) -> float | None:
+    """A finite share, or None for anything else."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _counts(value: Any) -> dict[str, int] | None:
+    """Counts by name, or None unless every entry is one."""
+    if not isinstance(value, dict):
+        return None
+    counts = {key: _count(n) for key, n in value.items()}
+    if not all(isinstance(key, str) and n is not None for key, n in counts.items()):
+        return None
+    return {key: n for key, n in counts.items() if n is not None}
 
 
 async def run_eval(db: Db, run_id: str) -> RunEval:

@@ -28,7 +28,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server.errors import NotInClaim
+from server.errors import ClaimNotFound, NotInClaim
 from server.store import drop_reasons, groups
 from server.store import sessions as status
 from server.store.keys import new_id
@@ -261,7 +261,11 @@ async def mark_trained(db: AsyncSession, claim_id: str, version: int) -> int:
     and not retaken): the ones no step trained before get ``trained_version``, and hold no
     admission place from now on. How many of the claim's held sessions are now marked; marking
     again changes nothing (a session keeps the version of the first step that trained it, even
-    when a restart hands it back to be trained again: its place was freed once)."""
+    when a restart hands it back to be trained again: its place was freed once).
+
+    A claim id no session carries (never issued, or every session released or retaken by
+    another claim) raises :class:`ClaimNotFound`; a claim whose sessions are all settled is
+    known, and marks none."""
     await db.execute(
         update(Session)
         .where(*_held(claim_id), Session.trained_version.is_(None))
@@ -270,7 +274,15 @@ async def mark_trained(db: AsyncSession, claim_id: str, version: int) -> int:
     marked = await db.scalar(
         select(func.count()).where(*_held(claim_id), Session.trained_version.is_not(None))
     )
+    if not marked and not await _carried(db, claim_id):
+        raise ClaimNotFound(claim_id)
     return int(marked or 0)
+
+
+async def _carried(db: AsyncSession, claim_id: str) -> bool:
+    """Does any session carry the claim's id (held, lapsed, or settled by it)?"""
+    found = await db.scalar(select(Session.id).where(Session.claim_id == claim_id).limit(1))
+    return found is not None
 
 
 async def confirm(db: AsyncSession, claim_id: str, dropped: dict[str, str]) -> Settlement:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Float, Integer, and_, cast, func, select
+from sqlalchemy import Float, Integer, and_, case, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql import ColumnElement
 
@@ -72,19 +72,41 @@ async def reward_means(db: AsyncSession, run_ids: list[str]) -> dict[str, tuple[
     return {r: (float(mean), int(n)) for r, mean, n in (await db.execute(query)).all()}
 
 
-async def dropped_by_reason(db: AsyncSession, run_ids: list[str]) -> dict[str, dict[str, int]]:
-    """{run_id: {reason code: dropped sessions}}: the code is the text of ``drop_reason`` before
-    its first colon (the details after it differ from session to session), the server's drops
-    and the trainer's alike. Grouped by the whole reason in SQL, by code here."""
-    query = (
-        select(Session.run_id, Session.drop_reason, func.count())
-        .where(Session.run_id.in_(run_ids), Session.drop_reason.is_not(None))
-        .group_by(Session.run_id, Session.drop_reason)
+def reason_code(column: Any, dialect: str) -> ColumnElement:
+    """The code of a ``drop_reason``, in SQL: its text before the first colon, trimmed (the
+    whole text when it has no colon). The details after the colon differ from session to
+    session, so only the code groups."""
+    if dialect == "sqlite":
+        colon = func.instr(column, ":")
+        return func.trim(case((colon > 0, func.substr(column, 1, colon - 1)), else_=column))
+    return func.trim(func.split_part(column, ":", 1))
+
+
+async def dropped_by_reason(
+    db: AsyncSession, run_ids: list[str], *, claimed: bool = False
+) -> dict[str, dict[str, int]]:
+    """{run_id: {reason code: dropped sessions}} (``reason_code``), grouped in SQL: the
+    server's drops and the trainer's alike, or with ``claimed`` only the sessions dropped under
+    a trainer's claim (they keep its id; the server's own drops carry none)."""
+    conditions = [Session.run_id.in_(run_ids), Session.drop_reason.is_not(None)]
+    if claimed:
+        conditions.append(Session.claim_id.is_not(None))
+    # The code is computed in a subquery and grouped by its column: grouping by the expression
+    # itself would bind the colon twice, and Postgres takes two parameters for two expressions.
+    coded = (
+        select(
+            Session.run_id.label("run_id"),
+            reason_code(Session.drop_reason, _dialect(db)).label("code"),
+        )
+        .where(*conditions)
+        .subquery()
+    )
+    query = select(coded.c.run_id, coded.c.code, func.count()).group_by(
+        coded.c.run_id, coded.c.code
     )
     out: dict[str, dict[str, int]] = {run_id: {} for run_id in run_ids}
-    for run_id, reason, count in (await db.execute(query)).all():
-        code = str(reason).split(":", 1)[0].strip()
-        out[run_id][code] = out[run_id].get(code, 0) + int(count)
+    for run_id, code, count in (await db.execute(query)).all():
+        out[run_id][str(code)] = int(count)
     return out
 
 

@@ -1,11 +1,14 @@
 """What of the sampled tokens trained, as GET /rl/runs/{id} (``training``) and the dashboard's
-JSON show it: the trainer's totals from its latest step, every dropped session by reason code
-(the server's own drops included), the run's min_trained_share, and the warning below it.
+JSON show it: the trainer's totals from its latest step (a mistyped one null, never a 500), every
+dropped session by reason code (the server's own drops included), the run's min_trained_share,
+and the warning below it, or, before any step, when the trainer dropped what it claimed. And the
+trained mark of a claim no session carries: a 404.
 """
 
 from __future__ import annotations
 
-from tests.api.api_support import Api
+from server.common.trained_share import share_warning
+from tests.api.api_support import Api, assert_error
 
 
 def trainable_session(api: Api, run_id: str) -> str:
@@ -61,8 +64,12 @@ def test_the_run_view_counts_drops_by_reason_and_warns_below_min_trained_share(a
     assert training["total_trained_share"] == 0.6 and training["total_sampled_tokens"] == 100
     assert training["total_masked_tokens"] == {"stale": 30, "off_temperature": 5}
     warning = training["warning"]
-    assert "60%" in warning and "min_trained_share (0.8)" in warning
-    assert "30 tokens masked as stale" in warning and "1 sessions dropped as no_turns" in warning
+    assert warning == share_warning(
+        0.6, 100, {"stale": 30, "off_temperature": 5}, {"stale": 2}, 0.8
+    )
+    assert "60% of the 100 tokens" in warning and "min_trained_share 0.8" in warning
+    assert "30 tokens masked as stale" in warning and "2 sessions dropped as stale" in warning
+    assert "no_turns" not in warning  # the server's drops sampled no token the trainer counts
 
     dashboard = api.ok("GET", f"/admin/api/runs/{run_id}")["training"]
     assert dashboard == training
@@ -96,3 +103,85 @@ def test_the_run_page_shows_the_trained_share_and_the_warning(api: Api):
     assert "masked: off_temperature 5 stale 30" in page.text
     runs = api.call("GET", "/admin/runs")
     assert runs.status_code == 200 and 'class="pill down"' in runs.text
+
+
+def test_a_mistyped_total_in_a_step_reads_as_null_never_a_500(api: Api):
+    run_id = api.new_run(min_trained_share=0.9)["id"]
+    metrics = {
+        "total_sampled_tokens": "x",
+        "total_trained_tokens": 1.5,
+        "total_trained_share": "0.5",
+        "total_masked_tokens": 3,
+        "total_dropped_sessions": [2, 1],
+    }
+    api.ok(
+        "POST", f"/rl/runs/{run_id}/steps", 201, json={"step": 1, "version": 1, "metrics": metrics}
+    )
+    training = api.ok("GET", f"/rl/runs/{run_id}")["training"]
+    assert {key: training[key] for key in metrics} == dict.fromkeys(metrics)
+    assert training["warning"] is None  # no share to judge
+    assert api.ok("GET", f"/admin/api/runs/{run_id}")["training"] == training
+    (listed,) = [r for r in api.ok("GET", "/admin/api/runs")["items"] if r["id"] == run_id]
+    assert listed["training"] == training
+
+    metrics = {**step_metrics(100, 40), "total_masked_tokens": {"stale": 30, "greedy": -1}}
+    api.ok(
+        "POST", f"/rl/runs/{run_id}/steps", 201, json={"step": 2, "version": 2, "metrics": metrics}
+    )
+    training = api.ok("GET", f"/rl/runs/{run_id}")["training"]
+    assert training["total_masked_tokens"] is None and training["total_sampled_tokens"] == 100
+    assert training["warning"] == share_warning(0.4, 100, {}, {"stale": 2}, 0.9)
+
+
+def test_a_run_whose_every_batch_was_dropped_warns_before_any_step(api: Api):
+    run_id = api.new_run(min_trained_share=0.9)["id"]
+    empty = api.new_session(run_id, task_id="t")  # the server's drop: no_turns, no claim's
+    api.ok("POST", f"/rl/sessions/{empty['session_id']}/reward", json={"reward": 1.0})
+    api.ok("POST", f"/rl/sessions/{empty['session_id']}/end")
+    sids = [trainable_session(api, run_id) for _ in range(4)]
+    claim = api.ok("POST", f"/rl/runs/{run_id}/claims", json={"max_sessions": 4})
+    assert sorted(s["session_id"] for s in claim["sessions"]) == sorted(sids)
+    reasons = {sids[0]: "no_trainable_tokens: 9 tokens, all masked", sids[1]: "no_contrast"}
+    reasons |= {
+        sid: f"no_trainable_tokens: {i} tokens, all masked" for i, sid in enumerate(sids[2:])
+    }
+    api.ok("POST", f"/rl/claims/{claim['claim_id']}/confirm", json={"dropped": reasons})
+
+    training = api.ok("GET", f"/rl/runs/{run_id}")["training"]
+    assert training["total_trained_share"] is None  # no step: a batch that trains nothing is none
+    assert training["dropped_sessions"] == {
+        "no_trainable_tokens": 3,
+        "no_contrast": 1,
+        "no_turns": 1,
+    }
+    assert training["warning"] == (
+        "no step has trained anything yet; 4 sessions the trainer claimed were dropped: "
+        "3 as no_trainable_tokens, 1 as no_contrast"
+    )
+
+    quiet = api.new_run(min_trained_share=0.9)["id"]  # only the server's drops: no warning
+    empty = api.new_session(quiet, task_id="t")
+    api.ok("POST", f"/rl/sessions/{empty['session_id']}/reward", json={"reward": 1.0})
+    api.ok("POST", f"/rl/sessions/{empty['session_id']}/end")
+    api.ok("POST", f"/rl/runs/{quiet}/claims", json={"max_sessions": 4})
+    training = api.ok("GET", f"/rl/runs/{quiet}")["training"]
+    assert training["dropped_sessions"] == {"no_turns": 1} and training["warning"] is None
+
+
+def test_marking_a_claim_no_session_carries_trained_is_a_404(api: Api):
+    reply = api.call("POST", "/rl/claims/claim-nope/trained", json={"version": 1})
+    assert "claim-nope" in assert_error(reply, 404, code="claim_not_found")["message"]
+
+    run_id = api.new_run()["id"]
+    sids = [trainable_session(api, run_id) for _ in range(2)]
+    claim_id = api.ok("POST", f"/rl/runs/{run_id}/claims", json={"max_sessions": 2})["claim_id"]
+    trained = api.ok("POST", f"/rl/claims/{claim_id}/trained", json={"version": 1})
+    assert trained == {"claim_id": claim_id, "trained": 2}
+    api.ok("POST", f"/rl/claims/{claim_id}/confirm", json={"dropped": {sids[0]: "stale: late"}})
+    settled = api.ok("POST", f"/rl/claims/{claim_id}/trained", json={"version": 2})
+    assert settled == {"claim_id": claim_id, "trained": 0}  # known, every session settled
+
+    released = api.ok("POST", f"/rl/runs/{run_id}/claims", json={"max_sessions": 2})["claim_id"]
+    api.ok("POST", f"/rl/claims/{released}/release")  # released sessions carry no claim id
+    reply = api.call("POST", f"/rl/claims/{released}/trained", json={"version": 2})
+    assert_error(reply, 404, code="claim_not_found")
