@@ -7,27 +7,29 @@ nothing else frees one, and nothing but an admission takes one. So the invariant
 
     places held <= max((eta + 1) * B, group_size)
 
-holds whatever drops, trainer restarts, republishes, lapsed leases and claim orders happen (the
-second term only where a group is larger than the limit, which a trainer's config never allows:
-its batch_size is a multiple of group_size; a run holding no place admits such a group whole
-rather than never): it
-counts sessions, not versions, so a restart that rolls steps back, or a republish that adds a
-version, changes nothing (AReaL's ``(eta + version + 1) * B`` counted sessions against versions,
-and every drop or republish moved the limit for good).
+holds, for a fixed config, whatever drops, trainer restarts, republishes, lapsed leases and
+claim orders happen (the second term only where a group is larger than the limit, which a
+trainer's config never allows: its batch_size is a multiple of group_size; a run holding no
+place admits such a group whole rather than never). It counts sessions, not versions, so a
+restart that rolls steps back, or a republish that adds a version, changes nothing (AReaL's
+``(eta + version + 1) * B`` counted sessions against versions, and every drop or republish
+moved the limit for good).
 
 A GRPO group is admitted as a unit: under a ``group_size`` G > 1, sessions that share a group
 key (``server.store.groups.key_of``) hold max(G, members) places while they gather, so the first
 member of a group takes G places and the next G - 1 come in at once, never refused half way; a
 session without a key holds one. A group gathers until its newest session is
-``group_timeout_s`` old (by then a claim resolves it as it is); from then on it holds one place
-per member, so places held for members that never came cannot block a run. (Its newest, not its
-oldest: a member that leaves can only make the group older, so no place is ever taken but by an
-admission; a session that joins a group that stopped gathering starts it gathering again, and
-pays for that at its admission.) When the places run out a caller
-waits (up to the run's ``admission_wait_s``) for the trainer to free some, then gets a 429 with
-Retry-After.
-Runs without a ``batch_size`` admit everything. Evaluation sessions are never trained: they
-hold no place and never wait (``server.rl.sessions``).
+``group_timeout_s`` old (a claim resolves a group as it is once its oldest trainable session has
+waited that long); from then on it holds one place per member, so places held for members that
+never came cannot block a run. Its newest, not its oldest: a member that leaves can only make
+the group older, so no place is taken but by an admission; a session that joins a group that
+stopped gathering starts it gathering again, and pays for that at its admission.
+
+When the places run out a caller waits (up to the run's ``admission_wait_s``) for the trainer
+to free some, then gets a 429 with Retry-After. Runs without a ``batch_size`` admit everything.
+Evaluation sessions are never trained: they hold no place and never wait
+(``server.rl.sessions``, which also makes each check-and-create one transaction under the run's
+row lock, so server processes sharing a store admit one at a time).
 
 Why this bounds staleness: claims take the oldest trainable groups first, and every session
 ahead of a group that has just become whole holds a place, so it is trained within eta + 1
