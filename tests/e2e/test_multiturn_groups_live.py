@@ -9,8 +9,8 @@ group_size 4: 16 places), so that admission binds from the first session and the
 trainer meets span versions, as on a run a trainer already serves; the agents start 10 s before
 `proxrl train batch_size=8 max_staleness=1 algorithm.group_size=4 max_steps=8` and stop when it
 finishes. (Started before any bound, as a new user's agents are, the agents' 90-odd sessions all
-train too, from version 0: the audit's 75 % dropped became 0 % on that shape; this test covers
-the harder one.)
+trained too, from version 0, when measured once at commit 12af7e0: the audit's 75 % dropped
+became 0 % on that shape; this test covers the harder one.)
 
 The trained share is counted from the outside: the sampled tokens are the loss tokens of the
 rows of every session the trainer claimed (GET /rl/sessions/{id}), the trained ones the sum of
