@@ -12,7 +12,11 @@ them, and every claim is written to a journal (``claims.jsonl``) the moment it i
 restart a journalled claim that the checkpoint covers is confirmed, and any other one is
 released, so no session is trained twice or skipped across a crash. A republish (the restored
 weights served under a new version) is journalled before it happens, and stays in the journal
-until a checkpoint holds it, so a second crash cannot lose it. A checkpoint of another run
+until a checkpoint holds it, so a second crash cannot lose it. So are the tallies of sessions
+the trainer dropped (what they sampled, and why dropped) once the server knows: a dropped
+session is never claimed again, so a restart adds the tallies of every claim its checkpoint
+does not cover to the restored totals, and keeps them journalled until a checkpoint holds
+them. A checkpoint of another run
 is refused (`WrongCheckpoint`), never resumed. This module only reads and writes files.
 """
 
@@ -112,15 +116,21 @@ class Checkpoints:
     # ----- the claim journal ----------------------------------------------------------------
 
     def journal_claim(self, claim_id: str, step: int, sessions: int) -> None:
-        with self.journal.open("a") as f:
-            record = {"claim_id": claim_id, "step": step, "sessions": sessions}
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        self._append({"claim_id": claim_id, "step": step, "sessions": sessions})
 
     def journal_republish(self, restored: int, version: int) -> None:
+        self._append({"republished": [restored, version]})
+
+    def journal_drops(self, claim_id: str, tally: dict[str, Any]) -> None:
+        """What the sessions of ``claim_id`` that the server now knows dropped had sampled
+        (``tally``: tokens and reasons, as `figures.drop_tally` counts them). They are never
+        claimed again, so a restart that does not resume from a checkpoint covering the claim
+        adds them to the restored totals (`journalled_drops`)."""
+        self._append({"drops_of": claim_id, "tally": tally})
+
+    def _append(self, record: dict[str, Any]) -> None:
         with self.journal.open("a") as f:
-            f.write(json.dumps({"republished": [restored, version]}) + "\n")
+            f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
@@ -137,10 +147,21 @@ class Checkpoints:
         """The republishes no checkpoint holds yet, in order."""
         return [record["republished"] for record in self._records() if "republished" in record]
 
-    def clear_journal(self, republished: list[list[int]] | None = None) -> None:
-        """Forget the journal but for ``republished`` (those no checkpoint holds yet)."""
-        lines = [json.dumps({"republished": pair}) + "\n" for pair in republished or []]
-        _write_atomic(self.journal, "".join(lines))
+    def journalled_drops(self) -> dict[str, dict[str, Any]]:
+        """The drop tallies no checkpoint holds yet, by claim."""
+        return {r["drops_of"]: r["tally"] for r in self._records() if "drops_of" in r}
+
+    def clear_journal(
+        self,
+        republished: list[list[int]] | None = None,
+        drops: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        """Forget the journal but for ``republished`` and ``drops`` (by claim): those no
+        checkpoint holds yet (a restart counted them in totals that only the next checkpoint
+        keeps)."""
+        records: list[dict[str, Any]] = [{"republished": pair} for pair in republished or []]
+        records += [{"drops_of": claim, "tally": tally} for claim, tally in (drops or {}).items()]
+        _write_atomic(self.journal, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def _write_atomic(path: Path, text: str) -> None:

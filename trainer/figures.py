@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from server.common.trained_share import share_warning as trained_share_warning
 from trainer.checkpoint import TrainerState
 from trainer.rollouts import ALTERNATIVE, OFF_TEMPERATURE, Batch
 
@@ -76,23 +77,10 @@ def step_record(
     ``stats`` are the step's totals (`combine`: ``loss.STAT_NAMES`` and the worker's own sums,
     ``grad_norms``, wall times); fractions and the entropy are over the step's loss tokens, the
     ratio and KL figures over the tokens the behaviour mask kept. ``reference_kl`` adds the KL
-    to the reference model (trained with ``kl_coef > 0``). ``trained_share`` is the step's
-    trained tokens over every token its sessions sampled (trained, masked by cause, or in a
-    dropped session); the ``total_*`` figures are the run's so far, as ``state`` keeps them.
+    to the reference model (trained with ``kl_coef > 0``). What of the sampled tokens trained
+    is `share_figures`.
     """
-    tokens = batch.loss_tokens
-    tokens_all = max(stats.get("tokens", tokens), 1)
-    kept = max(stats.get("kept_tokens", 0.0), 1.0)
-    sampled = max(batch.sampled_tokens, 1)
-    grad_norms = stats.get("grad_norms", [])
-    train_s = stats.get("seconds", 0.0)
-    proximal_s = stats.get("proximal_seconds", 0.0)
-    advantages = [
-        advantage
-        for sample in batch.samples
-        for advantage, in_loss in zip(sample.advantages, sample.loss_mask, strict=True)
-        if in_loss
-    ]
+    tokens = batch.loss_tokens  # what the update processed, behaviour-masked tokens included
     record: dict[str, Any] = {
         "time": time.time(),
         "step": state.step,
@@ -104,22 +92,55 @@ def step_record(
         **{f"dropped_{code}": n for code, n in reason_codes(batch.dropped.values()).items()},
         "reward_mean": _mean(batch.rewards),  # the sessions' undiscounted outcomes
         "return_mean": _mean(batch.returns),  # their first turns' discounted returns
-        **_summary("advantage", advantages),
-        "trained_tokens": tokens,
+        **_summary("advantage", _trained_advantages(batch)),
+        **share_figures(state, batch, stats),
+        **_masking_figures(batch),
+        "staleness_mean": _mean(batch.staleness),
+        "staleness_max": max(batch.staleness, default=0),
+        "staleness_histogram": _histogram(batch.staleness),
+        **_update_figures(stats, tokens, reference_kl),
+        **_time_figures(stats, phases),
+        # the update's pace: over the tokens it processed, those the loss masked included
+        "tokens_per_second": tokens / max(stats.get("seconds", 0.0) + phases.publish, 1e-9),
+    }
+    return record
+
+
+def share_figures(state: TrainerState, batch: Batch, stats: dict[str, Any]) -> dict[str, Any]:
+    """What of the step's sampled tokens trained: ``trained_share`` is its trained tokens over
+    every token its sessions sampled (trained, masked by cause, or in a dropped session); the
+    loss's behaviour-cap masking (`BEHAVIOUR_CAP`) is a cause like the batch's own. The
+    ``total_*`` figures are the run's so far, as ``state`` keeps them."""
+    trained = trained_tokens(batch, stats)
+    return {
+        "trained_tokens": trained,
         "sampled_tokens": batch.sampled_tokens,
-        "trained_share": trained_share(tokens, batch.sampled_tokens),
-        "masked_tokens": {cause: n for cause, n in sorted(batch.masked.items()) if n},
+        "trained_share": trained_share(trained, batch.sampled_tokens),
+        "masked_tokens": masked_tokens(batch, stats),
         "dropped_tokens": batch.dropped_tokens,
         **totals(state),
+    }
+
+
+def _masking_figures(batch: Batch) -> dict[str, Any]:
+    """The batch's masked and off-policy tokens, as counts and shares of what it sampled."""
+    sampled = max(batch.sampled_tokens, 1)
+    return {
         "stale_tokens": batch.stale_tokens,
         "off_temperature_tokens": batch.masked[OFF_TEMPERATURE],
         "alternative_tokens": batch.masked[ALTERNATIVE],
         "off_policy_tokens": batch.off_policy_tokens,
         "off_temperature_masked_fraction": batch.masked[OFF_TEMPERATURE] / sampled,
         "off_policy_fraction": batch.off_policy_tokens / sampled,
-        "staleness_mean": _mean(batch.staleness),
-        "staleness_max": max(batch.staleness, default=0),
-        "staleness_histogram": _histogram(batch.staleness),
+    }
+
+
+def _update_figures(stats: dict[str, Any], tokens: int, reference_kl: bool) -> dict[str, Any]:
+    """The loss, the policy's and the behaviour weight's figures from the workers' sums."""
+    tokens_all = max(stats.get("tokens", tokens), 1)
+    kept = max(stats.get("kept_tokens", 0.0), 1.0)
+    grad_norms = stats.get("grad_norms", [])
+    figures = {
         "loss": stats.get("loss_sum", 0.0) / max(len(grad_norms), 1),
         "entropy": stats.get("entropy_sum", 0.0) / tokens_all,
         "clip_fraction": stats.get("clipped_tokens", 0.0) / tokens_all,
@@ -135,17 +156,32 @@ def step_record(
             else None
         ),
         "grad_norm": _mean(grad_norms),
+    }
+    if reference_kl:
+        figures["reference_kl"] = stats.get("reference_kl_sum", 0.0) / kept
+    return figures
+
+
+def _time_figures(stats: dict[str, Any], phases: Phases) -> dict[str, float]:
+    train_s = stats.get("seconds", 0.0)
+    proximal_s = stats.get("proximal_seconds", 0.0)
+    return {
         "claim_seconds": phases.claim,
         "train_seconds": train_s,
         "proximal_seconds": proximal_s,
         "update_seconds": max(train_s - proximal_s, 0.0),
         "publish_seconds": phases.publish,
         "checkpoint_seconds": phases.checkpoint,
-        "tokens_per_second": tokens / max(train_s + phases.publish, 1e-9),
     }
-    if reference_kl:
-        record["reference_kl"] = stats.get("reference_kl_sum", 0.0) / kept
-    return record
+
+
+def _trained_advantages(batch: Batch) -> list[float]:
+    return [
+        advantage
+        for sample in batch.samples
+        for advantage, in_loss in zip(sample.advantages, sample.loss_mask, strict=True)
+        if in_loss
+    ]
 
 
 def reason_codes(reasons: Iterable[str]) -> dict[str, int]:
@@ -164,16 +200,63 @@ def trained_share(trained: int, sampled: int) -> float:
 
 # ----- the run's totals: what was sampled, and what of it trained ------------------------------
 
+# The masked cause the loss decides: under stale=keep, a token whose behaviour weight
+# pi_prox / pi_behav is above algorithm.behaviour_cap with behaviour_mode token_mask or
+# sequence_mask leaves the loss (the workers count it: ``behaviour_masked_tokens``).
+BEHAVIOUR_CAP = "behaviour_cap"
 
-def add_to_totals(state: TrainerState, batch: Batch) -> None:
-    """Count the batch (trained or not) in the run's totals that ``state`` keeps."""
+
+def behaviour_masked(stats: dict[str, Any] | None) -> int:
+    """Loss tokens the update masked above the behaviour cap (none without an update)."""
+    return round((stats or {}).get("behaviour_masked_tokens", 0))
+
+
+def trained_tokens(batch: Batch, stats: dict[str, Any] | None) -> int:
+    """The batch's loss tokens that trained: those the loss did not mask."""
+    return batch.loss_tokens - behaviour_masked(stats)
+
+
+def masked_tokens(batch: Batch, stats: dict[str, Any] | None) -> dict[str, int]:
+    """Masked tokens by cause: the batch's, and the loss's `BEHAVIOUR_CAP`; none of 0."""
+    masked = Counter(batch.masked)
+    masked[BEHAVIOUR_CAP] += behaviour_masked(stats)
+    return {cause: n for cause, n in sorted(masked.items()) if n}
+
+
+def add_to_totals(state: TrainerState, batch: Batch, stats: dict[str, Any] | None) -> None:
+    """Count the batch in the run's totals that ``state`` keeps: after its update (``stats``,
+    which say what the loss masked), or with ``stats`` None when it trained nothing."""
     state.total_sampled_tokens += batch.sampled_tokens
-    state.total_trained_tokens += batch.loss_tokens
-    for cause, n in batch.masked.items():
+    state.total_trained_tokens += trained_tokens(batch, stats)
+    add_counts(state.total_masked_tokens, masked_tokens(batch, stats))
+    add_counts(state.total_dropped_sessions, reason_codes(batch.dropped.values()))
+
+
+def add_counts(totals: dict[str, int], counts: Mapping[str, int]) -> None:
+    for key, n in counts.items():
         if n:
-            state.total_masked_tokens[cause] = state.total_masked_tokens.get(cause, 0) + n
-    for code, n in reason_codes(batch.dropped.values()).items():
-        state.total_dropped_sessions[code] = state.total_dropped_sessions.get(code, 0) + n
+            totals[key] = totals.get(key, 0) + n
+
+
+def drop_tally(batch: Batch, session_ids: Iterable[str]) -> dict[str, Any]:
+    """What the dropped sessions among ``session_ids`` sampled, as the claim journal keeps it:
+    tokens masked by cause, tokens dropped with them, and sessions by reason code."""
+    dropped = [s for s in session_ids if s in batch.dropped]
+    masked: dict[str, int] = {}
+    for session_id in dropped:
+        add_counts(masked, batch.tallies[session_id].masked)
+    return {
+        "dropped_tokens": sum(batch.tallies[s].dropped_tokens for s in dropped),
+        "masked_tokens": masked,
+        "dropped_sessions": reason_codes(batch.dropped[s] for s in dropped),
+    }
+
+
+def add_tally(state: TrainerState, tally: dict[str, Any]) -> None:
+    """Count a `drop_tally` in the run's totals (a restart's, for drops no checkpoint holds)."""
+    state.total_sampled_tokens += tally["dropped_tokens"] + sum(tally["masked_tokens"].values())
+    add_counts(state.total_masked_tokens, tally["masked_tokens"])
+    add_counts(state.total_dropped_sessions, tally["dropped_sessions"])
 
 
 def totals(state: TrainerState) -> dict[str, Any]:
@@ -188,19 +271,13 @@ def totals(state: TrainerState) -> dict[str, Any]:
 
 
 def share_warning(state: TrainerState, min_share: float) -> str | None:
-    """A sentence when less of what the run sampled trained than ``min_share``, naming the
-    biggest causes (masked tokens by cause, dropped sessions by reason code); else None."""
-    share = state.total_trained_share
-    if share >= min_share:
-        return None
-    masked = sorted(state.total_masked_tokens.items(), key=lambda item: -item[1])
-    dropped = sorted(state.total_dropped_sessions.items(), key=lambda item: -item[1])
-    causes = [f"{n} tokens masked as {cause}" for cause, n in masked[:3]]
-    causes += [f"{n} sessions dropped as {code}" for code, n in dropped[:3]]
-    return (
-        f"only {share:.0%} of the {state.total_sampled_tokens} tokens the run sampled trained "
-        f"(min_trained_share {min_share:g}); the biggest causes: "
-        + ("; ".join(causes) or "none counted")
+    """The run's low-share warning (`server.common.trained_share`) from its totals so far."""
+    return trained_share_warning(
+        state.total_trained_share,
+        state.total_sampled_tokens,
+        state.total_masked_tokens,
+        state.total_dropped_sessions,
+        min_share,
     )
 
 
@@ -264,6 +341,18 @@ class Progress:
         for session_id, reason in batch.dropped.items():
             log.info("dropped session %s: %s", session_id, reason)
         return record
+
+    def amend_totals(self, state: TrainerState) -> None:
+        """After a batch that trained nothing (no step, so no record of its own): the last
+        step's record again, with the run's totals now, so that the server's view of the run
+        counts it (the same step and version: the server keeps it as that step). Not written
+        to ``metrics.jsonl`` or the trackers, which hold that step already. Without a step
+        this time there is nothing to amend."""
+        if self.last is None:
+            return
+        self.last = {**self.last, **totals(state)}
+        if self.report is not None:
+            self.report(self.last)
 
     def stopped(self) -> None:
         """Tell the server the trainer stopped cleanly, so the dashboard shows it at once: the

@@ -23,7 +23,16 @@ from trainer.checkpoint import Checkpoints, TrainerState
 from trainer.claims import Claim, ClaimLost, Leases, lost_message
 from trainer.cluster import WorkerGroup
 from trainer.config import AlgorithmConfig, TrainConfig, to_dict
-from trainer.figures import Phases, Progress, add_to_totals, combine, reason_codes, share_warning
+from trainer.figures import (
+    Phases,
+    Progress,
+    add_tally,
+    add_to_totals,
+    combine,
+    drop_tally,
+    reason_codes,
+    share_warning,
+)
 from trainer.model import check_supported
 from trainer.plan import plan_step
 from trainer.publish import Publisher
@@ -167,6 +176,8 @@ class Trainer:
         self.baseline = RunningBaseline(config.algorithm.baseline_momentum)
         self.leases = Leases(server.clone(), config.claim_lease_s)
         self.pending: list[Claim] = []  # trained on, not yet covered by a checkpoint
+        self.confirmed: list[Claim] = []  # of batches that trained nothing: no checkpoint yet
+        self.told: set[str] = set()  # claims of this batch whose drops the server knows
         self.stopping = False
         found = self.checkpoints.latest()
         if found is not None:  # before anything starts: another run's checkpoint is refused
@@ -212,6 +223,8 @@ class Trainer:
         log.info("republished the weights of version %d as version %d", restored, version)
 
     def _settle_journal(self) -> None:
+        """Confirm the journalled claims the checkpoint covers, release the others, and count
+        the sessions dropped from those (never claimed again) in the restored totals."""
         covered = {c["claim_id"]: c for c in self.state.covered_claims}
         for claim_id in self.checkpoints.journalled():
             if claim_id in covered:
@@ -221,7 +234,14 @@ class Trainer:
                 log.info(
                     "released claim %s (%d sessions) left by a stopped run", claim_id, released
                 )
-        self.checkpoints.clear_journal(republished=self.state.republished)
+        uncounted = {
+            claim_id: tally
+            for claim_id, tally in self.checkpoints.journalled_drops().items()
+            if claim_id not in covered
+        }
+        for tally in uncounted.values():
+            add_tally(self.state, tally)
+        self.checkpoints.clear_journal(republished=self.state.republished, drops=uncounted)
 
     @property
     def algorithm(self) -> AlgorithmConfig:
@@ -243,16 +263,7 @@ class Trainer:
 
     def run(self) -> TrainerState:
         config = self.config
-        progress = Progress(
-            config.max_steps,
-            self.state.step,
-            self.output / "metrics.jsonl",
-            log_every=config.log_every,
-            reference_kl=self.algorithm.kl_coef > 0,
-        )
-        progress.report = lambda record: self.server.post_step(
-            self.run_id, record["step"], record["version"], record
-        )
+        progress = self.start_progress()
         tracking = self.start_tracking()
         progress.track = tracking.log
         try:
@@ -267,14 +278,14 @@ class Trainer:
                 self.reach("claimed", step)
                 claim_s = time.monotonic() - started
                 batch = build_batch(claimed.sessions, self.rules(), self.baseline)  # 2. samples
-                self.drop(claimed, batch.dropped)  # bad data: dropped with a reason, not fatal
-                add_to_totals(self.state, batch)
-                self.pending += claimed.claims  # settled by the next checkpoint, trained or not
-                if not batch.samples:  # not a step: no update, no version, no figures
-                    log.info("%s", nothing_to_train(batch))
+                self.drop(claimed, batch)  # bad data: dropped with a reason, not fatal
+                if not batch.samples:  # not a step: no update, no version, no record
+                    self.train_nothing(claimed, batch, progress)
                     continue
+                self.pending += claimed.claims  # settled by the next checkpoint
                 self.leases.check()  # never train sessions another claim holds
                 stats = self.train(batch)  # 3. proximal logprobs, PPO minibatches
+                add_to_totals(self.state, batch, stats)  # the stats say what the loss masked
                 self.reach("trained", step)
                 publish_s = self.publish()  # 4. the engines swap
                 self.reach("published", step)
@@ -286,13 +297,54 @@ class Trainer:
                 self.warn_if_little_trains()
                 if saved:
                     self.commit_checkpoint(saved[0])  # 7. the checkpoint counts: confirm claims
-            if self.pending:
+            if self.pending:  # trained since the last checkpoint, or a confirm that failed
                 self.commit_checkpoint(self.save_checkpoint())
             progress.stopped()  # a clean stop: the dashboard need not wait for a timeout
         finally:
             self.leases.stop()
             tracking.close()
         return self.state
+
+    def start_progress(self) -> Progress:
+        """The step records, to ``metrics.jsonl`` and to the server."""
+        progress = Progress(
+            self.config.max_steps,
+            self.state.step,
+            self.output / "metrics.jsonl",
+            log_every=self.config.log_every,
+            reference_kl=self.algorithm.kl_coef > 0,
+        )
+        progress.report = lambda record: self.server.post_step(
+            self.run_id, record["step"], record["version"], record
+        )
+        return progress
+
+    def train_nothing(self, claimed: Claimed, batch: Batch, progress: Progress) -> None:
+        """A batch whose every session was dropped: no step. It counts in the run's totals (the
+        server sees them on the last step's record, posted again) and in the low-share warning,
+        and its claims are confirmed now: nothing trained, so there is nothing for a checkpoint
+        to cover, and while every batch trains nothing no checkpoint comes (a claim whose drop
+        failed would hold its sessions, and their admission places, until one did)."""
+        log.info("%s", nothing_to_train(batch))
+        add_to_totals(self.state, batch, None)
+        progress.amend_totals(self.state)
+        self.warn_if_little_trains()
+        for claim in claimed.claims:
+            told = claim.claim_id in self.told
+            try:
+                self._confirm(claim.covered(), "for a batch that trained nothing")
+            except ServerError as exc:
+                self.leases.hold(claim.claim_id, claim.size - len(claim.dropped))
+                self.pending.append(claim)
+                log.warning(
+                    "could not confirm claim %s yet (the next checkpoint will): %s",
+                    claim.claim_id,
+                    exc,
+                )
+                continue
+            self.confirmed.append(claim)
+            if not told:
+                self.checkpoints.journal_drops(claim.claim_id, drop_tally(batch, claim.dropped))
 
     def start_tracking(self) -> Tracking:
         """TensorBoard, and W&B and MLflow where configured, from the step after the last
@@ -370,10 +422,12 @@ class Trainer:
         per_rank = [(minibatches, plan.tokens, algo) for minibatches in plan.per_rank]
         return combine(self.workers.call_each("train_step", per_rank))
 
-    def drop(self, claimed: Claimed, dropped: dict[str, str]) -> None:
+    def drop(self, claimed: Claimed, batch: Batch) -> None:
         """Tell the server now, so that dropped sessions stop counting against admission (the
-        confirm after the next checkpoint repeats it)."""
-        claimed.record_drops(dropped)
+        confirm after the next checkpoint repeats it). What they sampled is journalled once the
+        server knows: they are never claimed again, so a restart must count them."""
+        claimed.record_drops(batch.dropped)
+        self.told = set()
         for claim in claimed.claims:
             if not claim.dropped:
                 continue
@@ -382,6 +436,9 @@ class Trainer:
                 self.server.drop(claim.claim_id, claim.dropped)
             except ServerError as exc:
                 log.warning("could not drop sessions of claim %s yet: %s", claim.claim_id, exc)
+                continue
+            self.told.add(claim.claim_id)
+            self.checkpoints.journal_drops(claim.claim_id, drop_tally(batch, claim.dropped))
 
     def publish(self) -> float:
         """Serve the updated weights as the next version."""
@@ -423,8 +480,11 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         path = self.checkpoints.path(self.state.step)
-        if (path / "trainer.json").exists():  # no step since it: its weights are these
-            return path  # committed again, to cover the claims of steps that trained nothing
+        # Needed while claims of batches that trained nothing could not be confirmed at once
+        # (`train_nothing`) and no step came since this checkpoint: its weights are these, and
+        # it is committed again to cover them.
+        if (path / "trainer.json").exists():
+            return path
         self.workers.call("save_checkpoint", str(path))
         self.reach("checkpoint_saved", self.state.step)
         return path
@@ -434,12 +494,15 @@ class Trainer:
         why): a restart resumes from it and settles its claims the same way."""
         self.state.baseline = self.baseline.state_dict()
         self.state.covered_claims = [claim.covered() for claim in self.pending]
+        # confirmed already, but covered too: a restart must not count their drops again
+        covered_confirmed = [claim.covered() for claim in self.confirmed]
+        self.state.covered_claims += covered_confirmed
         self.checkpoints.commit(path, self.state)
         self.reach("checkpointed", self.state.step)
-        for covered in self.state.covered_claims:
-            self._confirm(covered, "at a checkpoint")
-        self.pending = []
-        self.checkpoints.clear_journal()  # the checkpoint holds every republish
+        for claim in self.pending:
+            self._confirm(claim.covered(), "at a checkpoint")
+        self.pending, self.confirmed = [], []
+        self.checkpoints.clear_journal()  # the checkpoint holds every republish and drop
 
     def _confirm(self, covered: dict[str, Any], when: str) -> None:
         claim_id = covered["claim_id"]
