@@ -98,19 +98,32 @@ NAMES = {
     "temperature": "run/temperature",
 }
 DROPPED = "dropped_"  # dropped_<reason code>: sessions/dropped_<reason code>
+# figures that are counts by name -> the group of their scalars, one per name
+COUNTS = {
+    "masked_tokens": "masked",  # masked/<cause>: the step's masked tokens
+    "total_masked_tokens": "masked_total",  # masked_total/<cause>: the run's so far
+    "total_dropped_sessions": "dropped_total",  # dropped_total/<reason code>: the run's
+}
 NOT_SCALARS = ("time", "step")  # the step's wall time and number: where, not what
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The record's numeric figures by their tracker names (`NAMES`). Lists (session ids, the
-    staleness histogram) and figures with no value this step (null) are not scalars; a figure
-    `NAMES` does not know yet goes under ``other/``."""
+    """The record's numeric figures by their tracker names (`NAMES`), and its counts by name
+    one scalar per name (`COUNTS`). Lists (session ids, the staleness histogram) and figures
+    with no value this step (null) are not scalars; a figure `NAMES` does not know yet goes
+    under ``other/``."""
     out: dict[str, float] = {}
     for key, value in record.items():
-        if key in NOT_SCALARS or isinstance(value, bool) or not isinstance(value, (int, float)):
+        if key in COUNTS and isinstance(value, dict):
+            out.update({f"{COUNTS[key]}/{name}": float(n) for name, n in value.items()})
+        if key in NOT_SCALARS or not _is_number(value):
             continue
         out[tracker_name(key)] = float(value)
     return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def tracker_name(key: str) -> str:

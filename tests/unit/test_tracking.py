@@ -36,7 +36,7 @@ from trainer.config import (
     load_config,
     to_dict,
 )
-from trainer.figures import Phases, step_record
+from trainer.figures import Phases, add_to_totals, step_record
 from trainer.rollouts import ALTERNATIVE, OFF_TEMPERATURE, STALE, Batch, Sample
 from trainer.tracking import (
     NAMES,
@@ -86,6 +86,9 @@ def record(step: int, shift: float = 0.0) -> dict[str, Any]:
         "proximal_seconds": 0.5,
     }
     state = TrainerState(run_id=RUN_ID, step=step, version=step + 1)
+    state.total_masked_tokens = {ALTERNATIVE: 2 * step - 2, STALE: 10}  # the run's before it
+    state.total_dropped_sessions = {"stale": step - 1}
+    add_to_totals(state, batch, stats)
     phases = Phases(claim=0.25, publish=0.125, checkpoint=0.0 if step % 2 else 0.5)
     return step_record(state, batch, stats, phases, reference_kl=True, temperature=0.9)
 
@@ -204,8 +207,10 @@ def test_every_numeric_figure_has_a_name_of_its_group():
         for k, v in figures.items()
         if isinstance(v, (int, float)) and k not in tracking.NOT_SCALARS
     }
+    counts = {f"{tracking.COUNTS[k]}/{name}" for k in tracking.COUNTS for name in figures[k]}
     named = scalars(figures)
-    assert len(named) == len(numeric)  # one scalar per figure, no two figures on one name
+    assert len(named) == len(numeric) + len(counts)  # one scalar each, no two on one name
+    assert counts <= set(named)
     assert not [name for name in named if name.startswith("other/")]  # NAMES knows them all
     assert named["reward/mean"] == figures["reward_mean"]
     assert named["sessions/dropped_stale"] == 1
@@ -215,6 +220,23 @@ def test_every_numeric_figure_has_a_name_of_its_group():
     # lists and missing figures are not scalars; a figure NAMES does not know still goes out
     assert scalars({"step": 1, "time": 2.0, "session_ids": ["a"], "temperature": None}) == {}
     assert scalars({"new_figure": 2}) == {"other/new_figure": 2.0}
+
+
+def test_masked_tokens_by_cause_and_the_run_s_totals_are_scalars_by_name():
+    figures = record(3)
+    named = scalars(figures)
+    assert figures["masked_tokens"] == {
+        "alternative": 2,
+        "behaviour_cap": 1,
+        "off_temperature": 1,
+        "stale": 3,
+    }
+    assert named["masked/stale"] == 3 and named["masked/behaviour_cap"] == 1
+    assert named["masked_total/alternative"] == 2 * 3 - 2 + 2 and named["masked_total/stale"] == 13
+    assert named["dropped_total/stale"] == 3 - 1 + 1
+    assert named["tokens/trained_share"] == figures["trained_share"]
+    assert named["run/trained_share"] == figures["total_trained_share"]
+    assert "masked/greedy" not in named  # a cause without tokens is no figure
 
 
 # ----- TensorBoard -------------------------------------------------------------------------
