@@ -177,7 +177,6 @@ class Trainer:
         self.leases = Leases(server.clone(), config.claim_lease_s)
         self.pending: list[Claim] = []  # trained on, not yet covered by a checkpoint
         self.confirmed: list[Claim] = []  # of batches that trained nothing: no checkpoint yet
-        self.told: set[str] = set()  # claims of this batch whose drops the server knows
         self.stopping = False
         found = self.checkpoints.latest()
         if found is not None:  # before anything starts: another run's checkpoint is refused
@@ -278,9 +277,9 @@ class Trainer:
                 self.reach("claimed", step)
                 claim_s = time.monotonic() - started
                 batch = build_batch(claimed.sessions, self.rules(), self.baseline)  # 2. samples
-                self.drop(claimed, batch)  # bad data: dropped with a reason, not fatal
+                told = self.drop(claimed, batch)  # bad data: dropped with a reason, not fatal
                 if not batch.samples:  # not a step: no update, no version, no record
-                    self.train_nothing(claimed, batch, progress)
+                    self.train_nothing(claimed, batch, told, progress)
                     continue
                 self.pending += claimed.claims  # settled by the next checkpoint
                 self.leases.check()  # never train sessions another claim holds
@@ -319,18 +318,20 @@ class Trainer:
         )
         return progress
 
-    def train_nothing(self, claimed: Claimed, batch: Batch, progress: Progress) -> None:
+    def train_nothing(
+        self, claimed: Claimed, batch: Batch, told: set[str], progress: Progress
+    ) -> None:
         """A batch whose every session was dropped: no step. It counts in the run's totals (the
         server sees them on the last step's record, posted again) and in the low-share warning,
         and its claims are confirmed now: nothing trained, so there is nothing for a checkpoint
         to cover, and while every batch trains nothing no checkpoint comes (a claim whose drop
-        failed would hold its sessions, and their admission places, until one did)."""
+        failed would hold its sessions, and their admission places, until one did). ``told``:
+        the claims whose drops the server already took."""
         log.info("%s", nothing_to_train(batch))
         add_to_totals(self.state, batch, None)
         progress.amend_totals(self.state)
         self.warn_if_little_trains()
         for claim in claimed.claims:
-            told = claim.claim_id in self.told
             try:
                 self._confirm(claim.covered(), "for a batch that trained nothing")
             except ServerError as exc:
@@ -343,7 +344,7 @@ class Trainer:
                 )
                 continue
             self.confirmed.append(claim)
-            if not told:
+            if claim.claim_id not in told:  # the confirm told the server
                 self.checkpoints.journal_drops(claim.claim_id, drop_tally(batch, claim.dropped))
 
     def start_tracking(self) -> Tracking:
@@ -422,12 +423,13 @@ class Trainer:
         per_rank = [(minibatches, plan.tokens, algo) for minibatches in plan.per_rank]
         return combine(self.workers.call_each("train_step", per_rank))
 
-    def drop(self, claimed: Claimed, batch: Batch) -> None:
+    def drop(self, claimed: Claimed, batch: Batch) -> set[str]:
         """Tell the server now, so that dropped sessions stop counting against admission (the
         confirm after the next checkpoint repeats it). What they sampled is journalled once the
-        server knows: they are never claimed again, so a restart must count them."""
+        server knows: they are never claimed again, so a restart must count them. Returns the
+        claims whose drops the server took."""
         claimed.record_drops(batch.dropped)
-        self.told = set()
+        told: set[str] = set()
         for claim in claimed.claims:
             if not claim.dropped:
                 continue
@@ -437,8 +439,9 @@ class Trainer:
             except ServerError as exc:
                 log.warning("could not drop sessions of claim %s yet: %s", claim.claim_id, exc)
                 continue
-            self.told.add(claim.claim_id)
+            told.add(claim.claim_id)
             self.checkpoints.journal_drops(claim.claim_id, drop_tally(batch, claim.dropped))
+        return told
 
     def publish(self) -> float:
         """Serve the updated weights as the next version."""

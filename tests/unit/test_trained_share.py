@@ -375,8 +375,8 @@ def test_the_claims_of_a_batch_that_trained_nothing_are_confirmed_at_once(tmp_pa
     claimed, batch = all_dropped("c1")
     loop.checkpoints.journal_claim("c1", 0, 2)
     with caplog.at_level(logging.WARNING, logger="proxrl.trainer"):
-        loop.drop(claimed, batch)
-        loop.train_nothing(claimed, batch, progress)
+        told = loop.drop(claimed, batch)
+        loop.train_nothing(claimed, batch, told, progress)
     assert ("confirm", "c1") in server.calls and loop.pending == []
     assert loop.state.total_sampled_tokens == 8 and loop.state.total_trained_share == 0.0
     assert loop.checkpoints.journalled_drops()["c1"]["dropped_tokens"] == 5  # told by the confirm
@@ -386,7 +386,6 @@ def test_the_claims_of_a_batch_that_trained_nothing_are_confirmed_at_once(tmp_pa
     loop = trainer(tmp_path / "refused", refused)
     loop.checkpoints.journal_claim("c2", 0, 2)
     claimed, batch = all_dropped("c2")
-    loop.drop(claimed, batch)
-    loop.train_nothing(claimed, batch, progress)
+    loop.train_nothing(claimed, batch, loop.drop(claimed, batch), progress)
     assert [c.claim_id for c in loop.pending] == ["c2"]
     assert loop.checkpoints.journalled_drops() == {}  # the server knows nothing yet
