@@ -95,6 +95,7 @@ async def _summaries(ctx: ServerContext, found: list[Run]) -> list[dict[str, Any
         spans = await stats.step_spans(db, ids)
         latest = await steps.latest_steps(db, ids)
         dropped = await stats.dropped_by_reason(db, ids)
+        claimed_dropped = await stats.dropped_by_reason(db, ids, claimed=True)
     now = datetime.now(UTC)
     out = []
     for run in found:
@@ -124,6 +125,7 @@ async def _summaries(ctx: ServerContext, found: list[Run]) -> list[dict[str, Any
                     last.metrics if last else None,
                     dropped[run.id],
                     RunConfig.model_validate(run.config).min_trained_share,
+                    claimed_dropped=claimed_dropped[run.id],
                 ),
             }
         )

@@ -111,7 +111,8 @@ class RunTraining(BaseModel):
     min_trained_share: float = Field(description="The run's min_trained_share.")
     warning: str | None = Field(
         description="A sentence naming the biggest causes when total_trained_share is below "
-        "min_trained_share; null otherwise."
+        "min_trained_share, or, before any step, when sessions the trainer claimed were dropped "
+        "(a batch that trains nothing is no step); null otherwise."
     )
 
 

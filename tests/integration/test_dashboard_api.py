@@ -184,7 +184,9 @@ def test_session_ids_give_the_batch_reward_spread_and_are_not_stored(proxy, seed
         ({"step": 0, "version": 0}, "step"),
         ({"step": 1, "version": -1}, "version"),
         ({"step": 1, "version": 0, "metrics": {"flag": True}}, "metrics.flag"),
-        ({"step": 1, "version": 0, "metrics": {"nested": {"a": 1}}}, "metrics.nested"),
+        # counts by name are a figure (masked tokens by cause); deeper or non-integer ones not
+        ({"step": 1, "version": 0, "metrics": {"nested": {"a": {"b": 1}}}}, "metrics.nested"),
+        ({"step": 1, "version": 0, "metrics": {"nested": {"a": 0.5}}}, "metrics.nested"),
         ({"step": 1, "version": 0, "extra": 1}, "extra"),
     ],
 )
