@@ -195,7 +195,8 @@ def test_dynamic_sampling_keeps_a_member_at_the_mean_of_a_group_with_contrast():
     out = batch(sessions, dynamic_sampling=True)
     assert out.dropped == {}
     assert [s.session_id for s in out.samples] == ["low", "mid", "high"]
-    assert [a for a, m in zip(out.samples[1].advantages, out.samples[1].loss_mask) if m] == [0.0]
+    mid = out.samples[1]
+    assert [a for a, m in zip(mid.advantages, mid.loss_mask, strict=True) if m] == [0.0]
 
 
 def test_dynamic_sampling_drops_the_survivor_of_a_group_whose_partner_was_dropped():
