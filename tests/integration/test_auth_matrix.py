@@ -90,6 +90,7 @@ ACCESS: dict[tuple[str, str], str] = {
     ("POST", "/rl/claims/renew"): "admin",
     ("POST", "/rl/claims/{claim_id}/confirm"): "admin",
     ("POST", "/rl/claims/{claim_id}/drop"): "admin",
+    ("POST", "/rl/claims/{claim_id}/trained"): "admin",
     ("POST", "/rl/claims/{claim_id}/release"): "admin",
     # administration
     ("POST", "/admin/weights"): "admin",
@@ -140,6 +141,7 @@ BODIES: dict[tuple[str, str], dict] = {
     ("POST", "/rl/runs/{run_id}/steps"): {"step": 1, "version": 0},
     ("POST", "/rl/claims/renew"): {"claim_ids": ["{claim_id}"]},
     ("POST", "/rl/claims/{claim_id}/drop"): {"dropped": {}},
+    ("POST", "/rl/claims/{claim_id}/trained"): {"version": 0},
     ("POST", "/admin/weights"): {},
     ("POST", "/admin/weights/group"): {},
 }

@@ -712,21 +712,26 @@ def test_a_dropped_session_frees_room_for_a_waiting_one(proxy):
     assert proxy.run(run["id"])["sessions"] == {"open": 2, "dropped": 1}
 
 
-def test_publishing_a_version_admits_a_waiting_session(proxy):
-    """At the bound, a creation waits; publishing version 1 for the run raises the limit to
-    (0 + 1 + 1) * 2 = 4 and the waiting creation is admitted."""
-    run = proxy.new_run(batch_size=2, max_staleness=0, admission_wait_s=20)
-    for _ in range(2):
-        proxy.new_session(run["id"])
-
+def test_a_trained_claim_admits_a_waiting_session_and_a_publish_alone_does_not(proxy):
+    """At the bound (2 places), publishing a version frees no place: a creation is refused.
+    A step that trained the run's sessions marks its claim trained, which frees their places,
+    and a creation waiting meanwhile is admitted."""
+    run = proxy.new_run(batch_size=2, max_staleness=0, admission_wait_s=0)
+    held = {proxy.trainable_session(run["id"]) for _ in range(2)}
     publish = {"model_path": str(proxy.model_dir), "run_id": run["id"]}
-    reply, after_publish = proxy.create_while(run["id"], ("POST", "/admin/weights", publish))
+    assert proxy.ok("POST", "/admin/weights", json=publish)["policy_version"] == 1
+    refused = proxy.call("POST", "/rl/sessions", json={"run_id": run["id"]})
+    assert_error(refused, 429, code="staleness_bound")
+
+    claim = proxy.claim(run["id"], max_sessions=2)
+    assert {s["session_id"] for s in claim["sessions"]} == held
+    proxy.patch_run(run["id"], admission_wait_s=20)
+    trained = ("POST", f"/rl/claims/{claim['claim_id']}/trained", {"version": 1})
+    reply, after_trained = proxy.create_while(run["id"], trained)
     assert reply.status_code == 201, reply.text
-    assert after_publish < 5.0
-    shown = proxy.run(run["id"])
-    assert shown["policy_version"] == 1
-    assert shown["sessions"] == {"open": 3}
-    proxy.new_session(run["id"])  # the fourth and last place at version 1
+    assert after_trained < 5.0
+    assert proxy.run(run["id"])["sessions"] == {"claimed": 2, "open": 1}
+    proxy.new_session(run["id"])  # the second place
     proxy.patch_run(run["id"], admission_wait_s=0)
     refused = proxy.call("POST", "/rl/sessions", json={"run_id": run["id"]})
     assert_error(refused, 429, code="staleness_bound")
