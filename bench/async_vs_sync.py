@@ -157,6 +157,10 @@ def start_trainer(server: LocalServer, mode: Mode, out: Path, args) -> TrainerPr
         f"algorithm.decoupled={'true' if mode.decoupled else 'false'}",
         f"algorithm.temperature={TEMPERATURE}",
         f"algorithm.ppo_minibatches={args.ppo_minibatches}",
+        # AReaL's ablation bounds every trained token's staleness by eta: tokens past it masked
+        # (the trainer's default keeps them, judging staleness at admission; both are the
+        # same on these single-turn sessions but for a publish between a sample and its reward)
+        "algorithm.stale=mask",
     ]  # fmt: skip
     return TrainerProcess(server, out / "trainer", overrides, out / "trainer.log")
 
