@@ -198,17 +198,19 @@ def test_a_bounded_policy_that_overruns_its_bound_stops_the_cell(monkeypatch):
         sim.simulate(cell(policy="greedy", eta=1, workload=capped))
 
 
+def drop_six(sessions, rules, baseline):
+    """The trainer's judgement, but the batch's first six sessions dropped."""
+    batch = sim.build_batch(sessions, rules, baseline)
+    for data in sessions[:6]:
+        batch.dropped[data["session_id"]] = "test: dropped"
+    batch.samples = [s for s in batch.samples if s.session_id not in batch.dropped]
+    return batch
+
+
 def test_the_bound_leaks_what_the_trainer_drops(monkeypatch):
     """A step that drops 6 of its 8 sessions still publishes, and the drops leave the
     admission count at once: admitted-but-untrained goes 16 -> 22 -> 28 (batch 8, eta 1), as
     measured with the store's own functions."""
-
-    def drop_six(sessions, rules, baseline):
-        batch = sim.build_batch(sessions, rules, baseline)
-        for data in sessions[:6]:
-            batch.dropped[data["session_id"]] = "test: dropped"
-        batch.samples = [s for s in batch.samples if s.session_id not in batch.dropped]
-        return batch
 
     leaky = dataclasses.replace(sim.POLICIES["current"], judge=drop_six)
     monkeypatch.setitem(sim.POLICIES, "drops-six", leaky)
@@ -220,13 +222,6 @@ def test_the_bound_leaks_what_the_trainer_drops(monkeypatch):
 def test_places_do_not_leak_what_the_trainer_drops(monkeypatch):
     """The same drops under places: a dropped session frees its place and nothing else
     does, so the places held stay at (eta + 1) * batch_size."""
-
-    def drop_six(sessions, rules, baseline):
-        batch = sim.build_batch(sessions, rules, baseline)
-        for data in sessions[:6]:
-            batch.dropped[data["session_id"]] = "test: dropped"
-        batch.samples = [s for s in batch.samples if s.session_id not in batch.dropped]
-        return batch
 
     leaky = dataclasses.replace(sim.POLICIES["places"], judge=drop_six)
     monkeypatch.setitem(sim.POLICIES, "places-drops-six", leaky)
