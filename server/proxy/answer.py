@@ -115,7 +115,9 @@ def count_malformed_calls(ctx: ServerContext, plan: Plan, completions: list[Comp
     if plan.tool_names is None:
         return
     malformed = sum(
-        malformed_blocks(outputs.final_text(ctx.tokenizer, completion), plan.tool_names)
+        malformed_blocks(
+            plan.forced + outputs.final_text(ctx.tokenizer, completion), plan.tool_names
+        )
         for completion in completions
     )
     if malformed:
@@ -139,7 +141,9 @@ async def stream(
     client gets a status code), the events."""
     reasoning = plan.log.surface != "completions"  # text completions answer raw text
     choices = [
-        outputs.ChoiceText(ctx.tokenizer, plan.sampling.stop, plan.tool_names, reasoning)
+        outputs.ChoiceText(
+            ctx.tokenizer, plan.sampling.stop, plan.tool_names, reasoning, plan.forced
+        )
         for _ in plan.completion_ids
     ]
     queue: asyncio.Queue[Sequence[Event]] = asyncio.Queue()

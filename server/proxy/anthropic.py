@@ -21,7 +21,7 @@ from typing import Any, Literal
 from server.context import ServerContext
 from server.engine_client.client import Piece
 from server.errors import InvalidRequest, ProxrlError
-from server.proxy import outputs, prompts
+from server.proxy import forced_calls, outputs, prompts
 from server.proxy.anthropic_schemas import (
     Conversation,
     CountTokensRequest,
@@ -40,7 +40,6 @@ from server.proxy.reasoning import reasoning_style, split_reasoning
 from server.proxy.recording import Served
 from server.proxy.session_cache import SessionState
 from server.proxy.tool_calls import (
-    OPEN,
     ContentDelta,
     ReasoningDelta,
     StreamEvent,
@@ -67,8 +66,8 @@ async def plan_messages(ctx: ServerContext, state: SessionState, body: MessagesR
         model=body.model,
         messages=_as_received(body),
         tools=[tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
-        # A forced call's answer is read for tool calls by the renderer, prefill first.
-        tool_names=_tool_names(body) if not forced_call(ctx.tokenizer, body) else None,
+        tool_names=_tool_names(body),
+        forced=forced_call(ctx.tokenizer, body),
     )
 
 
@@ -89,25 +88,13 @@ def _tool_names(body: Conversation) -> set[str] | None:
 
 def forced_call(tokenizer: Tokenizer, body: Conversation) -> str:
     """How ``tool_choice`` ``any`` or a named tool is honoured: the answer starts inside a tool
-    call, the start of one written into the prompt (``<tool_call>``, then the tool's name when
-    it is named), so the model writes the rest and its tokens stay sampled, not forced. Possible
-    where the model's chat template writes calls as ``<tool_call>`` blocks (what proxrl reads
-    back) and answers do not start inside a ``<think>`` block; refused elsewhere. Empty for
-    ``auto`` and ``none``."""
+    call, its start written into the prompt (``forced_calls``). Empty for ``auto`` and
+    ``none``."""
     choice = body.tool_choice
     if choice is None or choice.type in ("auto", "none"):
         return ""
-    if OPEN not in tokenizer.chat_template or reasoning_style(tokenizer).starts_open:
-        raise InvalidRequest(
-            f"tool_choice {choice.type!r} cannot be honoured for this model: proxrl forces a "
-            "call by starting the answer with <tool_call>, and this model's chat template does "
-            "not write tool calls that way (or starts answers inside <think>). Use 'auto'.",
-            param="tool_choice",
-        )
-    if choice.type == "any":
-        return OPEN + "\n"
-    # Cut before the space: tokenizers join a space to what follows, so the model writes it.
-    return OPEN + '\n{"name": "' + str(choice.name) + '", "arguments":'
+    name = choice.name if choice.type == "tool" else None
+    return forced_calls.forced_start(tokenizer, name, choice.type, "tool_choice")
 
 
 async def count_tokens(ctx: ServerContext, state: SessionState, body: CountTokensRequest) -> dict:
@@ -339,12 +326,6 @@ class MessagesRenderer:
         self.tokenizer, self.plan = ctx.tokenizer, plan
         self.reasoning = reasoning_style(ctx.tokenizer)
         self.names = _tool_names(body)
-        # A forced call (tool_choice any or a named tool): its start is in the prompt, so the
-        # answer is read for tool calls here, from that start on (the plan leaves it as text).
-        self.forced = forced_call(ctx.tokenizer, body)
-        self.calls = ToolCallStream(self.names) if self.forced else None
-        if self.calls is not None:
-            self.calls.feed(self.forced)
         # The answer names the served model, as every surface's does (docs/concepts.md#model-names).
         self.model, self.stops, self.streamed = ctx.model_name, body.stops, body.stream
         self.context_cut = plan.sampling.max_tokens < body.max_tokens  # see _token_limit
@@ -354,7 +335,7 @@ class MessagesRenderer:
     def served(self, completion_id: str, completion: Completion) -> Served:
         full = outputs.final_text(self.tokenizer, completion)
         reasoning, text = split_reasoning(full, self.reasoning)
-        text = self.forced + text
+        text = self.plan.forced + text  # a forced call's start (forced_calls)
         names = self.names
         called = names is not None and bool(parse_tool_calls(text, names).tool_calls)
         if self.streamed:
@@ -403,18 +384,10 @@ class MessagesRenderer:
         return [{"type": "message_start", "message": message}, {"type": "ping"}]
 
     def delta(self, index: int, deltas: list[StreamEvent], piece: Piece) -> list[dict]:
-        return self.blocks.push(self._read(deltas, final=False))
+        return self.blocks.push(deltas)
 
     def finish(self, index: int, deltas: list[StreamEvent], finish_reason: str) -> list[dict]:
-        return self.blocks.push(self._read(deltas, final=True)) + self.blocks.close()
-
-    def _read(self, deltas: list[StreamEvent], final: bool) -> list[StreamEvent]:
-        """The deltas, with a forced call's text read for tool calls (``forced_call``)."""
-        if self.calls is None:
-            return deltas
-        events: list[StreamEvent] = [d for d in deltas if isinstance(d, ReasoningDelta)]
-        events += self.calls.feed("".join(d.text for d in deltas if isinstance(d, ContentDelta)))
-        return events + (self.calls.finish() if final else [])
+        return self.blocks.push(deltas) + self.blocks.close()
 
     def end(self, counts: dict) -> list[dict]:
         stop = {k: self.message.get(k) for k in ("stop_reason", "stop_sequence")}

@@ -80,7 +80,9 @@ class ChoiceText:
     (``reasoning.ReasoningStream``; the model's chat template says whether it reasons); when
     ``tool_names`` is given, tool calls split out of the rest (``ToolCallStream``); the rest as
     ``ContentDelta``s. ``called``: a tool call was sent. A surface's renderer handles all three
-    kinds of ``StreamEvent`` (Responses: a reasoning item; Anthropic: a ``thinking`` block)."""
+    kinds of ``StreamEvent`` (Responses: a reasoning item; Anthropic: a ``thinking`` block).
+    ``forced``, a forced call's start (``forced_calls``), is read for tool calls before the
+    sampled text."""
 
     def __init__(
         self,
@@ -88,10 +90,12 @@ class ChoiceText:
         stops: tuple[str, ...],
         tool_names: set[str] | None,
         reasoning: bool = False,
+        forced: str = "",
     ) -> None:
         self._text = TextStreamer(tokenizer, stops)
         self._reasoning = ReasoningStream(reasoning_style(tokenizer) if reasoning else NO_REASONING)
         self._tools = ToolCallStream(tool_names) if tool_names is not None else None
+        self._forced = forced  # read with the first content
         self.called = False
 
     def push(self, ids: list[int]) -> list[StreamEvent]:
@@ -104,6 +108,8 @@ class ChoiceText:
         parts = self._reasoning.feed(text) + (self._reasoning.finish() if final else [])
         events: list[StreamEvent] = [ReasoningDelta(t) for kind, t in parts if kind == "reasoning"]
         content = "".join(t for kind, t in parts if kind == "content")
+        if content or final:
+            content, self._forced = self._forced + content, ""
         if self._tools is None:
             return events + ([ContentDelta(content)] if content else [])
         events += self._tools.feed(content) + (self._tools.finish() if final else [])

@@ -35,6 +35,10 @@ class Plan:
     logprobs: bool  # the answer carries the sampled tokens' logprobs
     tool_names: set[str] | None = None  # None: the text is not parsed for tool calls
     echo: str = ""  # text repeated before each choice's text (text completions' ``echo``)
+    # A forced call's start (``forced_calls``): the prompt ends with it, each choice's text
+    # begins with it.
+    forced: str = ""
+    headers: dict[str, str] = field(default_factory=dict)  # HTTP headers the answer carries
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -51,6 +55,8 @@ def new_plan(  # noqa: PLR0913  # keyword-only: one per field a plan records
     logprobs: bool = False,
     tool_names: set[str] | None = None,
     echo: str = "",
+    forced: str = "",
+    headers: dict[str, str] | None = None,
 ) -> Plan:
     """A plan with a fresh request id (``prefix-<hex>``) and its choices' completion ids (the
     request id itself when ``n`` is 1, else ``<request id>-<i>``)."""
@@ -70,7 +76,9 @@ def new_plan(  # noqa: PLR0913  # keyword-only: one per field a plan records
             "n": n,
         },
     )
-    return Plan(request_id, prompt, sampling, ids, log, logprobs, tool_names, echo)
+    return Plan(
+        request_id, prompt, sampling, ids, log, logprobs, tool_names, echo, forced, headers or {}
+    )
 
 
 async def check_model(ctx: ServerContext, state: SessionState, model: str) -> None:

@@ -51,8 +51,8 @@ async def _open_session(
 class _Stream(StreamingResponse):
     """An SSE answer whose sampling stops however the response ends (see GuardedStream)."""
 
-    def __init__(self, events: GuardedStream) -> None:
-        super().__init__(events, media_type=SSE)
+    def __init__(self, events: GuardedStream, headers: dict[str, str]) -> None:
+        super().__init__(events, media_type=SSE, headers=headers)
         self.events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -66,8 +66,8 @@ async def _answer(
     ctx: Ctx, state: SessionState, plan: Plan, renderer: answer.Renderer, stream: bool
 ) -> Any:
     if stream:
-        return _Stream(await answer.stream(ctx, state, plan, renderer))
-    return JSONResponse(await answer.respond(ctx, state, plan, renderer))
+        return _Stream(await answer.stream(ctx, state, plan, renderer), plan.headers)
+    return JSONResponse(await answer.respond(ctx, state, plan, renderer), headers=plan.headers)
 
 
 async def _chat(ctx: Ctx, state: SessionState, body: ChatCompletionRequest) -> Any:
