@@ -109,6 +109,14 @@ class RunConfig(BaseModel):
         description="Refuse (OpenAI's 404 model_not_found) a request for a model name other "
         "than the served model's and model_aliases (false: any name is served, and recorded).",
     )
+    response_format: Literal["refuse", "unconstrained"] = Field(
+        "refuse",
+        description="What a request for structured output (Chat Completions' response_format, "
+        "the Responses API's text.format: json_object or json_schema) gets: refuse (a 400), or "
+        "unconstrained (served, sampled from the policy as any answer, so the stored logprobs "
+        "stay the policy's; the answer may not be JSON or fit the schema, and carries the "
+        "header X-Proxrl-Response-Format: unconstrained).",
+    )
     min_trained_share: float = Field(
         0.9,
         ge=0,
