@@ -35,6 +35,14 @@ class ModelInit(BaseModel):
         description="The chat template. reasoning: Qwen3-style, answers open with "
         "<think>...</think> (tokens of their own), history renders without it.",
     )
+    context: int | None = Field(
+        None,
+        ge=128,  # tiny_model.MIN_CONTEXT and MAX_CONTEXT, which it checks again
+        le=1 << 20,
+        description="The context length in tokens (max_position_embeddings and the tokenizer's "
+        "model_max_length; default: the size's own, tiny 2048, small 4096). The engine serves "
+        "prompts up to it, prefilling them in chunks; its KV cache grows with the longest.",
+    )
     warm_start: bool = Field(
         False,
         description="Start from the demo's model: the tiny model after the demo's supervised "
@@ -44,10 +52,12 @@ class ModelInit(BaseModel):
 
     def cli_cmd(self) -> None:
         with role_imports("model"):
-            from server.common.tiny_model import create_tiny_model, parameter_count
+            from server.common.tiny_model import create_tiny_model, parameter_count, set_context
 
         if self.warm_start:
             out = self.warm_started()
+            if self.context is not None:
+                set_context(out, self.context)
             print(
                 f"wrote the tiny model after the demo's warm-up on addition "
                 f"({parameter_count(out):,} parameters; it gets about half the sums right, so "
@@ -55,10 +65,11 @@ class ModelInit(BaseModel):
             )
             return
         with role_imports("model"):  # its first lines import torch and transformers; seconds
-            out = create_tiny_model(self.out_dir, self.size, self.template)
+            out = create_tiny_model(self.out_dir, self.size, self.template, self.context)
+        context = f", context {self.context:,}" if self.context is not None else ""
         print(
             f"wrote the {self.size} model ({parameter_count(out):,} parameters, "
-            f"{self.template} chat template) to {out}\n"
+            f"{self.template} chat template{context}) to {out}\n"
             "Its weights are random: it answers nothing right yet, so an exact-match reward "
             "stays 0 and RL has nothing to reinforce. For a model that can already add a "
             f"little (the demo's): proxrl model init {self.out_dir} --warm-start"

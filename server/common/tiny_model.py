@@ -12,8 +12,9 @@ Everything it builds is deterministic: the same size gives the same files, byte 
 
 from __future__ import annotations
 
+import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -61,6 +62,20 @@ SIZES = {
     # ~13M parameters: a sturdier stand-in when a run can afford it.
     "small": ModelSize(384, 1024, 8, 6, 2, 4096),
 }
+
+# The context lengths ``proxrl model init --context`` accepts. The tiny models use the default RoPE,
+# which has no trained length: a longer context only raises the limit the engine and the tokenizer
+# enforce (memory grows with it: the KV cache, linearly, and each prompt's prefill).
+MIN_CONTEXT = 128
+MAX_CONTEXT = 1 << 20
+
+
+def check_context(context: int) -> int:
+    """``context`` if it is a context length a tiny model can have, else ValueError."""
+    if not MIN_CONTEXT <= context <= MAX_CONTEXT:
+        raise ValueError(f"context {context} is not between {MIN_CONTEXT} and {MAX_CONTEXT}")
+    return context
+
 
 _WORDS = (
     "the a an and or but if then so of to in on at for with from by as is are was were be "
@@ -119,9 +134,12 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE, reasoning: bool = False) -> To
     return tokenizer
 
 
-def create_tiny_model(out_dir: str | Path, size: str = "tiny", template: str = "default") -> Path:
+def create_tiny_model(
+    out_dir: str | Path, size: str = "tiny", template: str = "default", context: int | None = None
+) -> Path:
     """Build the tokenizer and model of ``size`` and save them as a Hugging Face directory, with
-    the chat template ``template`` (the reasoning one brings ``<think>`` tokens along)."""
+    the chat template ``template`` (the reasoning one brings ``<think>`` tokens along) and
+    ``context`` positions (None: the size's own, 2,048 or 4,096)."""
     import torch
     from transformers import (
         GenerationConfig,
@@ -134,6 +152,8 @@ def create_tiny_model(out_dir: str | Path, size: str = "tiny", template: str = "
         raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
     source = chat_template(template)
     shape = SIZES[size]
+    if context is not None:
+        shape = replace(shape, max_position_embeddings=check_context(context))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -172,6 +192,20 @@ def create_tiny_model(out_dir: str | Path, size: str = "tiny", template: str = "
     )
     model.save_pretrained(out)
     return out
+
+
+def set_context(model_dir: str | Path, context: int) -> None:
+    """Give the model in ``model_dir`` ``context`` positions: ``max_position_embeddings`` in its
+    config and ``model_max_length`` in its tokenizer's (the weights stay as they are)."""
+    check_context(context)
+    for name, key in (
+        ("config.json", "max_position_embeddings"),
+        ("tokenizer_config.json", "model_max_length"),
+    ):
+        path = Path(model_dir) / name
+        settings = json.loads(path.read_text())
+        settings[key] = context
+        path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 def parameter_count(model_dir: str | Path) -> int:

@@ -100,6 +100,19 @@ def test_model_init_writes_a_model(tmp_path):
     assert (tmp_path / "m" / "chat_template.jinja").exists()
 
 
+def test_model_init_context(tmp_path):
+    out = run("model", "init", str(tmp_path / "m"), "--context", "65536")
+    assert out.returncode == 0, out.stderr
+    assert "context 65,536" in out.stdout
+    assert (
+        json.loads((tmp_path / "m" / "config.json").read_text())["max_position_embeddings"] == 65536
+    )
+    refused = run("model", "init", str(tmp_path / "x"), "--context", "64")
+    assert refused.returncode == 2
+    assert "context" in refused.stderr and "greater than or equal to 128" in refused.stderr
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_random_model_says_so_and_how_to_get_a_warm_start(tmp_path):
     out = run("model", "init", str(tmp_path / "m"))
     assert out.returncode == 0, out.stderr
@@ -117,8 +130,10 @@ def test_warm_start_writes_the_demos_warmed_up_model(tmp_path, monkeypatch, caps
     warm_start = cli.source_tree_module("warm_start", "test")
     monkeypatch.setitem(warm_start.WARMUP, "steps", 2)  # the demo's recipe, cut short
     monkeypatch.setattr(warm_start, "CACHE_DIR", tmp_path / "cache")
-    cli.main(["model", "init", str(tmp_path / "warm"), "--warm-start"])
+    cli.main(["model", "init", str(tmp_path / "warm"), "--warm-start", "--context", "8192"])
     assert "after the demo's warm-up on addition" in capsys.readouterr().out
+    config = json.loads((tmp_path / "warm" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 8192
     record = json.loads((tmp_path / "warm" / "warmup.json").read_text())
     assert record["steps"] == 2 and record["examples"] == warm_start.WARMUP_EXAMPLES
     random = create_tiny_model(tmp_path / "random", "tiny", "default")

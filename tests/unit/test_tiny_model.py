@@ -9,7 +9,13 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from server.common.tiny_model import IM_END, MARKUP_TOKENS, PAD_TOKEN, create_tiny_model
+from server.common.tiny_model import (
+    IM_END,
+    MARKUP_TOKENS,
+    PAD_TOKEN,
+    create_tiny_model,
+    set_context,
+)
 
 SAMPLES = [
     "What is 123 + 456? The answer is 579.",
@@ -131,3 +137,32 @@ def test_parameter_counts(size, low, high, tiny_model_dir, tmp_path):
 def test_unknown_size_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown size"):
         create_tiny_model(tmp_path / "x", "huge")
+
+
+def test_context_sets_the_positions_and_nothing_else(tiny_model_dir, tmp_path):
+    longer = create_tiny_model(tmp_path / "long", "tiny", context=65536)
+    config = json.loads((longer / "config.json").read_text())
+    assert config["max_position_embeddings"] == 65536
+    assert AutoTokenizer.from_pretrained(longer).model_max_length == 65536
+    assert (longer / "model.safetensors").read_bytes() == (
+        tiny_model_dir / "model.safetensors"
+    ).read_bytes()
+    again = create_tiny_model(tmp_path / "again", "tiny", context=65536)
+    assert _digest(again) == _digest(longer)
+
+
+def test_set_context_rewrites_a_model_directory(tmp_path):
+    directory = create_tiny_model(tmp_path / "m", "tiny")
+    set_context(directory, 8192)
+    assert AutoTokenizer.from_pretrained(directory).model_max_length == 8192
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    assert model.config.max_position_embeddings == 8192
+    assert _digest(directory) == _digest(create_tiny_model(tmp_path / "fresh", context=8192))
+
+
+@pytest.mark.parametrize("context", [0, 127, (1 << 20) + 1])
+def test_a_context_out_of_range_is_refused(context, tmp_path):
+    with pytest.raises(ValueError, match="not between 128 and 1048576"):
+        create_tiny_model(tmp_path / "x", "tiny", context=context)
+    with pytest.raises(ValueError, match="not between"):
+        set_context(tmp_path / "x", context)
