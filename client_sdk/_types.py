@@ -72,7 +72,8 @@ class Run(TypedDict):
     sessions: dict[str, int]
     """Sessions by status (open, ended, trainable, claimed, consumed, dropped, evaluated)."""
     totals: dict[str, int]
-    """turns, prompt_tokens, completion_tokens, breaks."""
+    """turns, prompt_tokens, completion_tokens, and of its sessions: rows, conversations,
+    breaks."""
     eval: RunEval
     """Eval sessions' rewards by policy version (and task)."""
     training: RunTraining
@@ -114,6 +115,9 @@ class Turn(TypedDict):
     turn_index: int
     row_index: int
     extends_previous: bool
+    conversation: int
+    """Its conversation in the session, from 0: the agent's main thread and each side request's
+    (a title, a summary, a sub-agent) are apart."""
     messages: list[Any] | None
     tools: list[Any] | None
     response: dict[str, Any]
@@ -158,7 +162,11 @@ class SessionDetail(TypedDict):
     ended_at: str | None
     turn_count: int
     row_count: int
+    """Training rows: one per conversation, plus one per break, retry and extra choice."""
+    conversations: int
+    """The main thread and each request that continued none of the session's conversations."""
     breaks: int
+    """Requests that changed a conversation's recorded history (each opened a row)."""
     drop_reason: str | None
     """Why it was dropped ("code: a sentence", e.g. "no_reward: ..."); None unless dropped."""
     eval: bool

@@ -340,6 +340,7 @@ def turn_out(
         turn_index=index,
         row_index=0,
         extends_previous=index > 0,
+        conversation=0,
         messages=messages,
         tools=None,
         response=response,

@@ -1,25 +1,52 @@
-"""Record served completions as turns: which training row each one belongs to, then the store.
+"""Record served completions as turns: which conversation and training row each belongs to,
+then the store.
 
-The first completion of a request continues the row of the turn its prompt extends, if that
-turn is still the row's last; every other completion opens a row (parallel samples of n > 1
-share a prompt but not a row). A request that extends no previous turn in a session that has
-turns is a break, unless it is a retry: the same prompt token ids as the previous request (a
-timeout, an error, a framework's retry), whose turns ``rows`` then marks as alternatives unless
-the session goes on from one of them. State moves on only once the store has committed.
+A request is placed in one of the session's conversations (docs/concepts.md), tried in order:
 
-What the next prompt may continue (``state.last``): the request's turns, then the attempts it
-retried (the agent may go on from an earlier answer that came late), then the turn it continued
-(so that a retry splices onto the same tokens and asks with the very same prompt ids).
+1. **continue**: its prompt extends a turn of a conversation token for token
+   (``prompt.continues``): that conversation. Its first completion continues the turn's row if
+   the turn is still the row's last; otherwise (the agent went back to an earlier answer) it
+   opens a row and is a *break*, unless it is a retry.
+2. **retry**: the same prompt token ids as a conversation's latest request (a timeout, an error,
+   a framework's retry): that conversation, a new row, whose turns ``rows`` then marks as
+   alternatives unless the session goes on from one of them. Not a break.
+3. **break**: its prompt begins with a conversation's *opening* (that conversation's first
+   prompt up to the header of the answer it asked for: the same system prompt, tools and first
+   message) but continues none of its turns: the agent edited, dropped or re-rendered that
+   conversation's history (or started it over). A new row of that conversation (the latest
+   active, of several with that opening; the longest opening first).
+4. **new**: anything else (a title or summary request, a sub-agent under its own system
+   prompt, an agent's history compacted into a new first message) starts a conversation: a new
+   row, not a break.
+
+Parallel samples (n > 1) share their request's conversation; every completion but the first
+opens a row. State moves on only once the store has committed.
+
+What the conversation's next prompt may continue (``Conversation.last``): the request's turns,
+then up to ``MAX_RETRIED_KEPT`` answers of attempts it retried (the agent may go on from an
+earlier answer that came late), then the turn it continued (so that a retry splices onto the
+same tokens and asks with the very same prompt ids). Bounded: a session that sends the same
+prompt again and again keeps the same few turns, and its requests cost the same however many
+came before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from server.proxy.generation import Completion
 from server.proxy.prompts import Prompt
-from server.proxy.session_cache import LastTurn, SessionState, last_turn
+from server.proxy.session_cache import (
+    MAX_RETRIED_KEPT,
+    Conversation,
+    LastTurn,
+    SessionState,
+    last_turn,
+    opening_length,
+)
 from server.store.turns import TurnRecord
 from server.store.writer import TurnWriter
 from server.text.tokenization import Tokenizer
@@ -43,6 +70,47 @@ class RequestLog:
     sampling: dict[str, Any]
 
 
+class Kind(Enum):
+    CONTINUE = "continue"
+    RETRY = "retry"
+    BREAK = "break"
+    NEW = "new"
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a request goes: its conversation, how (:class:`Kind`), the row its first
+    completion continues (None: it opens one) and the earlier attempts it retried."""
+
+    conversation: Conversation
+    kind: Kind
+    continued_row: int | None
+    retried: list[LastTurn]
+
+
+def place(state: SessionState, prompt: Prompt, opening: Callable[[], int]) -> Place:
+    """The rule in the module docstring. ``opening`` gives the opening of the prompt, should it
+    start a conversation."""
+    continued = prompt.continues
+    if continued is not None and continued.conversation in state.conversations:
+        conversation = state.conversations[continued.conversation]
+        retried = retried_turns(conversation.last, prompt.ids)
+        if state.row_tails.get(continued.row_index) == continued.completion_id:
+            return Place(conversation, Kind.CONTINUE, continued.row_index, retried)
+        return Place(conversation, Kind.RETRY if retried else Kind.BREAK, None, retried)
+    recent_first = list(reversed(state.conversations.values()))
+    for conversation in recent_first:
+        retried = retried_turns(conversation.last, prompt.ids)
+        if retried:
+            return Place(conversation, Kind.RETRY, None, retried)
+    opened = [c for c in recent_first if c.opened_by(prompt.ids)]
+    if opened:
+        conversation = max(opened, key=lambda c: c.opening)  # the first of equals: most recent
+        return Place(conversation, Kind.BREAK, None, [])
+    conversation = Conversation(state.next_conversation, opening())
+    return Place(conversation, Kind.NEW, None, [])
+
+
 async def record(
     writer: TurnWriter,
     tokenizer: Tokenizer,
@@ -52,37 +120,47 @@ async def record(
     log: RequestLog,
 ) -> None:
     async with state.lock:
+        found = place(state, prompt, lambda: opening_length(tokenizer, prompt.ids))
+        conversation = found.conversation
         tails = dict(state.row_tails)
         next_turn, next_row = state.next_turn, state.next_row
-        continued = prompt.continues
-        continued_row = None
-        if continued is not None and tails.get(continued.row_index) == continued.completion_id:
-            continued_row = continued.row_index
         records, lasts = [], []
         for index, item in enumerate(served):
-            if index == 0 and continued_row is not None:
-                row, new_row = continued_row, False
+            if index == 0 and found.continued_row is not None:
+                row, new_row = found.continued_row, False
             else:
                 row, new_row = next_row, True
                 next_row += 1
             tails[row] = item.completion_id
-            records.append(_record(state, prompt, item, log, next_turn, row, new_row))
+            records.append(
+                _record(state, prompt, item, log, next_turn, row, new_row, conversation.index)
+            )
             lasts.append(
-                last_turn(tokenizer, item.completion_id, row, prompt.ids, item.completion.ids)
+                last_turn(
+                    tokenizer,
+                    item.completion_id,
+                    row,
+                    prompt.ids,
+                    item.completion.ids,
+                    conversation.index,
+                )
             )
             next_turn += 1
-        retried = retried_turns(state.last, prompt.ids)
-        if continued_row is None and state.has_turns and not retried:
-            records[0].is_break = True
+        records[0].is_break = found.kind is Kind.BREAK
+        records[0].new_conversation = found.kind is Kind.NEW
         await writer.write(records)
         state.next_turn, state.next_row = next_turn, next_row
-        state.row_tails, state.last = tails, next_last(lasts, retried, continued)
+        if found.kind is Kind.NEW:
+            state.next_conversation = conversation.index + 1
+        continued = prompt.continues if found.kind is not Kind.NEW else None
+        conversation.last = next_last(lasts, found.retried, continued)
+        state.remember(conversation, tails)
         state.engine = served[0].completion.engine
 
 
 def retried_turns(last: list[LastTurn], prompt_ids: list[int]) -> list[LastTurn]:
-    """The previous request's turns (and its earlier attempts) when this request asks with the
-    very same prompt ids: a retry. ``last[0]`` is the previous request's first choice."""
+    """The conversation's latest request's turns (and its earlier attempts) when this request
+    asks with the very same prompt ids: a retry. ``last[0]`` is that request's first choice."""
     if not last or last[0].prompt_ids != prompt_ids:
         return []
     return [turn for turn in last if turn.prompt_ids == prompt_ids]
@@ -91,9 +169,11 @@ def retried_turns(last: list[LastTurn], prompt_ids: list[int]) -> list[LastTurn]
 def next_last(
     turns: list[LastTurn], retried: list[LastTurn], continued: LastTurn | None
 ) -> list[LastTurn]:
-    """What the session's next prompt may continue, in the order tried (``prompts.splice`` takes
-    the first match, and a turn's text begins with the text of the turn it continued)."""
-    kept = turns + retried
+    """What the conversation's next prompt may continue, in the order tried (``prompts.splice``
+    takes the first match, and a turn's text begins with the text of the turn it continued):
+    the request's turns, the answers of the attempts it retried, latest first (at most
+    ``MAX_RETRIED_KEPT``), the turn it continued."""
+    kept = turns + retried[:MAX_RETRIED_KEPT]
     if continued is not None and continued not in kept:
         kept.append(continued)
     return kept
@@ -107,6 +187,7 @@ def _record(
     turn_index: int,
     row: int,
     new_row: bool,
+    conversation: int,
 ) -> TurnRecord:
     completion = item.completion
     return TurnRecord(
@@ -119,6 +200,7 @@ def _record(
         turn_index=turn_index,
         row_index=row,
         extends_previous=not new_row,
+        conversation=conversation,
         prompt_ids=prompt.ids,
         completion_ids=completion.ids,
         logprobs=completion.logprobs,

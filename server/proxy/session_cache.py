@@ -1,16 +1,28 @@
 """What the proxy keeps in memory about each session between its turns.
 
 To continue a training row, the next turn's prompt must repeat the previous turn's tokens
-exactly; the registry remembers the last request's turns (tokens and their text) and where each
-row ends, so prompts can be built by splicing those exact tokens instead of re-tokenizing what
-the model said. State is loaded from the store on first use (after a restart, say).
+exactly; the registry remembers, for each of the session's conversations, the last request's
+turns (tokens and their text) and where each row ends, so prompts can be built by splicing those
+exact tokens instead of re-tokenizing what the model said. State is loaded from the store on
+first use (after a restart, or on another replica): everything here is derivable from the
+session's turns, which record their conversation.
+
+A session holds *conversations* (docs/concepts.md): the agent's main thread, and the side
+requests an agent sends in the same session (a title, a summary, a sub-agent). Each
+conversation has an *opening*: its first prompt up to the header of the answer it asked for
+(:func:`opening_length`); every later request of the conversation begins with it. The state is
+bounded: the :data:`MAX_CONVERSATIONS` most recently active conversations, and of each the last
+request's turns, :data:`MAX_RETRIED_KEPT` answers of earlier attempts of the same prompt and
+the turn it continued.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from server.store import sessions as store_sessions
 from server.store import turns as store_turns
@@ -18,6 +30,12 @@ from server.store.database import Sessionmaker
 from server.store.packing import unpack_ints
 from server.store.tables import Turn
 from server.text.tokenization import Tokenizer
+
+# Conversations a session remembers (the most recently active); a request that continues an
+# older one starts a new conversation.
+MAX_CONVERSATIONS = 16
+# Answers of earlier attempts of the same prompt (retries) the next prompt may still continue.
+MAX_RETRIED_KEPT = 8
 
 
 @dataclass(frozen=True)
@@ -27,6 +45,21 @@ class LastTurn:
     prompt_ids: list[int]
     completion_ids: list[int]
     text: str  # the text of prompt + completion, special tokens included
+    conversation: int = 0
+
+
+@dataclass(eq=False)
+class Conversation:
+    index: int  # its number in the session, from 0, in order of first request
+    opening: int  # how many tokens of each of its prompts are its opening
+    last: list[LastTurn] = field(default_factory=list)  # what its next prompt may continue
+
+    def opened_by(self, prompt_ids: Sequence[int]) -> bool:
+        """Does ``prompt_ids`` begin with this conversation's opening?"""
+        if not self.last or len(prompt_ids) < self.opening:
+            return False
+        reference = self.last[0].prompt_ids
+        return prompt_ids[: self.opening] == reference[: self.opening]
 
 
 @dataclass(eq=False)
@@ -36,14 +69,33 @@ class SessionState:
     status: str
     next_turn: int = 0
     next_row: int = 0
-    last: list[LastTurn] = field(default_factory=list)
-    row_tails: dict[int, str] = field(default_factory=dict)  # row -> its last completion_id
+    next_conversation: int = 0
+    # Most recently active last; at most MAX_CONVERSATIONS.
+    conversations: OrderedDict[int, Conversation] = field(default_factory=OrderedDict)
+    # row -> its last completion_id, for the rows of the turns in ``last``
+    row_tails: dict[int, str] = field(default_factory=dict)
     engine: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def has_turns(self) -> bool:
         return self.next_turn > 0
+
+    @property
+    def last(self) -> list[LastTurn]:
+        """What the session's next prompt may continue, in the order tried: the most recently
+        active conversation's turns first (``prompts.splice`` takes the first match)."""
+        return [turn for c in reversed(self.conversations.values()) for turn in c.last]
+
+    def remember(self, conversation: Conversation, tails: dict[int, str]) -> None:
+        """Keep ``conversation`` as the most recently active (forgetting the least recently
+        active beyond the bound), and the tails of the rows its turns and the others' are in."""
+        self.conversations[conversation.index] = conversation
+        self.conversations.move_to_end(conversation.index)
+        while len(self.conversations) > MAX_CONVERSATIONS:
+            self.conversations.popitem(last=False)
+        rows = {turn.row_index for turn in self.last}
+        self.row_tails = {row: tails[row] for row in rows if row in tails}
 
 
 def last_turn(
@@ -52,9 +104,36 @@ def last_turn(
     row_index: int,
     prompt_ids: list[int],
     completion_ids: list[int],
+    conversation: int = 0,
 ) -> LastTurn:
     text = tokenizer.decode(prompt_ids + completion_ids, skip_special_tokens=False)
-    return LastTurn(completion_id, row_index, prompt_ids, completion_ids, text)
+    return LastTurn(completion_id, row_index, prompt_ids, completion_ids, text, conversation)
+
+
+def opening_length(tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> int:
+    """How many tokens of a conversation's first prompt are its *opening*: up to the last
+    special token (where the chat template writes the header of the answer it asks for: the
+    assistant's ``<|im_start|>``), so that a later prompt that renders the same first messages
+    and then the answer (re-tokenized, say) still begins with it token for token. A prompt with
+    no special token after some text (a plain-text prompt) opens with all of it but its last
+    token (which may merge with what follows)."""
+    seen_text = False
+    cut = None
+    for index, token in enumerate(prompt_ids):
+        if _is_special(tokenizer, token):
+            if seen_text:
+                cut = index
+        else:
+            seen_text = True
+    if cut is not None:
+        return cut
+    return max(len(prompt_ids) - 1, 1)
+
+
+@lru_cache(maxsize=65536)
+def _is_special(tokenizer: Tokenizer, token: int) -> bool:
+    """A token that decoding leaves out."""
+    return tokenizer.decode([token]) == "" and tokenizer.token_text(token) != ""
 
 
 class SessionRegistry:
@@ -89,13 +168,24 @@ class SessionRegistry:
             if session is None:
                 return None
             state = SessionState(session.id, session.run_id, session.status, engine=session.engine)
-            last = await store_turns.last_request_turns(db, session_id)
+            recent = await store_turns.recent_conversations(db, session_id, MAX_CONVERSATIONS)
+            top_turn = await store_turns.last_turn_index(db, session_id)
             top_row = await store_turns.last_row_index(db, session_id)
-        if last:
-            state.next_turn = max(t.turn_index for t in last) + 1
-            state.next_row = int(top_row or 0) + 1
-            state.last = [self._from_turn(t) for t in last]
-            state.row_tails = {t.row_index: t.completion_id for t in last}
+        if top_turn is None:
+            return state
+        state.next_turn = int(top_turn) + 1
+        state.next_row = int(top_row or 0) + 1
+        known = [ends.conversation + 1 for ends in recent]
+        state.next_conversation = max(int(session.conversations or 0), *known)
+        tails: dict[int, str] = {}
+        for ends in recent:  # least recently active first
+            turns = [self._from_turn(turn) for turn in ends.last]
+            first_prompt = unpack_ints(ends.first.prompt_ids)
+            conversation = Conversation(
+                ends.conversation, opening_length(self._tokenizer, first_prompt), turns
+            )
+            tails.update((turn.row_index, turn.completion_id) for turn in turns)
+            state.remember(conversation, tails)
         return state
 
     def _from_turn(self, turn: Turn) -> LastTurn:
@@ -105,4 +195,5 @@ class SessionRegistry:
             turn.row_index,
             unpack_ints(turn.prompt_ids),
             unpack_ints(turn.completion_ids),
+            turn.conversation,
         )

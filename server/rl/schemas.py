@@ -55,6 +55,18 @@ class RunCreate(BaseModel):
     config: RunConfig = Field(default_factory=RunConfig, description="The run's configuration.")
 
 
+ROW_COUNT = (
+    "Its training rows: one per conversation, plus one per break, retry and extra choice (n > 1)."
+)
+CONVERSATIONS = (
+    "Its conversations: the agent's main thread and each request that continued none of the "
+    "session's conversations (a title or summary request, a sub-agent, a compacted history)."
+)
+BREAKS = (
+    "Requests that changed a conversation's recorded history (edited or dropped an earlier "
+    "message, or re-rendered an answer otherwise): each opened a row. Not retries, not new "
+    "conversations."
+)
 EVAL_SESSION = (
     "An evaluation session: served and recorded like any other, never trained, never counted "
     'against admission; it ends "evaluated" (not "trainable") once ended and rewarded.'
@@ -132,7 +144,10 @@ class RunOut(BaseModel):
     is_default: bool
     created_at: datetime
     sessions: dict[str, int] = Field(description="Sessions by status.")
-    totals: dict[str, int] = Field(description="Turns, tokens and multi-turn breaks.")
+    totals: dict[str, int] = Field(
+        description="turns, prompt_tokens, completion_tokens, and of its sessions: rows, "
+        "conversations, breaks."
+    )
     eval: RunEval = Field(description="Held-out rewards of eval sessions by version and task.")
     training: RunTraining = Field(
         description="What of the sampled tokens trained (the trainer's totals) and why the rest "
@@ -228,8 +243,9 @@ class SessionSummary(BaseModel):
     created_at: datetime
     ended_at: datetime | None
     turn_count: int
-    row_count: int
-    breaks: int
+    row_count: int = Field(description=ROW_COUNT)
+    conversations: int = Field(description=CONVERSATIONS)
+    breaks: int = Field(description=BREAKS)
     drop_reason: str | None = Field(description=DROP_REASON)
     eval: bool = Field(description=EVAL_SESSION)
 
@@ -244,8 +260,9 @@ class SessionOut(BaseModel):
     created_at: datetime
     ended_at: datetime | None
     turn_count: int
-    row_count: int
-    breaks: int
+    row_count: int = Field(description=ROW_COUNT)
+    conversations: int = Field(description=CONVERSATIONS)
+    breaks: int = Field(description=BREAKS)
     drop_reason: str | None = Field(description=DROP_REASON)
     eval: bool = Field(description=EVAL_SESSION)
     retries: int = Field(

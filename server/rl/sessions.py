@@ -106,6 +106,7 @@ def summary_fields(session: Session) -> dict[str, Any]:
         "ended_at": session.ended_at,
         "turn_count": session.turn_count,
         "row_count": session.row_count,
+        "conversations": session.conversations,
         "breaks": session.breaks,
         "drop_reason": session.drop_reason,
         "eval": session.eval,

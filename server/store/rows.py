@@ -1,17 +1,20 @@
 """Training rows from turns: the pure rule that merges a multi-turn session into rows.
 
-A turn whose prompt extends the previous turn's prompt + completion token for token continues
-that turn's row: its new prompt tokens (tool results, the next user message, template glue) get
-loss mask 0 and its completion tokens loss mask 1. Any other turn starts a new row (a "break":
-the agent edited or dropped history). This module knows nothing about SQL or HTTP.
+A turn whose prompt extends an earlier turn's prompt + completion token for token, that turn
+still the last of its row, continues that row: its new prompt tokens (tool results, the next
+user message, template glue) get loss mask 0 and its completion tokens loss mask 1. Any other
+turn starts a new row: the first turn of a conversation (the session's first request, or a side
+request such as a title or a sub-agent: ``conversation`` tells them apart), a "break" (the agent
+edited or dropped a conversation's history), a retry, or a parallel sample (n > 1). This module
+knows nothing about SQL or HTTP.
 
-A turn is an *alternative* when the session did not go on from it. Requests that ask the same
-one after another (a retry: a timeout, an error, a framework's retry) are one *attempt group*:
-its kept turns are those a later turn continues (normally one: the answer the agent used), else
-choice 0 of its last attempt; every other turn of the group is an alternative, and each attempt
-none of whose turns is kept counts as a retry. A lone request keeps the choice the session
-continued, else choice 0. The rows keep alternatives; each row's turns say which they are, and
-the trainer decides.
+A turn is an *alternative* when the session did not go on from it. Requests of one conversation
+that ask the same one after another (a retry: a timeout, an error, a framework's retry; a side
+request in between does not part them) are one *attempt group*: its kept turns are those a later
+turn continues (normally one: the answer the agent used), else choice 0 of its last attempt;
+every other turn of the group is an alternative, and each attempt none of whose turns is kept
+counts as a retry. A lone request keeps the choice the session continued, else choice 0. The
+rows keep alternatives; each row's turns say which they are, and the trainer decides.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class TurnTokens:
     temperature: float | None = None  # the temperature it was sampled at (None: unknown)
     reward: float | None = None
     surface: str = "chat"  # the API its request came through (chat, completions, ...)
+    conversation: int = 0  # the session's conversation it belongs to
 
 
 @dataclass
@@ -90,13 +94,17 @@ def requests_of(turns: Sequence[TurnTokens]) -> list[list[TurnTokens]]:
 
 
 def attempt_groups(requests: list[list[TurnTokens]]) -> list[list[list[TurnTokens]]]:
-    """The requests in runs of consecutive ones that ask the same (a request and its retries)."""
+    """The requests in runs of ones of a conversation that ask the same one after another (a
+    request and its retries), in the order of their first request."""
     groups: list[list[list[TurnTokens]]] = []
+    latest: dict[int, list[list[TurnTokens]]] = {}  # conversation -> its latest group
     for request in requests:
-        if groups and asks_the_same(request[0], groups[-1][-1][0]):
-            groups[-1].append(request)
+        group = latest.get(request[0].conversation)
+        if group is not None and asks_the_same(request[0], group[-1][0]):
+            group.append(request)
         else:
-            groups.append([request])
+            group = latest[request[0].conversation] = [request]
+            groups.append(group)
     return groups
 
 

@@ -92,7 +92,7 @@ async def session_counts(db: AsyncSession, run_id: str) -> dict[str, int]:
 
 
 async def run_totals(db: AsyncSession, run_id: str) -> dict[str, int]:
-    """Turns, tokens and multi-turn breaks recorded in the run."""
+    """Turns, tokens, training rows, conversations and breaks recorded in the run."""
     turns = await db.execute(
         select(
             func.count(Turn.id),
@@ -101,12 +101,19 @@ async def run_totals(db: AsyncSession, run_id: str) -> dict[str, int]:
         ).where(Turn.run_id == run_id)
     )
     count, prompt_tokens, completion_tokens = turns.one()
-    breaks = await db.scalar(
-        select(func.coalesce(func.sum(Session.breaks), 0)).where(Session.run_id == run_id)
+    sessions = await db.execute(
+        select(
+            func.coalesce(func.sum(Session.row_count), 0),
+            func.coalesce(func.sum(Session.conversations), 0),
+            func.coalesce(func.sum(Session.breaks), 0),
+        ).where(Session.run_id == run_id)
     )
+    rows, conversations, breaks = sessions.one()
     return {
         "turns": int(count),
         "prompt_tokens": int(prompt_tokens),
         "completion_tokens": int(completion_tokens),
+        "rows": int(rows or 0),
+        "conversations": int(conversations or 0),
         "breaks": int(breaks or 0),
     }

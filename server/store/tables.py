@@ -96,6 +96,8 @@ class Session(Base):
     turn_count: Mapped[int] = mapped_column(Integer, default=0)
     row_count: Mapped[int] = mapped_column(Integer, default=0)
     breaks: Mapped[int] = mapped_column(Integer, default=0)
+    # Its conversations (docs/concepts.md): the main thread and each side request's thread.
+    conversations: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     engine: Mapped[str | None] = mapped_column(String(500))
     claim_id: Mapped[str | None] = mapped_column(String(64), index=True)
     claim_expires_at: Mapped[datetime | None]
@@ -124,6 +126,7 @@ class Turn(Base):
     turn_index: Mapped[int] = mapped_column(Integer)
     row_index: Mapped[int] = mapped_column(Integer)
     extends_previous: Mapped[bool] = mapped_column(default=False)
+    conversation: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     messages: Mapped[list[Any] | None] = mapped_column(JSON)
     tools: Mapped[list[Any] | None] = mapped_column(JSON)
     response: Mapped[dict[str, Any]] = mapped_column(default=dict)

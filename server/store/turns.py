@@ -38,6 +38,14 @@ class TurnFields:
     turn_index: int
     row_index: int
     extends_previous: bool  # it continues a turn of the previous request in that turn's row
+    conversation: Annotated[
+        int,
+        Field(
+            description="The conversation of the session it belongs to, from 0 in order of "
+            "first request: the agent's main thread and each side request's (a title, a "
+            "summary, a sub-agent) are apart."
+        ),
+    ]
     messages: list[Any] | None  # its request's conversation, as sent (None: a text prompt)
     tools: list[Any] | None
     response: dict[str, Any]
@@ -60,7 +68,8 @@ class TurnRecord(TurnFields):
     session_id: str
     run_id: str
     new_row: bool = True  # this turn opened a row
-    is_break: bool = False  # ...because it did not extend the previous turn
+    is_break: bool = False  # ...because it changed its conversation's history
+    new_conversation: bool = False  # it is the first turn of its conversation
 
 
 # The token lists are stored packed (server.store.packing): how to pack and unpack each.
@@ -102,6 +111,7 @@ _BUMP_SESSION = (
         turn_count=_SESSIONS.turn_count + bindparam("turns"),
         row_count=_SESSIONS.row_count + bindparam("rows"),
         breaks=_SESSIONS.breaks + bindparam("breaks"),
+        conversations=_SESSIONS.conversations + bindparam("conversations"),
         last_activity_at=bindparam("now"),
         engine=bindparam("engine"),
     )
@@ -124,6 +134,7 @@ def _session_bumps(records: list[TurnRecord], now: datetime) -> list[dict[str, A
             "turns": len(group),
             "rows": sum(r.new_row for r in group),
             "breaks": sum(r.is_break for r in group),
+            "conversations": sum(r.new_conversation for r in group),
             "now": now,
             "engine": group[-1].engine,
         }
@@ -212,16 +223,51 @@ async def turns_by_session(db: AsyncSession, session_ids: list[str]) -> dict[str
     return turns
 
 
-async def last_request_turns(db: AsyncSession, session_id: str) -> list[Turn]:
-    """The turns of the session's most recent request (several when it asked for n > 1)."""
-    last = await db.scalar(select(func.max(Turn.turn_index)).where(Turn.session_id == session_id))
-    if last is None:
+@dataclass(frozen=True)
+class ConversationEnds:
+    """What the proxy reloads of one conversation of a session: its first turn (its opening)
+    and its most recent request's turns (several when it asked for n > 1), by turn_index."""
+
+    conversation: int
+    first: Turn
+    last: list[Turn]
+
+
+async def recent_conversations(
+    db: AsyncSession, session_id: str, limit: int
+) -> list[ConversationEnds]:
+    """The session's ``limit`` most recently active conversations, least recent first."""
+    spans = (
+        await db.execute(
+            select(Turn.conversation, func.min(Turn.turn_index), func.max(Turn.turn_index))
+            .where(Turn.session_id == session_id)
+            .group_by(Turn.conversation)
+        )
+    ).all()
+    spans = sorted(spans, key=lambda span: span[2])[-limit:] if limit > 0 else []
+    if not spans:
         return []
-    request_id = await db.scalar(
-        select(Turn.request_id).where(Turn.session_id == session_id, Turn.turn_index == last)
-    )
-    query = select(Turn).where(Turn.session_id == session_id, Turn.request_id == request_id)
-    return list(await db.scalars(query.order_by(Turn.turn_index)))
+    wanted = {index for span in spans for index in span[1:]}
+    ends = {
+        turn.turn_index: turn
+        for turn in await db.scalars(
+            select(Turn).where(Turn.session_id == session_id, Turn.turn_index.in_(wanted))
+        )
+    }
+    requests = {ends[last].request_id for _, _, last in spans}
+    query = select(Turn).where(Turn.session_id == session_id, Turn.request_id.in_(requests))
+    by_request: dict[str, list[Turn]] = {}
+    for turn in await db.scalars(query.order_by(Turn.turn_index)):
+        by_request.setdefault(turn.request_id, []).append(turn)
+    return [
+        ConversationEnds(int(conversation), ends[first], by_request[ends[last].request_id])
+        for conversation, first, last in spans
+    ]
+
+
+async def last_turn_index(db: AsyncSession, session_id: str) -> int | None:
+    """The session's highest turn_index (None: no turns)."""
+    return await db.scalar(select(func.max(Turn.turn_index)).where(Turn.session_id == session_id))
 
 
 async def last_row_index(db: AsyncSession, session_id: str) -> int | None:
@@ -251,6 +297,7 @@ def tokens_of(turn: Turn, reward: float | None = None) -> TurnTokens:
         temperature=sampled_temperature(turn),
         reward=reward,
         surface=turn.surface,
+        conversation=turn.conversation,
     )
 
 

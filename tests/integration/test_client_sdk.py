@@ -89,7 +89,14 @@ def test_runs_are_created_listed_shown_and_configured(client):
         "run_id": created["id"],
         "policy_version": 0,
         "sessions": {},
-        "totals": {"turns": 0, "prompt_tokens": 0, "completion_tokens": 0, "breaks": 0},
+        "totals": {
+            "turns": 0,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "rows": 0,
+            "conversations": 0,
+            "breaks": 0,
+        },
     }
 
 

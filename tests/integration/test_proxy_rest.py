@@ -226,31 +226,36 @@ def test_show_run_counts_sessions_by_status_and_totals(proxy):
         "turns": 1,
         "prompt_tokens": reply.usage.prompt_tokens,
         "completion_tokens": reply.usage.completion_tokens,
+        "rows": 1,
+        "conversations": 1,
         "breaks": 0,
     }
     assert shown["policy_version"] == 0
 
 
 def test_show_run_totals_count_a_turn_that_breaks_the_row(proxy):
-    """A second turn under another system message does not extend the first: the session
-    counts one break and so does its run (a one-turn session beside it adds none)."""
+    """A request under another system message continues no conversation: it starts a second
+    one, no break. Sending the first conversation back with the answer edited breaks it: the
+    session counts one break and so does its run (a one-turn session beside it adds none)."""
     run = proxy.new_run()
     session = proxy.new_session(run["id"])
+    first = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
+    other = [{"role": "system", "content": "You are verbose."}, {"role": "user", "content": "hi"}]
+    edited = [*first, {"role": "assistant", "content": "An answer never given."}]
+    edited.append({"role": "user", "content": "and?"})
     with OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0) as client:
-        for system in ("You are terse.", "You are verbose."):
-            client.chat.completions.create(
-                model="tiny",
-                messages=[{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
-                max_tokens=4,
-            )
+        for messages in (first, other, edited):
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
     chat(proxy.new_session(run["id"]))
 
     shown = proxy.session(session["session_id"])
-    assert [turn["extends_previous"] for turn in shown["turns"]] == [False, False]
-    assert [turn["row_index"] for turn in shown["turns"]] == [0, 1]
-    assert shown["breaks"] == 1
+    assert [turn["extends_previous"] for turn in shown["turns"]] == [False, False, False]
+    assert [turn["row_index"] for turn in shown["turns"]] == [0, 1, 2]
+    assert [turn["conversation"] for turn in shown["turns"]] == [0, 1, 0]
+    assert (shown["conversations"], shown["breaks"]) == (2, 1)
     totals = proxy.run(run["id"])["totals"]
-    assert totals["turns"] == 3 and totals["breaks"] == 1
+    assert totals["turns"] == 4 and totals["breaks"] == 1
+    assert (totals["rows"], totals["conversations"]) == (4, 3)
 
 
 def test_patch_merges_into_the_config(proxy):

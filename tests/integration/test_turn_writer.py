@@ -58,6 +58,7 @@ def record(index: int, prompt_tokens: int = 40, text: str = "") -> TurnRecord:
         turn_index=index,
         row_index=index // 2,
         extends_previous=index % 2 == 1,
+        conversation=index // 3,
         prompt_ids=list(range(prompt_tokens)),
         completion_ids=[7, 8, 9, 2],
         logprobs=[-0.25, -1.5, -0.125, -3.0],
@@ -71,6 +72,7 @@ def record(index: int, prompt_tokens: int = 40, text: str = "") -> TurnRecord:
         resubmits=index % 3,
         new_row=index % 2 == 0,
         is_break=index == 4,
+        new_conversation=index == 0,
     )
 
 

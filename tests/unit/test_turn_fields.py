@@ -12,7 +12,11 @@ from server.store.tables import Turn
 from server.store.turns import TurnFields, TurnRecord
 
 DERIVED = {"id", "prompt_tokens", "completion_tokens", "created_at"}  # the store's own
-COUNTED = {"new_row", "is_break"}  # they bump the session's counters; no column of their own
+COUNTED = {
+    "new_row",
+    "is_break",
+    "new_conversation",
+}  # they bump the session's counters; no column of their own
 
 
 def names(cls: type) -> list[str]:
@@ -30,6 +34,7 @@ def record() -> TurnRecord:
         turn_index=1,
         row_index=0,
         extends_previous=True,
+        conversation=1,
         messages=[{"role": "user", "content": "hi"}],
         tools=None,
         response={"role": "assistant", "content": "ok"},
