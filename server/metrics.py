@@ -155,6 +155,13 @@ class Metrics:
             ["surface"],
             registry=self.registry,
         )
+        self.hosted_tools_omitted = Counter(
+            "proxrl_hosted_tools_omitted",
+            "Hosted tools (web_search, tool_search, ...) left out of Responses prompts by the "
+            "run's hosted_tools policy, by tool type.",
+            ["type"],
+            registry=self.registry,
+        )
         self.state = StateCollector()
         self.registry.register(self.state)
 

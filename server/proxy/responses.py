@@ -8,6 +8,11 @@ conversation from the chain of turns (each one's input items then its output ite
 first) before the request's own items; rendered with the chat template, that prompt extends
 the previous turn token for token, so the chain is one training row.
 
+Hosted tools (``web_search``, ``tool_search``, ...: OpenAI runs them, the engine cannot) follow
+the run's ``hosted_tools``: ``omit`` leaves them out of the prompt, counts them
+(``proxrl_hosted_tools_omitted``) and records their types on the turn
+(``sampling.omitted_tools``); ``refuse`` answers 400 naming the first.
+
 A response created with ``store: false``, or deleted, is not retrievable or chainable (404); its
 turn stays in the store for training. Sampling, recording and streaming are ``answer``'s; what
 the answer and its events look like is ``responses_render``'s.
@@ -20,7 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from server.context import ServerContext
-from server.errors import InvalidRequest, ResponseNotFound
+from server.errors import InvalidRequest, ResponseNotFound, RunNotFound
 from server.proxy import prompts
 from server.proxy.plan import Plan, check_model, new_plan, run_temperature, sampling_request
 from server.proxy.responses_schema import ResponseRequest, to_messages
@@ -30,12 +35,33 @@ from server.store.tables import Turn
 from server.text.tokenization import TemplateError
 
 MAX_CHAIN = 10_000  # responses one previous_response_id chain may reach back through
+# Hosted tool types counted by name (proxrl_hosted_tools_omitted); any other type is "other",
+# so a client cannot grow the metric's label set.
+HOSTED_TYPES = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "web_search_preview_2025_03_11",
+        "web_search_2025_08_26",
+        "tool_search",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "computer_use_preview",
+        "computer",
+        "local_shell",
+        "shell",
+        "apply_patch",
+        "mcp",
+    }
+)
 
 
 async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseRequest) -> Plan:
     default_temperature = await run_temperature(ctx, state)
     await check_model(ctx, state, body.model)
     body.refuse_unsupported()
+    omitted = await _hosted_tools(ctx, state, body)
     items = body.items()
     history = await _chain(ctx, state, body.previous_response_id)
     messages = to_messages([*history, *items])
@@ -59,11 +85,37 @@ async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseR
         model=body.model,
         messages=items,
         tools=tools,
-        tool_names={t["function"]["name"] for t in tools} if parse_tools and tools else None,
+        tool_names=body.tool_names() if parse_tools else None,
     )
     response_id = f"resp_{uuid.uuid4().hex}"  # OpenAI's form of id
     log = replace(plan.log, request_id=response_id)
+    if omitted:
+        log = replace(log, sampling={**log.sampling, "omitted_tools": omitted})
     return replace(plan, request_id=response_id, completion_ids=[response_id], log=log)
+
+
+async def _hosted_tools(
+    ctx: ServerContext, state: SessionState, body: ResponseRequest
+) -> list[str]:
+    """Apply the run's ``hosted_tools`` policy: refuse the request, or the types of the hosted
+    tools left out of the prompt (counted)."""
+    hosted = body.hosted_tools()
+    if not hosted:
+        return []
+    config = await ctx.run_configs.get(state.run_id)
+    if config is None:  # the run of a live session is never deleted
+        raise RunNotFound(state.run_id)
+    if config.hosted_tools == "refuse":
+        param, kind = hosted[0]
+        raise InvalidRequest(
+            f"Tools of type {kind!r} are hosted tools, which proxrl's engine cannot run, and "
+            "this run refuses them (hosted_tools: refuse); leave them out, or set the run's "
+            "hosted_tools to omit.",
+            param=param,
+        )
+    for _, kind in hosted:
+        ctx.metrics.hosted_tools_omitted.labels(kind if kind in HOSTED_TYPES else "other").inc()
+    return [kind for _, kind in hosted]
 
 
 async def _chain(

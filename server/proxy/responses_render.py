@@ -3,12 +3,14 @@
 Output items are a ``reasoning`` item (a reasoning model's ``<think>`` block, as one
 ``reasoning_text`` part), a ``message`` (its text as one ``output_text`` part) and one
 ``function_call`` item per tool call the model made (``<tool_call>`` blocks that parse;
-malformed ones stay text).
+malformed ones stay text), a ``custom_tool_call`` with the raw ``input`` for a call to a custom
+tool (``responses_schema``), either with its ``namespace`` where the tool was in one.
 Streamed, the events follow OpenAI's sequence: ``response.created``, ``response.in_progress``,
 then per item ``response.output_item.added``, (for reasoning) ``response.reasoning_text.delta``...
 ``.done``, (for a message) ``response.content_part.added``,
 ``response.output_text.delta``... ``response.output_text.done``, ``response.content_part.done``,
-(for a call) ``response.function_call_arguments.delta`` / ``.done``, then
+(for a call) ``response.function_call_arguments.delta`` / ``.done`` (a custom tool's:
+``response.custom_tool_call_input.delta`` / ``.done``), then
 ``response.output_item.done``; last ``response.completed`` (``response.incomplete`` when the
 output token budget ran out) with the whole Response. Every event has its ``sequence_number``.
 The streamed items are what the Response holds and what the turn records: a call keeps the id
@@ -36,7 +38,9 @@ from server.proxy.tool_calls import (
     ParsedOutput,
     ReasoningDelta,
     StreamEvent,
+    ToolCall,
     ToolCallDelta,
+    free_form_input,
     parse_tool_calls,
 )
 
@@ -67,15 +71,36 @@ def _reasoning(text: str = "", status: str = "in_progress", id: str | None = Non
     }
 
 
-def _call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
-    return {
-        "id": _id("fc"),
-        "type": "function_call",
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-        "status": "completed",
-    }
+def _call(call: ToolCall, kinds: dict[str, tuple[str, str | None]]) -> dict[str, Any]:
+    """The output item of a call: a ``function_call``, or a ``custom_tool_call`` with its raw
+    ``input``; with the tool's ``namespace`` where it has one."""
+    kind, namespace = kinds.get(call.name, ("function", None))
+    head = {"call_id": call.id, "name": call.name}
+    if kind == "custom":
+        item = {
+            "id": _id("ctc"),
+            "type": "custom_tool_call",
+            **head,
+            "input": free_form_input(call),
+        }
+    else:
+        item = {
+            "id": _id("fc"),
+            "type": "function_call",
+            **head,
+            "arguments": call.arguments,
+            "status": "completed",
+        }
+    return item | ({"namespace": namespace} if namespace else {})
+
+
+CALL_ITEMS = ("function_call", "custom_tool_call")
+# What each kind of call's stream says between output_item.added and .done: its delta and done
+# events, and the field they carry.
+CALL_EVENTS = {
+    "function_call": ("function_call_arguments.delta", "function_call_arguments.done", "arguments"),
+    "custom_tool_call": ("custom_tool_call_input.delta", "custom_tool_call_input.done", "input"),
+}
 
 
 OPEN_ITEMS = {"message": _message, "reasoning": _reasoning}  # the items streamed as text
@@ -100,6 +125,7 @@ class ResponsesRenderer:
         self.open: int | None = None  # the text item (message, reasoning) being streamed into
         self.reasoning = reasoning_style(ctx.tokenizer)
         self.served_model = ctx.model_name
+        self.tool_kinds = body.tool_kinds()
         self.final: dict[str, Any] = {}
         # Numbered first, though sent once the first tokens came (and were given their events).
         head = self.head("in_progress", [], None)
@@ -145,12 +171,12 @@ class ResponsesRenderer:
         names = self.plan.tool_names
         parsed = parse_tool_calls(text, names) if names is not None else ParsedOutput(text, [])
         output = self._output(reasoning, parsed)
-        calls = any(item["type"] == "function_call" for item in output)
+        calls = any(item["type"] in CALL_ITEMS for item in output)
         finish = outputs.finish_reason(completion, calls)
         length = completion.finish_reason.get("type") == "length"
         status = "incomplete" if length else "completed"  # calls or not
         for item in output:
-            if item["type"] != "function_call":
+            if item["type"] in OPEN_ITEMS:
                 item["status"] = status
         prompt = len(self.plan.prompt.ids)
         usage = {
@@ -180,8 +206,9 @@ class ResponsesRenderer:
             output[self.open] = _message(self.texts[self.open] + rest, "completed", item["id"])
         elif rest or (not parsed.tool_calls and "message" not in kinds):
             output.append(_message(rest, "completed"))
-        for call in parsed.tool_calls[kinds.count("function_call") :]:
-            output.append(_call(call.id, call.name, call.arguments))
+        streamed = sum(kind in CALL_ITEMS for kind in kinds)
+        for call in parsed.tool_calls[streamed:]:
+            output.append(_call(call, self.tool_kinds))
         return output
 
     def response(self, served: list[Served], usage: dict) -> dict:
@@ -200,8 +227,7 @@ class ResponsesRenderer:
         events: list[dict] = []
         for delta in deltas:
             if isinstance(delta, ToolCallDelta):
-                call = delta.call
-                events += self._whole(_call(call.id, call.name, call.arguments))
+                events += self._whole(_call(delta.call, self.tool_kinds))
             else:
                 kind = "reasoning" if isinstance(delta, ReasoningDelta) else "message"
                 events += self._text(kind, delta.text)
@@ -268,12 +294,15 @@ class ResponsesRenderer:
         index = len(self.items)
         self.items.append(item)
         at = {"item_id": item["id"], "output_index": index}
-        added = {**item, "arguments": "", "status": "in_progress"}
+        delta, done, field = CALL_EVENTS[item["type"]]
+        added = {**item, field: ""}
+        if "status" in item:
+            added["status"] = "in_progress"
         return [
             *events,
             self.event("output_item.added", output_index=index, item=added),
-            self.event("function_call_arguments.delta", delta=item["arguments"], **at),
-            self.event("function_call_arguments.done", arguments=item["arguments"], **at),
+            self.event(delta, delta=item[field], **at),
+            self.event(done, **{field: item[field]}, **at),
             self.event("output_item.done", output_index=index, item=item),
         ]
 

@@ -2,12 +2,22 @@
 items as the chat template's messages.
 
 ``input`` is a string (one user message) or a list of items: messages (``input_text`` /
-``output_text`` / ``refusal`` parts, or a string), ``function_call`` and ``function_call_output``
-items, and ``reasoning`` items sent back by the client. Anything that would change what is
-sampled in a way training cannot account for (forced tool calls, structured output, top_p < 1)
-or that proxrl cannot honour (images, files, hosted tools, stored prompts, conversations,
-background mode) is refused with a 400 that names it. Fields that do not touch sampling
-(``include``, ``truncation``, ``user``, ``reasoning``'s effort, ...) are accepted and ignored.
+``output_text`` / ``refusal`` parts, or a string), ``function_call`` / ``custom_tool_call``
+items and their ``..._output`` items, and ``reasoning`` items sent back by the client.
+Anything that would change what is sampled in a way training cannot account for (forced tool
+calls, structured output, top_p < 1) or that proxrl cannot honour (images, files, stored
+prompts, conversations, background mode) is refused with a 400 that names it. Fields that do
+not touch sampling (``include``, ``truncation``, ``user``, ``reasoning``'s effort,
+``prompt_cache_key``, ...) are accepted and ignored.
+
+Tools: ``function`` tools; ``custom`` tools (free-form input), offered to the chat template as a
+function with one string argument ``input`` whose description carries the tool's grammar, so
+the model calls one as ``{"name": ..., "arguments": {"input": "<raw text>"}}`` and the
+tool-call parser reads it back (``tool_calls.ToolNames``); ``namespace`` tools, flattened into
+the function and custom tools they hold (names must stay unique). Every other type is a tool
+OpenAI runs on its side (``web_search``, ``tool_search``, ``file_search``, ...): the engine
+cannot run it, and the run's ``hosted_tools`` policy leaves it out of the prompt or refuses
+the request (``hosted_tools``).
 """
 
 from __future__ import annotations
@@ -18,10 +28,12 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from server.errors import InvalidRequest
 from server.proxy.schemas import MAX_ITEMS, Label, ModelName, Text, TokenLimit
+from server.proxy.tool_calls import FREE_FORM_ARGUMENT, ToolNames, free_form_arguments
 
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 MetadataKey = Annotated[str, StringConstraints(max_length=64)]
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+MODEL_TOOLS = ("function", "custom")  # tools the model calls itself; "namespace" groups them
 
 
 class _Lenient(BaseModel):
@@ -66,16 +78,52 @@ class Item(_Lenient):
     call_id: Label | None = None
     name: Label | None = None
     arguments: Text | None = None
+    input: Text | None = None  # a custom_tool_call's raw text
+    namespace: Label | None = None
     output: Text | Parts | None = None
     summary: Parts | None = None
 
 
 class FunctionTool(_Lenient):
+    """A tool of any type: ``function``, ``custom`` (``format``: its grammar), ``namespace``
+    (``tools``: the tools it groups) or a hosted one (its own fields, kept as sent)."""
+
     type: Label
     name: Label | None = None
     description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    format: dict[str, Any] | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_ITEMS)] | None = None
+
+    def template_tool(self) -> dict[str, Any]:
+        """A function or custom tool in the chat template's (Chat Completions') form."""
+        if self.type == "function":
+            function = self.model_dump(
+                include={"name", "description", "parameters"}, exclude_none=True
+            )
+            return {"type": "function", "function": function}
+        argument = {"type": "string", "description": _free_form_description(self.format)}
+        parameters = {
+            "type": "object",
+            "properties": {FREE_FORM_ARGUMENT: argument},
+            "required": [FREE_FORM_ARGUMENT],
+            "additionalProperties": False,
+        }
+        function = {
+            "name": self.name,
+            "description": self.description or "",
+            "parameters": parameters,
+        }
+        return {"type": "function", "function": function}
+
+
+def _free_form_description(form: dict[str, Any] | None) -> str:
+    """What a custom tool's ``input`` argument says of its text: free-form, or its grammar."""
+    if not form or form.get("type", "text") == "text":
+        return "The raw text of the call (free-form)."
+    syntax, definition = form.get("syntax", "lark"), form.get("definition", "")
+    return f"The raw text of the call, following this {syntax} grammar:\n{definition}"
 
 
 class ResponseRequest(_Lenient):
@@ -137,15 +185,51 @@ class ResponseRequest(_Lenient):
         for param, refused, why in refusals:
             if refused:
                 raise InvalidRequest(f"{why}.", param=param)
+        self._model_tools()  # names checked
+
+    def hosted_tools(self) -> list[tuple[str, str]]:
+        """The tools OpenAI would run on its side (every type but function, custom and
+        namespace), as (param, type): proxrl's engine cannot run them."""
+        return [
+            (f"tools.{index}.type", tool.type)
+            for index, tool in enumerate(self.tools or [])
+            if tool.type not in (*MODEL_TOOLS, "namespace")
+        ]
+
+    def _model_tools(self) -> list[tuple[str | None, FunctionTool]]:
+        """The function and custom tools, namespaces' flattened, each with its namespace;
+        refused (400) when one has no name, a namespace holds another kind of tool, or two
+        share a name (the model calls a tool by its name alone)."""
+        tools: list[tuple[str | None, FunctionTool]] = []
+        seen: set[str] = set()
         for index, tool in enumerate(self.tools or []):
-            if tool.type != "function":
-                raise InvalidRequest(
-                    f"Tools of type {tool.type!r} are not supported: proxrl serves function "
-                    "tools only.",
-                    param=f"tools.{index}.type",
-                )
-            if not tool.name:
-                raise InvalidRequest("A function tool needs a name.", f"tools.{index}.name")
+            where = f"tools.{index}"
+            if tool.type == "namespace":
+                if not tool.name:
+                    raise InvalidRequest("A namespace tool needs a name.", f"{where}.name")
+                inner = [(f"{where}.tools.{i}", t) for i, t in enumerate(tool.tools or [])]
+                namespace: str | None = tool.name
+            else:
+                inner, namespace = [(where, tool)], None
+            for place, member in inner:
+                if member.type not in MODEL_TOOLS:
+                    if namespace is None:
+                        continue  # hosted
+                    raise InvalidRequest(
+                        f"A namespace holds function and custom tools, not {member.type!r}.",
+                        f"{place}.type",
+                    )
+                if not member.name:
+                    raise InvalidRequest(f"A {member.type} tool needs a name.", f"{place}.name")
+                if member.name in seen:
+                    raise InvalidRequest(
+                        f"Two tools are named {member.name!r}: the model calls a tool by its "
+                        "name, so names must be unique (namespaces included).",
+                        f"{place}.name",
+                    )
+                seen.add(member.name)
+                tools.append((namespace, member))
+        return tools
 
     def _structured(self) -> bool:
         form = (self.text or {}).get("format")
@@ -158,18 +242,21 @@ class ResponseRequest(_Lenient):
         return [item.model_dump(exclude_none=True) for item in self.input]
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        """The function tools in the chat template's (Chat Completions') form."""
-        if not self.tools:
-            return None
-        return [
-            {
-                "type": "function",
-                "function": tool.model_dump(
-                    include={"name", "description", "parameters"}, exclude_none=True
-                ),
-            }
-            for tool in self.tools
-        ]
+        """The function and custom tools in the chat template's (Chat Completions') form;
+        hosted tools left out. None when there are none."""
+        tools = [tool.template_tool() for _, tool in self._model_tools()]
+        return tools or None
+
+    def tool_names(self) -> ToolNames:
+        """The names the model may call, the custom tools' free-form."""
+        tools = [tool for _, tool in self._model_tools()]
+        custom = [tool.name for tool in tools if tool.type == "custom" and tool.name]
+        return ToolNames((tool.name for tool in tools if tool.name), free_form=custom)
+
+    def tool_kinds(self) -> dict[str, tuple[str, str | None]]:
+        """Each callable tool's type (function or custom) and namespace, by name: what an
+        output item of a call to it looks like."""
+        return {t.name: (t.type, ns) for ns, t in self._model_tools() if t.name}
 
 
 def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -185,11 +272,11 @@ def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = item.type
         if kind == "message":
             messages.append(_message(item, where, reasoning))
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             _add_call(messages, item, where, reasoning)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             if item.call_id is None:
-                raise InvalidRequest("A function_call_output needs call_id.", f"{where}.call_id")
+                raise InvalidRequest(f"A {kind} needs call_id.", f"{where}.call_id")
             output = _text(item.output, f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         elif kind == "reasoning":
@@ -199,7 +286,7 @@ def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             raise InvalidRequest(
                 f"Input items of type {kind!r} are not supported: send messages, function_call, "
-                "function_call_output and reasoning items.",
+                "custom_tool_call, their outputs, and reasoning items.",
                 param=f"{where}.type",
             )
     return messages
@@ -217,12 +304,20 @@ def _message(item: Item, where: str, reasoning: list[str]) -> dict[str, Any]:
 
 
 def _add_call(messages: list[dict[str, Any]], item: Item, where: str, reasoning: list[str]) -> None:
-    if item.call_id is None or item.name is None or item.arguments is None:
-        raise InvalidRequest("A function_call item needs call_id, name and arguments.", param=where)
+    """A call joins the assistant message before it; a custom tool's raw text is rendered as
+    the one argument the model passes it (``FunctionTool.template_tool``)."""
+    custom = item.type == "custom_tool_call"
+    if custom:
+        arguments = None if item.input is None else free_form_arguments(item.input)
+    else:
+        arguments = item.arguments
+    if item.call_id is None or item.name is None or arguments is None:
+        needs = "input" if custom else "arguments"
+        raise InvalidRequest(f"A {item.type} item needs call_id, name and {needs}.", param=where)
     call = {
         "id": item.call_id,
         "type": "function",
-        "function": {"name": item.name, "arguments": item.arguments},
+        "function": {"name": item.name, "arguments": arguments},
     }
     last = messages[-1] if messages else None
     if last is None or last["role"] != "assistant":

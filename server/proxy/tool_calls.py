@@ -15,6 +15,9 @@ The rules:
   and, when ``tool_names`` is given, the name is one of them. NaN and Infinity are refused
   (an OpenAI client cannot read them). A call's ``arguments`` is the object re-dumped with
   ``ensure_ascii=False``.
+- A free-form tool (``ToolNames.free_form``: the Responses API's ``custom`` tools) is called
+  with exactly one argument, ``"input"``, a string: its raw text (``free_form_input``). A call
+  to one with any other arguments is not a call.
 - Anything else stays in the content verbatim, markup included: a block that is not a call, a
   block never closed (the model ran out of tokens), a stray ``</tool_call>``.
 - Content is the text outside call blocks, joined as is, with leading and trailing whitespace
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,12 +53,26 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "ToolCallStream",
+    "ToolNames",
+    "free_form_arguments",
+    "free_form_input",
     "new_call_id",
     "parse_tool_calls",
 ]
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
+FREE_FORM_ARGUMENT = "input"  # a free-form tool's one argument: its raw text
+
+
+class ToolNames(set[str]):
+    """The names of the tools offered, where some are free-form (``free_form``): those take
+    raw text, which the model passes as the one string argument ``"input"``. A plain set of
+    names is a ``ToolNames`` with none free-form."""
+
+    def __init__(self, names: Iterable[str] = (), free_form: Iterable[str] = ()) -> None:
+        super().__init__(names)
+        self.free_form = frozenset(free_form)
 
 
 @dataclass(frozen=True)
@@ -126,7 +144,29 @@ def _call_from_body(body: str, tool_names: set[str] | None) -> ToolCall | None:
         return None
     if tool_names is not None and name not in tool_names:
         return None
+    free_form = isinstance(tool_names, ToolNames) and name in tool_names.free_form
+    if free_form and not _is_free_form(arguments):
+        return None
     return ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _is_free_form(arguments: dict[str, Any]) -> bool:
+    return list(arguments) == [FREE_FORM_ARGUMENT] and isinstance(
+        arguments[FREE_FORM_ARGUMENT], str
+    )
+
+
+def free_form_arguments(text: str) -> str:
+    """The ``arguments`` of a call to a free-form tool with raw text ``text``: what the
+    model writes, and what a call sent back in a conversation renders as."""
+    return json.dumps({FREE_FORM_ARGUMENT: text}, ensure_ascii=False)
+
+
+def free_form_input(call: ToolCall) -> str:
+    """The raw text of a call to a free-form tool (a call this module parsed)."""
+    text = json.loads(call.arguments)[FREE_FORM_ARGUMENT]
+    assert isinstance(text, str)
+    return text
 
 
 def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> ParsedOutput:

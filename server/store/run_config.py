@@ -131,6 +131,13 @@ class RunConfig(BaseModel):
         description="How long a trainer's claim holds before its sessions return to the pool "
         "(its owner may still renew or confirm them until another claim takes them).",
     )
+    hosted_tools: Literal["omit", "refuse"] = Field(
+        "omit",
+        description="What a Responses request's hosted tools (web_search, tool_search, "
+        "file_search, ...: tools OpenAI runs, which the engine cannot) get: omit leaves them "
+        "out of the prompt, counts them (proxrl_hosted_tools_omitted) and records them on the "
+        "turn (sampling.omitted_tools); refuse answers 400 naming the tool.",
+    )
 
     def admission_limit(self) -> int | None:
         """Places the run's training sessions may hold: (max_staleness + 1) * batch_size

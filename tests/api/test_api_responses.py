@@ -221,7 +221,7 @@ def test_store_false_and_deleted_responses_are_not_retrievable_but_stay_for_trai
         ),
         ({"input": [{"type": "function_call", "name": "f"}]}, "input.0"),
         ({"input": [{"type": "function_call_output", "output": "4"}]}, "input.0.call_id"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"input": "x", "tools": [{"type": "custom"}]}, "tools.0.name"),
         ({"input": "x", "tools": [{"type": "function"}]}, "tools.0.name"),
         ({"input": "x", "tool_choice": "required"}, "tool_choice"),
         ({"input": "x", "top_p": 0.5}, "top_p"),
