@@ -79,6 +79,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
         await ctx.metrics.state.refresh()
         return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.head("/", include_in_schema=False)  # the GET's answer, without its body
+    @app.get("/", tags=["health"], summary="200: the server answers (agents' probe, HEAD too)")
+    async def root() -> dict[str, str]:
+        """Claude Code probes its base URL with ``HEAD /`` before it starts; any client may.
+        No key needed, nothing about the server disclosed; ``/health`` says whether an engine
+        serves."""
+        return {"service": "proxrl", "status": "ok"}
+
     @app.get(
         "/health",
         tags=["health"],

@@ -6,7 +6,18 @@ The request's ``system``, messages and content blocks become the chat template's
 ``tool_result`` blocks ``tool`` messages (rendered the way the model was trained to read tool
 results), ``thinking`` blocks sent back the assistant's reasoning. A final assistant message is
 a prefill: the answer continues its text. Other blocks (images, documents, ...) are refused by
-name. Sampling, recording and streaming are ``answer``'s; this module says what an Anthropic
+name.
+
+A message of role ``system`` among the messages (Claude Code sends its environment so, after
+the first user message) is a system turn where it stands, when the model's chat template
+renders a system message there; otherwise (a template that refuses it, or keeps only a leading
+system message) its text joins the leading system text (``system``), after it, in order
+(``system_in_place``). Tools sent with ``defer_loading`` (Claude Code's tool search) are not in
+the prompt's tools: a ``tool_reference`` block in a tool result that names one renders as the
+tool's definition there, where the model learns of it, as Anthropic's API expands it; the
+prompt's beginning stays the same when a tool is found, so the row goes on.
+
+Sampling, recording and streaming are ``answer``'s; this module says what an Anthropic
 message and its events look like: text blocks, ``tool_use`` blocks for the model's
 ``<tool_call>`` output (malformed tool-call text stays text), stop reasons and usage in
 Anthropic's words. A turn records the request's messages as received (``system`` first, as a
@@ -16,6 +27,7 @@ message of role ``system``), its tools as received, and the message the client g
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from typing import Any, Literal
 
 from server.context import ServerContext
@@ -30,6 +42,8 @@ from server.proxy.anthropic_schemas import (
     OtherBlock,
     TextBlock,
     ThinkingBlock,
+    Tool,
+    ToolReferenceBlock,
     ToolResultBlock,
     ToolUseBlock,
     anthropic_body,
@@ -107,7 +121,7 @@ async def count_tokens(ctx: ServerContext, state: SessionState, body: CountToken
 def prompt_text(ctx: ServerContext, body: Conversation) -> str:
     """The prompt: the conversation rendered, then a final assistant message's text or the
     start of a forced tool call."""
-    messages, tools, prefill = conversation(body)
+    messages, tools, prefill = conversation(body, system_in_place(ctx.tokenizer))
     forced = forced_call(ctx.tokenizer, body)
     if forced and prefill:
         raise InvalidRequest(
@@ -136,15 +150,42 @@ def _as_received(body: MessagesRequest) -> list[dict]:
 # ----- the conversation, for the chat template -------------------------------------------------
 
 
-def conversation(body: Conversation) -> tuple[list[dict], list[dict] | None, str]:
+_PROBE_USER, _PROBE_SYSTEM = "proxrl-probe-user", "proxrl-probe-system"
+
+
+@lru_cache(maxsize=64)
+def system_in_place(tokenizer: Tokenizer) -> bool:
+    """Whether the chat template renders a system message that follows a user message, where
+    it stands (Hermes/Qwen and Llama 3 templates do; Mistral's and Gemma's refuse it, others
+    keep only a leading system message)."""
+    probe = [
+        {"role": "user", "content": _PROBE_USER},
+        {"role": "system", "content": _PROBE_SYSTEM},
+        {"role": "user", "content": "?"},
+    ]
+    try:
+        rendered = tokenizer.render(probe, add_generation_prompt=True)
+    except TemplateError:
+        return False
+    return rendered.find(_PROBE_SYSTEM) > rendered.find(_PROBE_USER) >= 0
+
+
+def conversation(
+    body: Conversation, system_in_place: bool = True
+) -> tuple[list[dict], list[dict] | None, str]:
     """The chat template's messages and tools, and the prefill: the text of a final assistant
-    message, which the answer continues."""
+    message, which the answer continues. System messages among the messages stay where they
+    are, or with ``system_in_place`` false join the leading system text (module docstring)."""
+    tools_by_name = {tool.name: tool for tool in body.tools or []}
     out: list[dict] = []
-    if body.system:
-        system = body.system if isinstance(body.system, str) else _joined(body.system)
-        out.append({"role": "system", "content": system})
     for index, message in enumerate(body.messages):
-        out += _for_template(message, f"messages.{index}")
+        out += _for_template(message, f"messages.{index}", tools_by_name)
+    leading = [] if body.system is None else [_joined(body.system)]
+    if not system_in_place:
+        leading += [m["content"] for m in out if m["role"] == "system"]
+        out = [m for m in out if m["role"] != "system"]
+    if any(leading):
+        out.insert(0, {"role": "system", "content": "\n\n".join(t for t in leading if t)})
     prefill = ""
     if body.messages[-1].role == "assistant":
         final = out.pop()
@@ -155,8 +196,8 @@ def conversation(body: Conversation) -> tuple[list[dict], list[dict] | None, str
                 param="messages",
             )
         prefill = final.get("content") or ""
-    tools = [_tool(tool) for tool in body.tools] if body.tools else None
-    return out, tools, prefill
+    listed = [_tool(tool) for tool in body.tools or [] if not tool.defer_loading]
+    return out, listed or None, prefill
 
 
 def _tool(tool: Any) -> dict:
@@ -164,7 +205,7 @@ def _tool(tool: Any) -> dict:
     return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
 
 
-def _for_template(message: Message, where: str) -> list[dict]:
+def _for_template(message: Message, where: str, tools: dict[str, Tool]) -> list[dict]:
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     blocks = message.content
@@ -175,13 +216,12 @@ def _for_template(message: Message, where: str) -> list[dict]:
     out: list[dict] = []
     for block in blocks:
         if isinstance(block, ToolResultBlock):
-            out.append(
-                {"role": "tool", "tool_call_id": block.tool_use_id, "content": _result(block)}
-            )
-        elif out and out[-1]["role"] == "user":
+            content = _result(block, tools)
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+        elif out and out[-1]["role"] == message.role:
             out[-1]["content"] += block.text  # type: ignore[union-attr]
         else:
-            out.append({"role": "user", "content": block.text})  # type: ignore[union-attr]
+            out.append({"role": message.role, "content": block.text})  # type: ignore[union-attr]
     return out
 
 
@@ -190,6 +230,7 @@ def _check_block(role: str, block: Any, where: str) -> None:
     allowed: dict[str, tuple[type, ...]] = {
         "user": (TextBlock, ToolResultBlock),
         "assistant": (TextBlock, ToolUseBlock),
+        "system": (TextBlock,),
     }
     if isinstance(block, OtherBlock):
         raise InvalidRequest(
@@ -225,20 +266,31 @@ def _assistant(blocks: list) -> dict:
     return message
 
 
-def _result(block: ToolResultBlock) -> str:
+def _result(block: ToolResultBlock, tools: dict[str, Tool]) -> str:
+    """A tool result's text: its text blocks joined, a ``tool_reference`` block as the named
+    tool's definition (as the template lists tools; the bare name when it is not among the
+    tools), each on a line of its own."""
     if isinstance(block.content, str):
         return block.content
+    parts = []
     for part in block.content:
         if isinstance(part, OtherBlock):
             raise InvalidRequest(
-                f"tool_result content of type {part.type!r} is not supported; give text.",
+                f"tool_result content of type {part.type!r} is not supported; give text or "
+                "tool_reference blocks.",
                 param="messages",
             )
-    return _joined(block.content)  # type: ignore[arg-type]
+        if isinstance(part, ToolReferenceBlock):
+            tool = tools.get(part.tool_name)
+            parts.append(json.dumps(_tool(tool), ensure_ascii=False) if tool else part.tool_name)
+        else:
+            parts.append(part.text)
+    referenced = any(isinstance(part, ToolReferenceBlock) for part in block.content)
+    return ("\n" if referenced else "").join(parts)
 
 
-def _joined(blocks: list[TextBlock]) -> str:
-    return "".join(block.text for block in blocks)
+def _joined(system: str | list[TextBlock]) -> str:
+    return system if isinstance(system, str) else "".join(block.text for block in system)
 
 
 # ----- the answer --------------------------------------------------------------------------------

@@ -2,11 +2,13 @@
 validated; answers are built as plain dicts by ``server.proxy.anthropic``.
 
 Content blocks proxrl can put in a text model's prompt are ``text``, ``tool_use``,
-``tool_result`` and (sent back by the client) ``thinking``; any other block (``image``,
-``document``, ``search_result``, server tools' blocks...) validates as an ``OtherBlock`` so that
-the refusal can name it. Sampling fields that would change what is sampled in a way the trainer
-cannot account for (``top_p`` < 1, ``top_k``) are refused; ``metadata``, ``thinking``,
-``service_tier`` and unknown fields are accepted and ignored.
+``tool_result`` (its content: ``text`` and ``tool_reference`` blocks) and (sent back by the
+client) ``thinking``; any other block (``image``, ``document``, ``search_result``, server tools'
+blocks...) validates as an ``OtherBlock`` so that the refusal can name it. Messages have the
+roles ``user``, ``assistant`` and ``system`` (a system message among the messages, as Claude
+Code sends its environment: text only). Sampling fields that would change what is sampled in
+a way the trainer cannot account for (``top_p`` < 1, ``top_k``) are refused; ``metadata``,
+``thinking``, ``service_tier`` and unknown fields are accepted and ignored.
 
 Errors on these routes have Anthropic's shape (``ERROR_SHAPE``, which ``server.main`` gives
 ``server.errors.install``): the status of the error table, Anthropic's name for its type.
@@ -51,14 +53,24 @@ class OtherBlock(_Lenient):
     type: Label
 
 
-def _text_or_other(block: Any) -> str:
+class ToolReferenceBlock(_Lenient):
+    """A tool search's result (Claude Code's ``ToolSearch``): the named tool, sent with
+    ``defer_loading``, is loaded from here on."""
+
+    type: Literal["tool_reference"]
+    tool_name: Label
+
+
+def _result_kind(block: Any) -> str:
     kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
-    return "text" if kind == "text" else "other"
+    return kind if kind in ("text", "tool_reference") else "other"
 
 
 ResultBlock = Annotated[
-    Annotated[TextBlock, Tag("text")] | Annotated[OtherBlock, Tag("other")],
-    Discriminator(_text_or_other),
+    Annotated[TextBlock, Tag("text")]
+    | Annotated[ToolReferenceBlock, Tag("tool_reference")]
+    | Annotated[OtherBlock, Tag("other")],
+    Discriminator(_result_kind),
 ]
 
 
@@ -89,17 +101,19 @@ Blocks = Annotated[list[Block], Field(max_length=MAX_ITEMS)]
 
 
 class Message(_Lenient):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: Text | Blocks
 
 
 class Tool(_Lenient):
-    """A client tool (``type`` absent or ``custom``); Anthropic's server tools are refused."""
+    """A client tool (``type`` absent or ``custom``); Anthropic's server tools are refused.
+    ``defer_loading``: the tool is not in the prompt until a ``tool_reference`` names it."""
 
     name: Label
     description: Text | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
     type: Label | None = None
+    defer_loading: bool | None = None
 
 
 class ToolChoice(_Lenient):

@@ -262,7 +262,7 @@ BAD = {
     "no messages": ({"model": MODEL, "max_tokens": 8}, "messages"),
     "no model": ({"max_tokens": 8, "messages": [user("hi")]}, "model"),
     "empty messages": (ask(messages=[]), "messages"),
-    "a system role": (ask(messages=[{"role": "system", "content": "x"}]), "role"),
+    "a role of no message": (ask(messages=[{"role": "developer", "content": "x"}]), "role"),
     "content of a wrong type": (ask(messages=[{"role": "user", "content": 3}]), "content"),
     "a block whose type is not a string": (
         ask(messages=[{"role": "user", "content": [{"type": {}}]}]),
