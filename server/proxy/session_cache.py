@@ -157,6 +157,10 @@ class SessionRegistry:
         self._states.move_to_end(session_id)
         return state
 
+    def forget(self, session_id: str) -> None:
+        """Drop what is kept of the session: its next request reloads it from the store."""
+        self._states.pop(session_id, None)
+
     def set_status(self, session_id: str, status: str) -> None:
         state = self._states.get(session_id)
         if state is not None:
