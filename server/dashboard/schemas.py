@@ -51,7 +51,10 @@ class RunsPage(BaseModel):
 
 class RunDetail(RunSummary):
     config: dict[str, Any]
-    totals: dict[str, int] = Field(description="Turns, tokens and multi-turn breaks.")
+    totals: dict[str, int] = Field(
+        description="turns, prompt_tokens, completion_tokens, and of its sessions: rows, "
+        "conversations, breaks."
+    )
 
 
 class StepPoint(BaseModel):
@@ -75,7 +78,7 @@ class SessionPoint(BaseModel):
     created: int = Field(description="Sessions started in the bucket.")
     ended: int = Field(description="Sessions ended in the bucket.")
     turns: int = Field(description="Turns of the sessions started in the bucket.")
-    breaks: int = Field(description="Multi-turn prefix breaks of those sessions.")
+    breaks: int = Field(description="Breaks of those sessions (changed conversation histories).")
 
 
 class SwapPoint(BaseModel):

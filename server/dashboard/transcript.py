@@ -1,11 +1,13 @@
 """A session's turns as a chat transcript: each turn shows only what is new in its prompt.
 
 An agent resends its whole history with every call, so a turn whose messages begin with the
-previous turn's messages and reply shows just the messages after them; any other turn (the
-agent rewrote its history: a multi-turn break) shows all of its messages. Choices of one request
-(n > 1) share their prompt. Messages are shown in chat's form (role, text content, tool calls):
-a surface whose turns record another form converts them (``AS_SHOWN``, by the turn's surface).
-Pure: plain data in, plain data out.
+previous turn of its conversation's messages and reply shows just the messages after them; any
+other turn (the first of a conversation, or the agent rewrote its history: a break) shows all of
+its messages. Each turn says how it came (``kind``): it continues its row, starts a
+conversation, retries its conversation's previous request, breaks the conversation's history,
+or is another choice of the request above (n > 1), whose prompt it shares. Messages are shown
+in chat's form (role, text content, tool calls): a surface whose turns record another form
+converts them (``AS_SHOWN``, by the turn's surface). Pure: plain data in, plain data out.
 """
 
 from __future__ import annotations
@@ -24,23 +26,43 @@ class TranscriptTurn:
     hidden: int = 0  # earlier messages not repeated
     same_request: bool = False  # another choice of the request above
     reply: dict = field(default_factory=dict)  # the turn's response, as shown
+    kind: str = "continues"  # continues, conversation, retry, break, choice
+
+
+def _kind(turn: TurnOut, previous: TurnOut | None) -> str:
+    """How a request's first turn came, ``previous`` its conversation's previous request's."""
+    if previous is None:
+        return "conversation"
+    if turn.extends_previous:
+        return "continues"
+    asked_the_same = turn.prompt_ids == previous.prompt_ids or (
+        turn.surface == previous.surface == "chat"
+        and turn.messages is not None
+        and turn.messages == previous.messages
+        and turn.tools == previous.tools
+    )
+    return "retry" if asked_the_same else "break"
 
 
 def transcript(turns: list[TurnOut]) -> list[TranscriptTurn]:
     out: list[TranscriptTurn] = []
-    previous: TurnOut | None = None
+    previous: TurnOut | None = None  # the turn above
+    latest: dict[int, TurnOut] = {}  # conversation -> its previous request's first turn
     for turn in turns:
         reply = _reply(turn)
         if previous is not None and turn.request_id == previous.request_id:
-            out.append(TranscriptTurn(turn, same_request=True, reply=reply))
+            out.append(TranscriptTurn(turn, same_request=True, reply=reply, kind="choice"))
             continue
+        before = latest.get(turn.conversation)
+        kind = _kind(turn, before)
         messages = _shown(turn, turn.messages or [])
-        seen = _history(previous)
+        seen = _history(before)
         if seen and [_key(m) for m in messages[: len(seen)]] == [_key(m) for m in seen]:
-            out.append(TranscriptTurn(turn, messages[len(seen) :], len(seen), reply=reply))
+            shown = TranscriptTurn(turn, messages[len(seen) :], len(seen), reply=reply, kind=kind)
         else:
-            out.append(TranscriptTurn(turn, messages, reply=reply))
-        previous = turn
+            shown = TranscriptTurn(turn, messages, reply=reply, kind=kind)
+        out.append(shown)
+        previous = latest[turn.conversation] = turn
     return out
 
 

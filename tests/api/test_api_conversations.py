@@ -69,6 +69,17 @@ def test_chat_completions_a_title_request_is_a_conversation_and_an_edit_a_break(
     view = assert_shape(api, session, [0, 1, 0, 0], breaks=1)
     assert view["turns"][3]["row_index"] not in {t["row_index"] for t in view["turns"][:3]}
 
+    page = api.call("GET", f"/admin/sessions/{session['session_id']}").text  # the transcript
+    assert '<div class="value" id="conversations">2</div>' in page
+    assert '<div class="value" id="breaks">1</div>' in page
+    assert page.count("starts the conversation: a new row") == 2
+    assert page.count("(continues the row)") == 1
+    assert page.count("break: the conversation&#39;s history changed") == 1
+    run = api.call("GET", f"/admin/runs/{view['run_id']}").text
+    totals = api.ok("GET", f"/rl/runs/{view['run_id']}")["totals"]
+    assert f'<div class="value" id="rows">{totals["rows"]}</div>' in run
+    assert f"{totals['conversations']} conversations" in run
+
 
 def test_messages_a_sub_agent_is_a_conversation_of_its_own(api: Api):
     session = api.new_session(task_id="conversations-messages")
