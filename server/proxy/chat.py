@@ -2,8 +2,10 @@
 
 The prompt is rendered with the model's chat template and tokenized here (continuing the
 session's last turn token for token when the history matches); the engines only ever see token
-ids. A request without a temperature is sampled at its run's. Sampling, recording and streaming
-are ``answer``'s; this module says what a chat answer and its chunks look like.
+ids. A request without a temperature is sampled at its run's. ``tool_choice`` "required" or a
+named function ends the prompt with the start of a call (``forced_calls``); ``response_format``
+is served or refused by the run's policy (``plan.structured_output``). Sampling, recording and
+streaming are ``answer``'s; this module says what a chat answer and its chunks look like.
 """
 
 from __future__ import annotations
@@ -13,9 +15,16 @@ from typing import Any
 from server.context import ServerContext
 from server.engine_client.client import Piece
 from server.errors import InvalidRequest
-from server.proxy import outputs, prompts
+from server.proxy import forced_calls, outputs, prompts
 from server.proxy.generation import Completion
-from server.proxy.plan import Plan, check_model, new_plan, run_temperature, sampling_request
+from server.proxy.plan import (
+    Plan,
+    check_model,
+    new_plan,
+    run_temperature,
+    sampling_request,
+    structured_output,
+)
 from server.proxy.reasoning import reasoning_style, split_reasoning
 from server.proxy.recording import Served
 from server.proxy.schemas import ChatCompletionRequest
@@ -28,13 +37,16 @@ async def plan_chat(ctx: ServerContext, state: SessionState, body: ChatCompletio
     default_temperature = await run_temperature(ctx, state)
     await check_model(ctx, state, body.model)
     body.refuse_untrainable()
+    headers = await structured_output(ctx, state, body.format_type, "response_format")
+    forced = body.forced_tool()
     messages = [message.for_template() for message in body.messages]
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     try:
         text = ctx.tokenizer.render(messages, tools=tools, add_generation_prompt=True)
     except TemplateError as exc:
         raise InvalidRequest(f"The chat template refused the messages: {exc}", "messages") from exc
-    prompt = prompts.splice(ctx.tokenizer, text, state.last)
+    start = forced_calls.forced_start(ctx.tokenizer, *forced, "tool_choice") if forced else ""
+    prompt = prompts.splice(ctx.tokenizer, text + start, state.last)
     top = (body.top_logprobs or 0) if body.logprobs else 0
     sampling = sampling_request(ctx, prompt.ids, body.token_limit, body, top, default_temperature)
     parse_tools = tools is not None and body.tool_choice != "none"
@@ -49,6 +61,8 @@ async def plan_chat(ctx: ServerContext, state: SessionState, body: ChatCompletio
         tools=tools,
         logprobs=body.logprobs,
         tool_names={t["function"]["name"] for t in tools} if parse_tools and tools else None,
+        forced=start,
+        headers=headers,
     )
 
 
@@ -67,6 +81,7 @@ class ChatRenderer(outputs.OpenAIRenderer):
         reasoning model's reasoning as ``reasoning_content`` (the text then is the answer)."""
         full = outputs.final_text(self.tokenizer, completion)
         reasoning, text = split_reasoning(full, reasoning_style(self.tokenizer))
+        text = self.plan.forced + text  # a forced call's start (forced_calls)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if reasoning is not None:
             message["reasoning_content"] = reasoning

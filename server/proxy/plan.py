@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.context import ServerContext
-from server.errors import ContextLengthUnknown, ModelNotFound, PromptTooLong, RunNotFound
+from server.errors import (
+    ContextLengthUnknown,
+    InvalidRequest,
+    ModelNotFound,
+    PromptTooLong,
+    RunNotFound,
+)
 from server.proxy.generation import SamplingRequest
 from server.proxy.prompts import Prompt
 from server.proxy.recording import RequestLog
@@ -129,6 +135,34 @@ def sampling_request(
         seed=body.seed,
         top_logprobs=top_logprobs,
     )
+
+
+# The header of an answer to a request for structured output that was sampled unconstrained.
+RESPONSE_FORMAT_HEADER = "X-Proxrl-Response-Format"
+STRUCTURED = ("json_object", "json_schema")
+
+
+async def structured_output(
+    ctx: ServerContext, state: SessionState, kind: Any, param: str
+) -> dict[str, str]:
+    """The headers of an answer to a request for output of ``kind`` (``text``: none; Chat
+    Completions' ``response_format.type``, Responses' ``text.format.type``), by its run's
+    ``response_format`` policy: refused, or sampled unconstrained and said so. proxrl never
+    constrains decoding, so the logprobs it stores are always the policy's."""
+    if kind == "text":
+        return {}
+    if kind not in STRUCTURED:
+        raise InvalidRequest(
+            f"{param} type {kind!r} is not supported; use text, json_object or json_schema.", param
+        )
+    if (await _run_config(ctx, state)).response_format == "refuse":
+        raise InvalidRequest(
+            f"{param} {kind!r} (structured output) would need constrained decoding, which proxrl "
+            "does not do; this run refuses it. A run with response_format 'unconstrained' "
+            "serves it sampled as any answer (PATCH /rl/runs/{id} config).",
+            param=param,
+        )
+    return {RESPONSE_FORMAT_HEADER: "unconstrained"}
 
 
 async def run_temperature(ctx: ServerContext, state: SessionState) -> float:

@@ -26,8 +26,15 @@ from typing import Any
 
 from server.context import ServerContext
 from server.errors import InvalidRequest, ResponseNotFound, RunNotFound
-from server.proxy import prompts
-from server.proxy.plan import Plan, check_model, new_plan, run_temperature, sampling_request
+from server.proxy import forced_calls, prompts
+from server.proxy.plan import (
+    Plan,
+    check_model,
+    new_plan,
+    run_temperature,
+    sampling_request,
+    structured_output,
+)
 from server.proxy.responses_schema import ResponseRequest, to_messages
 from server.proxy.session_cache import SessionState
 from server.store import turns as store_turns
@@ -61,6 +68,8 @@ async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseR
     default_temperature = await run_temperature(ctx, state)
     await check_model(ctx, state, body.model)
     body.refuse_unsupported()
+    headers = await structured_output(ctx, state, body.format_type, "text.format")
+    forced = body.forced_tool()
     omitted = await _hosted_tools(ctx, state, body)
     items = body.items()
     history = await _chain(ctx, state, body.previous_response_id)
@@ -72,7 +81,8 @@ async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseR
         text = ctx.tokenizer.render(messages, tools=tools, add_generation_prompt=True)
     except TemplateError as exc:
         raise InvalidRequest(f"The chat template refused the input: {exc}", "input") from exc
-    prompt = prompts.splice(ctx.tokenizer, text, state.last)
+    start = forced_calls.forced_start(ctx.tokenizer, *forced, "tool_choice") if forced else ""
+    prompt = prompts.splice(ctx.tokenizer, text + start, state.last)
     limit = body.max_output_tokens
     sampling = sampling_request(ctx, prompt.ids, limit, body, 0, default_temperature)
     parse_tools = tools is not None and body.tool_choice != "none"
@@ -85,6 +95,8 @@ async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseR
         model=body.model,
         messages=items,
         tools=tools,
+        forced=start,
+        headers=headers,
         tool_names=body.tool_names() if parse_tools else None,
     )
     response_id = f"resp_{uuid.uuid4().hex}"  # OpenAI's form of id

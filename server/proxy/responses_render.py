@@ -156,7 +156,7 @@ class ResponsesRenderer:
             "top_p": 1.0,
             "tool_choice": body.tool_choice or "auto",
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
-            "text": {"format": {"type": "text"}},
+            "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
             "truncation": "disabled",
             "metadata": body.metadata or {},
             "store": body.store is not False,
@@ -168,6 +168,7 @@ class ResponsesRenderer:
         when not streamed)."""
         full = outputs.final_text(self.tokenizer, completion)
         reasoning, text = split_reasoning(full, self.reasoning)
+        text = self.plan.forced + text  # a forced call's start (forced_calls)
         names = self.plan.tool_names
         parsed = parse_tool_calls(text, names) if names is not None else ParsedOutput(text, [])
         output = self._output(reasoning, parsed)

@@ -163,17 +163,6 @@ class ResponseRequest(_Lenient):
                 "top_p < 1 truncates the sampling distribution, so the recorded logprobs would "
                 "not be the policy's",
             ),
-            (
-                "tool_choice",
-                self.tool_choice not in (None, "auto", "none"),
-                "tool_choice 'required' or a named tool needs constrained decoding; use 'auto' "
-                "or 'none'",
-            ),
-            (
-                "text",
-                self._structured(),
-                "structured output (text.format other than text) needs constrained decoding",
-            ),
             ("prompt", self.prompt is not None, "stored prompts are not supported; send input"),
             (
                 "conversation",
@@ -231,9 +220,47 @@ class ResponseRequest(_Lenient):
                 tools.append((namespace, member))
         return tools
 
-    def _structured(self) -> bool:
-        form = (self.text or {}).get("format")
-        return isinstance(form, dict) and form.get("type", "text") != "text"
+    def forced_tool(self) -> tuple[str | None, str] | None:
+        """What ``tool_choice`` forces: None when nothing (unset, ``auto``, ``none``); else the
+        named function or custom tool (None: any of the tools) and how the request said it."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        said = repr(choice) if isinstance(choice, str) else repr(choice.get("type"))
+        names = [tool["function"]["name"] for tool in self.template_tools() or []]
+        if not names:
+            raise InvalidRequest(f"tool_choice {said} needs function tools.", "tool_choice")
+        if choice == "required":
+            return None, "required"
+        assert isinstance(choice, dict)
+        if choice.get("type") not in ("function", "custom"):
+            raise InvalidRequest(
+                f"tool_choice of type {said} is not supported: send 'auto', 'none', 'required' "
+                'or {"type": "function", "name": ...}.',
+                param="tool_choice",
+            )
+        name = choice.get("name")
+        if name not in names:
+            raise InvalidRequest(
+                f"tool_choice names the tool {name!r}, which is not among the tools.",
+                param="tool_choice",
+            )
+        return name, str(choice["type"])
+
+    @property
+    def format_type(self) -> Any:
+        """``text.format``'s type (``text`` when unset); a ``json_schema`` one needs its name
+        and schema (the Response echoes the format)."""
+        form = (self.text or {}).get("format") or {}
+        if not isinstance(form, dict):
+            raise InvalidRequest("text.format must be an object.", param="text.format")
+        kind = form.get("type", "text")
+        named = isinstance(form.get("name"), str) and isinstance(form.get("schema"), dict)
+        if kind == "json_schema" and not named:
+            raise InvalidRequest(
+                "text.format json_schema needs a name and a schema.", param="text.format"
+            )
+        return kind
 
     def items(self) -> list[dict[str, Any]]:
         """The input as a list of items, as received (a string is one user message)."""

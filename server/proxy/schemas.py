@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI-compatible API, validated; responses are built as plain dicts.
 
 Fields OpenAI defines that would change what is sampled in a way the trainer cannot account
-for (penalties, logit bias, top_p < 1, constrained output, forced tool calls) are refused with a
-400 that names them; fields that do not touch sampling (user, metadata, store, ...) are
-accepted and ignored. Unknown fields are ignored, as many agent frameworks send extras.
+for (penalties, logit bias, top_p < 1) are refused with a 400 that names them; fields that do
+not touch sampling (user, metadata, store, ...) are accepted and ignored. Unknown fields are
+ignored, as many agent frameworks send extras. A forced tool call (``tool_choice`` "required"
+or a named function) is honoured by starting the call in the prompt (``forced_calls``);
+structured output (``response_format``) as the run's policy says (``plan.structured_output``).
 """
 
 from __future__ import annotations
@@ -153,26 +155,63 @@ class ChatCompletionRequest(_Sampling):
 
     def refuse_untrainable(self) -> None:
         super().refuse_untrainable()
-        if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
-            raise InvalidRequest(
-                "tool_choice 'required' or a named function would need constrained decoding, "
-                "which proxrl does not do; use 'auto' or 'none'.",
-                param="tool_choice",
-            )
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequest(
-                "response_format other than text needs constrained decoding, which proxrl does "
-                "not do.",
-                param="response_format",
-            )
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true.", param="top_logprobs")
+
+    def forced_tool(self) -> tuple[str | None, str] | None:
+        """What ``tool_choice`` forces: None when nothing (unset, ``auto``, ``none``); else the
+        named function (None: any of the tools) and how the request said it."""
+        choice = self.tool_choice
+        if choice is None or choice in ("auto", "none"):
+            return None
+        names = [tool.function.name for tool in self.tools or []]
+        if not names:
+            raise InvalidRequest(f"tool_choice {_said(choice)} needs tools.", "tool_choice")
+        if isinstance(choice, str):  # "required"
+            return None, choice
+        name = _function_name(choice)
+        if name not in names:
+            raise InvalidRequest(
+                f"tool_choice names the function {name!r}, which is not among the tools.",
+                param="tool_choice",
+            )
+        return name, "function"
+
+    @property
+    def format_type(self) -> Any:
+        """``response_format``'s type (``text`` when unset); a ``json_schema`` one needs its
+        ``json_schema`` object."""
+        form = self.response_format or {}
+        kind = form.get("type", "text")
+        if kind == "json_schema" and not isinstance(form.get("json_schema"), dict):
+            raise InvalidRequest(
+                "response_format json_schema needs a json_schema object (name, schema).",
+                param="response_format.json_schema",
+            )
+        return kind
 
     @property
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (OpenAI's current name) wins over the deprecated
         ``max_tokens`` when a request gives both."""
         return self.max_completion_tokens or self.max_tokens
+
+
+def _said(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else repr(choice.get("type"))
+
+
+def _function_name(choice: dict[str, Any]) -> Any:
+    """The name a tool_choice object names: ``{"type": "function", "function": {"name": ...}}``;
+    other kinds (``allowed_tools``, ``custom``) are refused by name."""
+    function = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(function, dict):
+        raise InvalidRequest(
+            f"tool_choice of type {choice.get('type')!r} is not supported: send 'auto', 'none', "
+            '\'required\' or {"type": "function", "function": {"name": ...}}.',
+            param="tool_choice",
+        )
+    return function.get("name")
 
 
 class CompletionRequest(_Sampling):

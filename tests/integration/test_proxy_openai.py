@@ -607,6 +607,46 @@ def test_tool_choice_none_returns_the_raw_text(tool_proxy):
     assert choice.finish_reason == "stop"
 
 
+FORCED = {"required": "<tool_call>\n", "calculator": '"arguments":'}
+
+
+@pytest.mark.parametrize("forced", sorted(FORCED))
+def test_a_forced_tool_choice_is_a_sampled_call_whose_row_goes_on(tool_proxy, hf_tokenizer, forced):
+    """tool_choice required or a named function: the call's start ends the prompt (prompt
+    tokens, so masked in training), the model writes the rest (every completion token sampled,
+    with its logprob), the call comes back parsed, and the tool result's turn continues the
+    row without a break."""
+    choice = (
+        "required" if forced == "required" else {"type": "function", "function": {"name": forced}}
+    )
+    session = tool_proxy.session(task_id=f"tool-forced-{forced}")
+    with client_for(session) as client:
+        called = ask_calculator(client, tool_choice=choice, logprobs=True)
+        (call,) = called.choices[0].message.tool_calls
+        assert called.choices[0].finish_reason == "tool_calls"
+        assert (call.function.name, json.loads(call.function.arguments)) == (
+            "calculator",
+            {"expression": "2+2"},
+        )
+        messages = [
+            user(QUESTION),
+            called.choices[0].message.to_dict(exclude_unset=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "4"},
+        ]
+        client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[CALCULATOR], temperature=0, max_tokens=40
+        )
+    stored = tool_proxy.get_session(session["session_id"])
+    t1, t2 = stored["turns"]
+    prompt = hf_tokenizer.decode(t1["prompt_ids"], skip_special_tokens=False)
+    sampled = hf_tokenizer.decode(t1["completion_ids"], skip_special_tokens=False)
+    assert prompt.endswith(FORCED[forced])
+    assert (prompt + sampled).endswith(TOOL_CALL_TEXT + END)  # the start + what was sampled
+    assert [e.logprob for e in called.choices[0].logprobs.content] == t1["logprobs"]
+    assert t2["extends_previous"] is True and t2["row_index"] == t1["row_index"]
+    assert stored["breaks"] == 0 and len(stored["rows"]) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. Text completions
 
@@ -816,7 +856,6 @@ UNTRAINABLE = {
     "presence_penalty": {"presence_penalty": 1},
     "frequency_penalty": {"frequency_penalty": 1},
     "logit_bias": {"logit_bias": {"5": 10}},
-    "tool_choice": {"tools": [CALCULATOR], "tool_choice": "required"},
 }
 
 

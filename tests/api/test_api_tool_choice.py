@@ -1,0 +1,342 @@
+"""``tool_choice`` "required" and a named function on Chat Completions and the Responses API,
+in-process, through the real ``openai`` SDK: the call is started in the prompt (the forced start
+is prompt tokens, stored with the prompt), the turn's completion tokens and logprobs are exactly
+what was sampled, the answer is read for tool calls from the forced start on (a call that
+parses is served as a call, anything else as text, forced start included), streamed or not;
+refusals are 400s in OpenAI's shape with nothing stored. The reading itself, however a sampled
+continuation is chunked, is held to the parse (hypothesis)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server.proxy.forced_calls import forced_start
+from server.proxy.generation import Completion
+from server.proxy.outputs import ChoiceText
+from server.proxy.tool_calls import ContentDelta, ToolCallDelta, parse_tool_calls
+from server.text.tokenization import Tokenizer
+from tests.api.api_support import Api, assert_error
+
+MODEL = "gpt-5.6-luna"
+CALC = "calculator"
+CHAT_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": CALC,
+            "description": "Evaluate arithmetic.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    },
+    {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}},
+]
+RESPONSE_TOOLS = [{"type": "function", **tool["function"]} for tool in CHAT_TOOLS]
+GENERATION_PROMPT = "<|im_start|>assistant\n"
+ANY_START = "<tool_call>\n"
+NAMED_START = '<tool_call>\n{"name": "calculator", "arguments":'
+
+
+@pytest.fixture(scope="module")
+def tokenizer(api: Api) -> Tokenizer:
+    return Tokenizer.from_pretrained(api.model_dir)
+
+
+def client(api: Api, session: dict) -> openai.OpenAI:
+    """The SDK over the in-process app (the TestClient is an httpx client); no retries."""
+    return openai.OpenAI(
+        base_url=f"{api.http.base_url}/v1",
+        api_key=session["api_key"],
+        http_client=api.http,
+        max_retries=0,
+    )
+
+
+def only_turn(api: Api, session: dict) -> dict:
+    (turn,) = api.session(session["session_id"])["turns"]
+    return turn
+
+
+def assert_forced_prompt(tokenizer: Tokenizer, turn: dict, start: str) -> None:
+    """The stored prompt ends with the generation prompt, then the forced start."""
+    assert tokenizer.decode(turn["prompt_ids"], False).endswith(GENERATION_PROMPT + start)
+    assert len(turn["logprobs"]) == len(turn["completion_ids"]) > 0
+
+
+# ----- Chat Completions ---------------------------------------------------------------------
+
+
+CHAT_CHOICES = {
+    "required": ("required", ANY_START),
+    "named": ({"type": "function", "function": {"name": CALC}}, NAMED_START),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", sorted(CHAT_CHOICES))
+def test_a_forced_chat_call_starts_in_the_prompt_and_stores_what_was_sampled(
+    api: Api, tokenizer: Tokenizer, case: str, stream: bool
+):
+    choice, start = CHAT_CHOICES[case]
+    session = api.new_session(task_id=f"chat-forced-{case}")
+    request = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+        "tools": CHAT_TOOLS,
+        "tool_choice": choice,
+        "max_tokens": 24,
+        "logprobs": True,
+        "seed": 7,
+    }
+    sdk = client(api, session)
+    if stream:
+        chunks = list(
+            sdk.chat.completions.create(
+                **request, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        usage = chunks[-1].usage
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        calls = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+        served = [(call.function.name, call.function.arguments) for call in calls]
+        logprobs = [
+            entry.logprob
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for entry in c.choices[0].logprobs.content or []
+        ]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        answer = sdk.chat.completions.create(**request)
+        usage, message = answer.usage, answer.choices[0].message
+        content = message.content or ""
+        served = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+        logprobs = [entry.logprob for entry in answer.choices[0].logprobs.content or []]
+        finish = answer.choices[0].finish_reason
+
+    turn = only_turn(api, session)
+    assert_forced_prompt(tokenizer, turn, start)
+    assert usage.prompt_tokens == len(turn["prompt_ids"])
+    assert usage.completion_tokens == len(turn["completion_ids"])
+    assert logprobs == turn["logprobs"]  # only the sampled tokens, each with its logprob
+    # What the client got is what the turn records, and the parse of the forced start + the
+    # sampled text.
+    stored = turn["response"]
+    assert (stored.get("content") or "") == content
+    stored_calls = [
+        (c["function"]["name"], c["function"]["arguments"]) for c in stored.get("tool_calls", [])
+    ]
+    assert stored_calls == served
+    sampled = tokenizer.decode(turn["completion_ids"])
+    parsed = parse_tool_calls(start + sampled, {CALC, "clock"})
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == served
+    assert content == (parsed.content or "")
+    for name, arguments in served:
+        assert name in {CALC, "clock"} and isinstance(json.loads(arguments), dict)
+    if case == "named" and served:
+        assert {name for name, _ in served} == {CALC}
+    assert finish == ("tool_calls" if served else turn["finish_reason"])
+
+
+def test_a_forced_chat_call_that_parses_is_served_as_a_call(api: Api, tokenizer: Tokenizer):
+    """A named function's start + a sampled ``{}}</tool_call>``: n choices of a long enough
+    answer, the forced start is never sampled; any choice whose text closes the call is a call
+    of the named tool (arguments a JSON object), and the rest is text that begins with the
+    forced start."""
+    session = api.new_session(task_id="chat-forced-n")
+    answer = client(api, session).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Use the calculator."}],
+        tools=CHAT_TOOLS,
+        tool_choice={"type": "function", "function": {"name": CALC}},
+        max_tokens=8,
+        n=3,
+    )
+    turns = api.session(session["session_id"])["turns"]
+    assert len(turns) == 3
+    for choice in answer.choices:
+        message = choice.message
+        if message.tool_calls:
+            assert {c.function.name for c in message.tool_calls} == {CALC}
+            assert choice.finish_reason == "tool_calls"
+        else:
+            assert (message.content or "").startswith(NAMED_START.strip())
+
+
+# ----- the Responses API --------------------------------------------------------------------
+
+
+RESPONSE_CHOICES = {
+    "required": ("required", ANY_START),
+    "named": ({"type": "function", "name": CALC}, NAMED_START),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", sorted(RESPONSE_CHOICES))
+def test_a_forced_response_call_starts_in_the_prompt_and_stores_what_was_sampled(
+    api: Api, tokenizer: Tokenizer, case: str, stream: bool
+):
+    choice, start = RESPONSE_CHOICES[case]
+    session = api.new_session(task_id=f"responses-forced-{case}")
+    request = {
+        "model": MODEL,
+        "input": "What is 2 + 3?",
+        "tools": RESPONSE_TOOLS,
+        "tool_choice": choice,
+        "max_output_tokens": 24,
+    }
+    sdk = client(api, session)
+    if stream:
+        events = list(sdk.responses.create(**request, stream=True))
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        response = events[-1].response
+        done = [e.item for e in events if e.type == "response.output_item.done"]
+        assert [item.model_dump() for item in done] == [
+            item.model_dump() for item in response.output
+        ]
+    else:
+        response = sdk.responses.create(**request)
+    turn = only_turn(api, session)
+    assert turn["response"] == response.to_dict()  # what the client got
+    assert turn["response"]["tool_choice"] == choice
+    assert_forced_prompt(tokenizer, turn, start)
+    assert response.usage.input_tokens == len(turn["prompt_ids"])
+    assert response.usage.output_tokens == len(turn["completion_ids"])
+    sampled = tokenizer.decode(turn["completion_ids"])
+    parsed = parse_tool_calls(start + sampled, {CALC, "clock"})
+    calls = [(i.name, i.arguments) for i in response.output if i.type == "function_call"]
+    assert calls == [(c.name, c.arguments) for c in parsed.tool_calls]
+    text = "".join(
+        part.text for item in response.output if item.type == "message" for part in item.content
+    )
+    assert text == (parsed.content or "")
+    if not calls:
+        assert text.startswith(start.strip())
+
+
+# ----- refusals -----------------------------------------------------------------------------
+
+
+CHAT_REFUSALS = {
+    "required without tools": {"tool_choice": "required"},
+    "a function not among the tools": {
+        "tools": CHAT_TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "nope"}},
+    },
+    "allowed_tools": {
+        "tools": CHAT_TOOLS,
+        "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "required"}},
+    },
+    "a custom tool choice": {
+        "tools": CHAT_TOOLS,
+        "tool_choice": {"type": "custom", "custom": {"name": CALC}},
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHAT_REFUSALS))
+def test_a_chat_tool_choice_that_cannot_be_honoured_is_a_400_naming_it(api: Api, case: str):
+    session = api.new_session(task_id="chat-forced-refused")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    reply = api.call(
+        "POST", "/v1/chat/completions", key=session["api_key"], json=body | CHAT_REFUSALS[case]
+    )
+    error = assert_error(reply, 400)
+    assert (error["type"], error["param"]) == ("invalid_request_error", "tool_choice")
+    assert api.session(session["session_id"])["turns"] == []
+
+
+RESPONSE_REFUSALS = {
+    "required without tools": {"tool_choice": "required"},
+    "required with only hosted tools": {
+        "tools": [{"type": "web_search"}],
+        "tool_choice": "required",
+    },
+    "a function not among the tools": {
+        "tools": RESPONSE_TOOLS,
+        "tool_choice": {"type": "function", "name": "nope"},
+    },
+    "a hosted tool": {"tools": RESPONSE_TOOLS, "tool_choice": {"type": "web_search_preview"}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESPONSE_REFUSALS))
+def test_a_response_tool_choice_that_cannot_be_honoured_is_a_400_naming_it(api: Api, case: str):
+    session = api.new_session(task_id="responses-forced-refused")
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2} | RESPONSE_REFUSALS[case]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(api, session).responses.create(**body)
+    error = caught.value.body
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == "tool_choice"
+    assert api.session(session["session_id"])["turns"] == []
+
+
+def test_a_template_without_tool_call_markup_refuses_a_forced_call(tokenizer: Tokenizer):
+    """The forced start is ``<tool_call>``: a model whose template writes calls otherwise (or
+    none) cannot be forced, and the refusal names the parameter."""
+    from server.errors import InvalidRequest
+
+    class NoToolMarkup:
+        chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    with pytest.raises(InvalidRequest) as caught:
+        forced_start(NoToolMarkup(), None, "required", "tool_choice")  # type: ignore[arg-type]
+    assert caught.value.param == "tool_choice"
+    assert forced_start(tokenizer, None, "required", "tool_choice") == ANY_START
+    assert forced_start(tokenizer, CALC, "function", "tool_choice") == NAMED_START
+
+
+# ----- the reading, however the sampled text comes ----------------------------------------
+
+
+NAMES = st.text(
+    st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12
+).filter(lambda name: "</tool_call>" not in name)
+ARGUMENTS = st.dictionaries(
+    st.text(max_size=6), st.one_of(st.integers(), st.text(max_size=8), st.booleans()), max_size=3
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=NAMES,
+    arguments=ARGUMENTS,
+    named=st.booleans(),
+    after=st.sampled_from(["", " done", "\n<tool_call>\nnot json</tool_call>"]),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=6),
+)
+def test_a_forced_start_and_any_chunking_of_the_rest_read_as_the_parse(
+    tokenizer: Tokenizer, name: str, arguments: dict, named: bool, after: str, cuts: list[int]
+):
+    """The forced start (any tool's, or ``name``'s, JSON-escaped) + a continuation the model
+    could sample: streamed in any chunks through ``ChoiceText`` it gives the calls and content
+    of the parse of the whole text, and a well-formed continuation is one call of ``name``
+    with ``arguments``."""
+    start = forced_start(tokenizer, name if named else None, "required", "tool_choice")
+    body = json.dumps(arguments, ensure_ascii=False)
+    if named:
+        rest = f" {body}}}\n</tool_call>{after}"
+    else:
+        rest = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+        rest += f"\n</tool_call>{after}"
+    parsed = parse_tool_calls(start + rest, {name})
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [(name, arguments)]
+
+    ids = tokenizer.encode(rest)
+    bounds = sorted({min(cut, len(ids)) for cut in cuts} | {0, len(ids)})
+    stream = ChoiceText(tokenizer, (), {name}, reasoning=True, forced=start)
+    events = []
+    for low, high in itertools.pairwise(bounds):
+        events += stream.push(ids[low:high])
+    completion = Completion(prompt_ids=[], ids=ids, finish_reason={"type": "stop"})
+    events += stream.finish(completion)
+    calls = [(e.call.name, e.call.arguments) for e in events if isinstance(e, ToolCallDelta)]
+    assert calls == [(c.name, c.arguments) for c in parsed.tool_calls]
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    assert content == (parsed.content or "") and stream.called
