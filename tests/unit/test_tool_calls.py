@@ -394,7 +394,9 @@ def test_served_choices_count_their_malformed_blocks_by_surface(tiny_model_dir):
     log = SimpleNamespace(surface="messages")
     count = ctx.metrics.registry.get_sample_value
     labels = {"surface": "messages"}
-    count_malformed_calls(ctx, SimpleNamespace(tool_names=None, log=log), [completion])
+    count_malformed_calls(ctx, SimpleNamespace(tool_names=None, log=log, forced=""), [completion])
     assert count("proxrl_malformed_tool_calls_total", labels) is None  # no tools: not parsed
-    count_malformed_calls(ctx, SimpleNamespace(tool_names={"f"}, log=log), [completion] * 2)
+    count_malformed_calls(
+        ctx, SimpleNamespace(tool_names={"f"}, log=log, forced=""), [completion] * 2
+    )
     assert count("proxrl_malformed_tool_calls_total", labels) == 2.0
