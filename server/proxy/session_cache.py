@@ -35,7 +35,7 @@ from server.text.tokenization import Tokenizer
 # older one starts a new conversation.
 MAX_CONVERSATIONS = 16
 # Answers of earlier attempts of the same prompt (retries) the next prompt may still continue.
-MAX_RETRIED_KEPT = 8
+MAX_RETRIED_KEPT = 3
 
 
 @dataclass(frozen=True)
