@@ -31,6 +31,7 @@ from server.proxy.tool_calls import (
     ToolNames,
     free_form_arguments,
     free_form_input,
+    malformed_blocks,
     parse_tool_calls,
 )
 from tests.api.api_support import NO_KEY, Api, assert_error
@@ -478,5 +479,6 @@ def test_a_free_form_tool_takes_only_one_string_input(arguments):
     calls = parse_tool_calls(text, NAMES).tool_calls
     one_string = list(arguments) == ["input"] and isinstance(arguments["input"], str)
     assert len(calls) == (1 if one_string else 0)
+    assert malformed_blocks(text, NAMES) == (0 if one_string else 1)  # counted when not a call
     # The same arguments to a function tool are a call whatever they hold.
     assert len(parse_tool_calls(block("exec_command", arguments), NAMES).tool_calls) == 1
