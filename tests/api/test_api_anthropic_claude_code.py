@@ -374,3 +374,39 @@ def test_system_messages_keep_their_text_and_order(
         head = [("system", "\n\n".join(texts))] if texts else []
         rest = [(role, text) for role, text in sent if role != "system"]
         assert [(m["role"], m["content"]) for m in rendered] == head + rest
+
+
+def test_a_tool_reference_renders_the_tools_definition_or_its_name():
+    """Each part of a tool result on a line of its own once one is a tool_reference: a known
+    tool's definition (as the template lists tools), an unknown one's bare name."""
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "toolu_1",
+        "content": [
+            {"type": "text", "text": "Found:"},
+            {"type": "tool_reference", "tool_name": "WebFetch"},
+            {"type": "tool_reference", "tool_name": "Gone"},
+        ],
+    }
+    call = {"type": "tool_use", "id": "toolu_1", "name": "ToolSearch", "input": {"query": "web"}}
+    messages = [
+        *first_messages(),
+        {"role": "assistant", "content": [call]},
+        {"role": "user", "content": [result]},
+    ]
+    body = Conversation.model_validate(claude_code(messages, tools=[TOOL_SEARCH, WEB_FETCH]))
+    rendered, tools, _ = conversation(body)
+    definition = {
+        "type": "function",
+        "function": {
+            "name": "WebFetch",
+            "description": "Fetches a URL.",
+            "parameters": WEB_FETCH["input_schema"],
+        },
+    }
+    assert rendered[-1] == {
+        "role": "tool",
+        "tool_call_id": "toolu_1",
+        "content": "Found:\n" + json.dumps(definition) + "\nGone",
+    }
+    assert [tool["function"]["name"] for tool in tools or []] == ["ToolSearch"]
