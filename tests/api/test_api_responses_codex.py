@@ -226,11 +226,38 @@ def test_codexs_first_request_is_answered_with_hosted_tools_left_out_and_counted
 
 def test_codexs_namespace_tools_are_flattened_into_the_prompt(api: Api):
     session = api.new_session(task_id="codex-namespace")
-    reply = post(api, session, codex_body(model="tiny", tools=[EXEC, NAMESPACE, WEB_SEARCH]))
+    call = {
+        "type": "function_call",
+        "call_id": "call_1",
+        "name": "close_agent",
+        "namespace": "multi_agent_v1",
+        "arguments": '{"target": "a1"}',
+    }
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "closed"}
+    body = codex_body(model="tiny", tools=[EXEC, NAMESPACE, WEB_SEARCH])
+    reply = post(api, session, {**body, "input": [*OPENING, call, output]})
     assert reply.status_code == 200, reply.text
     (turn,) = turns(api, session)
     assert [tool["function"]["name"] for tool in turn["tools"]] == ["exec_command", "close_agent"]
     assert turn["sampling"]["omitted_tools"] == ["web_search"]
+    prompt = prompt_text(api, turn)
+    assert '{"name": "close_agent", "arguments": {"target": "a1"}}' in prompt
+
+
+def test_a_forced_custom_tool_is_served_as_custom_calls_only(api: Api):
+    """tool_choice naming a custom tool starts its call in the prompt (forced_calls); whatever
+    the model then samples, a call it completes is a custom_tool_call, never a function_call."""
+    session = api.new_session(task_id="codex-forced-custom")
+    choice = {"type": "custom", "name": "apply_patch"}
+    reply = post(api, session, codex_body(tool_choice=choice, max_output_tokens=24))
+    assert reply.status_code == 200, reply.text
+    final = named_events(reply.text)[-1]["response"]
+    Response.model_validate(final)
+    assert not [item for item in final["output"] if item["type"] == "function_call"]
+    for item in final["output"]:
+        assert item["type"] in ("message", "custom_tool_call")
+    (turn,) = turns(api, session)
+    assert prompt_text(api, turn).endswith('<tool_call>\n{"name": "apply_patch", "arguments":')
 
 
 def test_codex_resending_the_whole_history_with_tool_items_extends_the_row(api: Api):
