@@ -103,6 +103,8 @@ async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseR
     log = replace(plan.log, request_id=response_id)
     if omitted:
         log = replace(log, sampling={**log.sampling, "omitted_tools": omitted})
+    for kind in omitted:  # counted once the request is served
+        ctx.metrics.hosted_tools_omitted.labels(kind if kind in HOSTED_TYPES else "other").inc()
     return replace(plan, request_id=response_id, completion_ids=[response_id], log=log)
 
 
@@ -110,7 +112,7 @@ async def _hosted_tools(
     ctx: ServerContext, state: SessionState, body: ResponseRequest
 ) -> list[str]:
     """Apply the run's ``hosted_tools`` policy: refuse the request, or the types of the hosted
-    tools left out of the prompt (counted)."""
+    tools to leave out of the prompt."""
     hosted = body.hosted_tools()
     if not hosted:
         return []
@@ -125,8 +127,6 @@ async def _hosted_tools(
             "hosted_tools to omit.",
             param=param,
         )
-    for _, kind in hosted:
-        ctx.metrics.hosted_tools_omitted.labels(kind if kind in HOSTED_TYPES else "other").inc()
     return [kind for _, kind in hosted]
 
 

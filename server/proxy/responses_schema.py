@@ -4,9 +4,10 @@ items as the chat template's messages.
 ``input`` is a string (one user message) or a list of items: messages (``input_text`` /
 ``output_text`` / ``refusal`` parts, or a string), ``function_call`` / ``custom_tool_call``
 items and their ``..._output`` items, and ``reasoning`` items sent back by the client.
-Anything that would change what is sampled in a way training cannot account for (forced tool
-calls, structured output, top_p < 1) or that proxrl cannot honour (images, files, stored
-prompts, conversations, background mode) is refused with a 400 that names it. Fields that do
+Anything that would change what is sampled in a way training cannot account for (top_p < 1)
+or that proxrl cannot honour (images, files, stored prompts, conversations, background mode) is
+refused with a 400 that names it; a forced tool call (``tool_choice``) starts in the prompt
+(``forced_calls``), structured output follows the run's ``response_format``. Fields that do
 not touch sampling (``include``, ``truncation``, ``user``, ``reasoning``'s effort,
 ``prompt_cache_key``, ...) are accepted and ignored.
 

@@ -365,9 +365,11 @@ def test_hosted_tools_is_a_checked_run_setting(api: Api):
 )
 def test_malformed_codex_shapes_are_refused_in_openais_shape(api: Api, change: dict, param: str):
     session = api.new_session(task_id="codex-bad")
+    before = omitted_count(api, "web_search")
     error = assert_error(post(api, session, codex_body(**change)), 400)
     assert error["param"] == param, error
     assert turns(api, session) == []
+    assert omitted_count(api, "web_search") == before  # a refused request left nothing out
 
 
 # ----- the model's calls out, streamed and not -------------------------------------------------
