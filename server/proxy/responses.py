@@ -103,7 +103,7 @@ async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseR
     log = replace(plan.log, request_id=response_id)
     if omitted:
         log = replace(log, sampling={**log.sampling, "omitted_tools": omitted})
-    for kind in omitted:  # counted once the request is served
+    for kind in omitted:  # counted once the request is accepted
         ctx.metrics.hosted_tools_omitted.labels(kind if kind in HOSTED_TYPES else "other").inc()
     return replace(plan, request_id=response_id, completion_ids=[response_id], log=log)
 
