@@ -10,15 +10,25 @@ from __future__ import annotations
 
 import itertools
 import json
+from types import SimpleNamespace
 
 import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from openai.types.responses import Response
 
+from server.engine_client.client import Piece
+from server.proxy.anthropic import MessagesRenderer
+from server.proxy.anthropic_schemas import MessagesRequest
+from server.proxy.chat import ChatRenderer
 from server.proxy.forced_calls import forced_start
-from server.proxy.generation import Completion
-from server.proxy.outputs import ChoiceText
+from server.proxy.generation import Completion, SamplingRequest
+from server.proxy.outputs import ChoiceText, finish_reason
+from server.proxy.plan import Plan, new_plan
+from server.proxy.prompts import Prompt
+from server.proxy.responses_render import ResponsesRenderer
+from server.proxy.responses_schema import ResponseRequest
 from server.proxy.tool_calls import ContentDelta, ToolCallDelta, parse_tool_calls
 from server.text.tokenization import Tokenizer
 from tests.api.api_support import Api, assert_error
@@ -340,3 +350,124 @@ def test_a_forced_start_and_any_chunking_of_the_rest_read_as_the_parse(
     assert calls == [(c.name, c.arguments) for c in parsed.tool_calls]
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     assert content == (parsed.content or "") and stream.called
+
+
+# ----- a forced call the model completes, on every surface's renderer ------------------------
+
+
+def _plan(surface: str, names: set[str], forced: str) -> Plan:
+    sampling = SamplingRequest(prompt_ids=[1, 2, 3], max_tokens=64)
+    return new_plan(
+        "x",
+        Prompt([1, 2, 3], None),
+        sampling,
+        1,
+        surface=surface,
+        model="m",
+        tool_names=names,
+        forced=forced,
+    )
+
+
+def _drive(renderer, plan: Plan, tokenizer: Tokenizer, rest: str, stream: bool) -> tuple:
+    """What ``answer`` does with a completion of ``rest``: token by token through the stream
+    events (ChoiceText, as ``answer.stream`` builds it), or at once; the served response."""
+    ids = tokenizer.encode(rest)
+    completion = Completion([1, 2, 3], ids, [-0.5] * len(ids), [], [0] * len(ids), {"type": "stop"})
+    if not stream:
+        return renderer.served(plan.request_id, completion), []
+    choice = ChoiceText(tokenizer, (), plan.tool_names, True, plan.forced)
+    events = list(renderer.start())
+    for token in ids:
+        piece = Piece(ids=[token], logprobs=[-0.5], top=[], versions=["0"])
+        events += renderer.delta(0, choice.push([token]), piece)
+    served = renderer.served(plan.request_id, completion)
+    deltas = choice.finish(completion)
+    events += renderer.finish(0, deltas, finish_reason(completion, choice.called))
+    return served, events
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completed_forced_call_is_served_as_a_call_on_every_surface(
+    tokenizer: Tokenizer, stream: bool
+):
+    """The forced start + what a model that completes the call samples: Chat Completions serves
+    a ``tool_calls`` entry, the Responses API a ``custom_tool_call`` item for a custom tool (raw
+    input) and Anthropic a ``tool_use`` block; streamed or not, the same call, parsed from the
+    start + the sampled text alone (the start was never sampled)."""
+    ctx = SimpleNamespace(tokenizer=tokenizer, model_name="tiny")
+    named = forced_start(tokenizer, CALC, "function", "tool_choice")
+
+    chat_plan = _plan("chat", {CALC, "clock"}, named)
+    served, events = _drive(
+        ChatRenderer(ctx, chat_plan, False),  # type: ignore[arg-type]
+        chat_plan,
+        tokenizer,
+        ' {"expression": "2+3"}}\n</tool_call>',
+        stream,
+    )
+    (call,) = served.response["tool_calls"]
+    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == (
+        CALC,
+        {"expression": "2+3"},
+    )
+    assert served.finish_reason == "tool_calls"
+    if stream:
+        streamed = [
+            t for e in events for c in e["choices"] for t in c["delta"].get("tool_calls", [])
+        ]
+        assert [t["function"] for t in streamed] == [call["function"]]
+        assert [c["finish_reason"] for e in events for c in e["choices"]][-1] == "tool_calls"
+
+    patch = {"type": "custom", "name": "apply_patch", "description": "Edit files."}
+    body = ResponseRequest.model_validate(
+        {
+            "model": "m",
+            "input": "hi",
+            "tools": [patch],
+            "tool_choice": {"type": "custom", "name": "apply_patch"},
+        }
+    )
+    start = forced_start(tokenizer, *body.forced_tool(), "tool_choice")  # type: ignore[misc]
+    responses_plan = _plan("responses", body.tool_names(), start)
+    renderer = ResponsesRenderer(ctx, responses_plan, body)  # type: ignore[arg-type]
+    served, events = _drive(
+        renderer,
+        responses_plan,
+        tokenizer,
+        ' {"input": "*** Begin Patch\\n*** End Patch"}}\n</tool_call>',
+        stream,
+    )
+    (item,) = Response.model_validate(served.response).output
+    assert (item.type, item.name, item.input) == (
+        "custom_tool_call",
+        "apply_patch",
+        "*** Begin Patch\n*** End Patch",
+    )
+    if stream:
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert done == served.response["output"]
+
+    any_start = forced_start(tokenizer, None, "any", "tool_choice")
+    message = MessagesRequest.model_validate(
+        {
+            "model": "m",
+            "max_tokens": 64,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": CALC, "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "any"},
+            "stream": stream,
+        }
+    )
+    messages_plan = _plan("messages", {CALC}, any_start)
+    renderer = MessagesRenderer(ctx, messages_plan, message)  # type: ignore[arg-type]
+    served, events = _drive(
+        renderer,
+        messages_plan,
+        tokenizer,
+        '{"name": "calculator", "arguments": {"expression": "1"}}\n</tool_call>',
+        stream,
+    )
+    (block,) = served.response["content"]
+    assert (block["type"], block["name"], block["input"]) == ("tool_use", CALC, {"expression": "1"})
+    assert served.response["stop_reason"] == "tool_use"
