@@ -4,7 +4,10 @@ Each running request owns one *slot*: a row of a preallocated key/value buffer p
 ``[slots, kv_heads, capacity, head_dim]``. Running requests always occupy slots ``0..B-1`` (the
 scheduler moves the last one into a hole when a request leaves), so a decode step for all of them
 reads the buffer views ``[:B, :, :L]`` without copying, and a 4-D attention mask hides each row's
-positions past its own length. The capacity grows by doubling up to the context length.
+positions past its own length. The buffer is allocated for the slots and positions in use: both
+grow by doubling (slots up to ``max_slots``, positions up to the context length) and shrink back
+(``fit``) once what runs needs a quarter or less, so one long prompt costs its own KV, not
+``max_slots x context``, and not after it finished.
 
 It plugs into any Hugging Face decoder through the ``Cache`` interface: the attention layers call
 ``update`` with the new keys and values and attend over what it returns. Before each forward the
@@ -29,13 +32,17 @@ class SlotKVCache(Cache):
         dtype: torch.dtype,
         device: torch.device,
         initial_capacity: int = 256,
+        initial_slots: int = 4,
     ) -> None:
         super().__init__(layers=[])
         self.num_layers = num_layers
         self.max_slots = max_slots
         self.max_capacity = max_capacity
-        self.capacity = min(initial_capacity, max_capacity)
-        shape = (max_slots, num_kv_heads, self.capacity, head_dim)
+        self.initial_capacity = min(initial_capacity, max_capacity)
+        self.initial_slots = min(initial_slots, max_slots)
+        self.capacity = self.initial_capacity
+        self.slots = self.initial_slots
+        shape = (self.slots, num_kv_heads, self.capacity, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._rows = slice(0, 0)
@@ -46,7 +53,7 @@ class SlotKVCache(Cache):
 
     def plan_prefill(self, slot: int, start: int, length: int) -> None:
         """The next forward writes ``length`` tokens of ``slot`` at positions ``start...``."""
-        self.reserve(start + length)
+        self.reserve(start + length, slot + 1)
         self._rows = slice(slot, slot + 1)
         self._write_positions = slice(start, start + length)
         self._kv_len = start + length
@@ -54,7 +61,7 @@ class SlotKVCache(Cache):
     def plan_decode(self, num_rows: int, positions: torch.Tensor) -> None:
         """The next forward writes one token for each slot ``0..num_rows-1`` at ``positions``."""
         kv_len = int(positions.max()) + 1
-        self.reserve(kv_len)
+        self.reserve(kv_len, num_rows)
         self._rows = slice(0, num_rows)
         self._write_positions = positions
         self._kv_len = kv_len
@@ -85,24 +92,45 @@ class SlotKVCache(Cache):
     # Buffers grow and move inside inference mode, like every forward that writes them: a tensor
     # made in inference mode cannot be updated outside it.
     @torch.inference_mode()
-    def reserve(self, length: int) -> None:
-        """Make room for ``length`` positions per slot (doubling, up to ``max_capacity``)."""
-        if length <= self.capacity:
-            return
+    def reserve(self, length: int, slots: int = 1) -> None:
+        """Make room for ``length`` positions in each of ``slots`` slots (doubling, up to
+        ``max_capacity`` positions and ``max_slots`` slots)."""
         if length > self.max_capacity:
             raise ValueError(f"{length} positions exceed the KV capacity {self.max_capacity}")
-        new_capacity = min(max(length, 2 * self.capacity), self.max_capacity)
+        if slots > self.max_slots:
+            raise ValueError(f"slot {slots - 1} is past the {self.max_slots} KV slots")
+        if length <= self.capacity and slots <= self.slots:
+            return
+        capacity = self.capacity
+        if length > capacity:
+            capacity = min(max(length, 2 * capacity), self.max_capacity)
+        rows = (
+            self.slots if slots <= self.slots else min(max(slots, 2 * self.slots), self.max_slots)
+        )
+        self._reallocate(rows, capacity)
+
+    @torch.inference_mode()
+    def fit(self, slots: int, length: int) -> None:
+        """Shrink the buffers when the ``slots`` slots in use, ``length`` positions long at
+        most, need a quarter of them or less (what they hold is kept)."""
+        rows = max(slots, self.initial_slots)
+        capacity = max(length, self.initial_capacity)
+        if 4 * rows <= self.slots or 4 * capacity <= self.capacity:
+            self._reallocate(min(rows, self.slots), min(capacity, self.capacity))
+
+    def _reallocate(self, slots: int, capacity: int) -> None:
         for layer in range(self.num_layers):
-            self.keys[layer] = self._grown(self.keys[layer], new_capacity)
-            self.values[layer] = self._grown(self.values[layer], new_capacity)
-        self.capacity = new_capacity
+            self.keys[layer] = self._resized(self.keys[layer], slots, capacity)
+            self.values[layer] = self._resized(self.values[layer], slots, capacity)
+        self.slots, self.capacity = slots, capacity
 
     @staticmethod
-    def _grown(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
-        slots, heads, old, dim = buffer.shape
-        grown = buffer.new_zeros((slots, heads, capacity, dim))
-        grown[:, :, :old] = buffer
-        return grown
+    def _resized(buffer: torch.Tensor, slots: int, capacity: int) -> torch.Tensor:
+        old_slots, heads, old, dim = buffer.shape
+        resized = buffer.new_zeros((slots, heads, capacity, dim))
+        keep_slots, keep = min(slots, old_slots), min(capacity, old)
+        resized[:keep_slots, :, :keep] = buffer[:keep_slots, :, :keep]
+        return resized
 
     @torch.inference_mode()
     def move(self, src: int, dst: int, length: int) -> None:

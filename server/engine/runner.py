@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,11 @@ class RunnerConfig:
     max_slots: int = 64
     context_length: int | None = None  # None: the model's max_position_embeddings
     fast_decode: bool = True  # Llama-family models decode through FastDecoder
+    prefill_chunk: int = 512  # prompt tokens per prefill forward
+
+
+class PrefillCancelled(Exception):
+    """A prefill stopped between two chunks because its caller asked (the engine stopping)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -134,21 +140,45 @@ class ModelRunner:
         return mask(self.windows[0])
 
     @torch.inference_mode()
-    def prefill(self, slot: int, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
-        """Fill ``slot`` with ``token_ids`` from position 0; logits of the last (or each) token."""
+    def prefill(
+        self,
+        slot: int,
+        token_ids: list[int],
+        on_logits: Callable[[int, torch.Tensor], None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
+        """Fill ``slot`` with ``token_ids`` from position 0; the last token's logits ``[1, V]``.
+
+        The prompt goes through the model ``prefill_chunk`` tokens at a time, each chunk
+        attending (causally) to the cache so far and itself: a chunk's mask and scores are
+        ``chunk x length``, never ``length x length``, so memory grows with the prompt's KV
+        cache, linearly. ``on_logits(start, logits)`` gets each chunk's logits of every token,
+        ``[n, V]`` for positions ``start...`` (prompt logprobs are taken from them chunk by
+        chunk); ``cancelled()``, asked before each chunk, stops the prefill (PrefillCancelled)."""
         length = len(token_ids)
-        self.cache.plan_prefill(slot, 0, length)
-        ids = torch.tensor([token_ids], device=self.device)
-        positions = torch.arange(length, device=self.device).unsqueeze(0)
-        out = self.model(
-            input_ids=ids,
-            position_ids=positions,
-            attention_mask=self._masks(positions, length),
-            **{self.cache_keyword: self.cache},
-            use_cache=True,
-            logits_to_keep=0 if all_logits else 1,
-        )
-        return out.logits[0]  # [length or 1, V]
+        self.cache.reserve(length, slot + 1)  # grown once, not chunk by chunk
+        chunk = max(1, self.config.prefill_chunk)
+        last = torch.empty(0)
+        for start in range(0, length, chunk):
+            if cancelled is not None and cancelled():
+                raise PrefillCancelled(f"prefill stopped at token {start} of {length}")
+            end = min(start + chunk, length)
+            self.cache.plan_prefill(slot, start, end - start)
+            ids = torch.tensor([token_ids[start:end]], device=self.device)
+            positions = torch.arange(start, end, device=self.device).unsqueeze(0)
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=self._masks(positions, end),
+                **{self.cache_keyword: self.cache},
+                use_cache=True,
+                logits_to_keep=0 if on_logits is not None else 1,
+            )
+            if on_logits is not None:
+                on_logits(start, out.logits[0])
+            last = out.logits[0, -1:]
+            del out
+        return last  # [1, V]
 
     @torch.inference_mode()
     def decode(self, last_tokens: list[int], positions: list[int]) -> torch.Tensor:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from server.engine.runner import ModelRunner
+from server.engine.runner import ModelRunner, PrefillCancelled
 from server.engine.sampling import SampleResult, sample, scaled_log_probs, top_logprobs
 from server.engine.sequence import Sequence, State
 
@@ -240,6 +240,7 @@ class Scheduler:
         for seq in failed:
             seq.state = State.WAITING  # its slot is gone; _finish must not release it
             self._finish(seq, {**ABORTED_RUNNING, "message": message})
+        self.runner.cache.fit(0, 0)
 
     def _run_commands(self) -> None:
         while True:
@@ -292,23 +293,33 @@ class Scheduler:
             budget -= tokens
             try:
                 self._prefill(seq)
-            except Exception:
-                log.exception("prefill of %s failed", seq.rid)
+            except Exception as exc:
+                if isinstance(exc, PrefillCancelled):
+                    message = "engine stopping"
+                else:
+                    log.exception("prefill of %s failed", seq.rid)
+                    message = "prefill failed"
                 if self.running and self.running[-1] is seq:  # it took the last slot
                     self.running.pop()
                 seq.state = State.WAITING
-                self._finish(seq, {**ABORTED_RUNNING, "message": "prefill failed"})
+                self._finish(seq, {**ABORTED_RUNNING, "message": message})
 
     def _prefill(self, seq: Sequence) -> None:
         first_time = not seq.ever_ran
         ids = seq.all_ids
         slot = len(self.running)
         want_input = first_time and seq.logprobs.wants_input
-        logits = self.runner.prefill(slot, ids, all_logits=want_input)
+        prompt_logprobs = PromptLogprobs(seq) if want_input else None
+        logits = self.runner.prefill(
+            slot,
+            ids,
+            on_logits=prompt_logprobs.add if prompt_logprobs is not None else None,
+            cancelled=lambda: self._stopping,
+        )
         seq.slot, seq.kv_len, seq.state, seq.ever_ran = slot, len(ids), State.RUNNING, True
         self.running.append(seq)
-        if want_input:
-            self._record_input_logprobs(seq, logits)
+        if prompt_logprobs is not None:
+            prompt_logprobs.record()
         if len(seq.output_ids) >= seq.params.max_new_tokens:
             self._release(seq)
             self._finish(seq, {"type": "length", "length": seq.params.max_new_tokens})
@@ -367,25 +378,6 @@ class Scheduler:
             by_id = list(zip(values, request.token_ids, strict=True))
         return top, by_id
 
-    def _record_input_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Prompt logprobs from position ``start_len`` on; position 0 has none (``None``)."""
-        request = seq.logprobs
-        ids = seq.prompt_ids
-        temperature = torch.tensor([seq.params.sampling.temperature], device=logits.device)
-        # logits[i] predicts token i + 1. Temperature applied as for output tokens
-        # (UNVERIFIED against SGLang's input-logprob path; the reference does not say).
-        log_probs = scaled_log_probs(logits[:-1], temperature.expand(len(ids) - 1))
-        targets = torch.tensor(ids[1:], device=logits.device).unsqueeze(-1)
-        picked = [None, *log_probs.gather(-1, targets).squeeze(-1).tolist()]
-        seq.input_logprobs = picked[request.start_len :]
-        if request.top_k > 0:
-            tops = [None, *top_logprobs(log_probs, request.top_k)]
-            seq.input_top = tops[request.start_len :]
-        if request.token_ids:
-            rows = log_probs[:, list(request.token_ids)].tolist()
-            by_id = [None, *[list(zip(r, request.token_ids, strict=True)) for r in rows]]
-            seq.input_token_ids_lp = by_id[request.start_len :]
-
     # ----- slots and endings -----------------------------------------------------------------
 
     def _release(self, seq: Sequence) -> None:
@@ -400,8 +392,48 @@ class Scheduler:
             last.slot = slot
         self.running.pop()
         seq.slot = None
+        self.runner.cache.fit(len(self.running), max((s.kv_len for s in self.running), default=0))
 
     def _finish(self, seq: Sequence, reason: dict) -> None:
         with self._in_flight_lock:
             self._in_flight.pop(seq.rid, None)
         seq.finish(reason)
+
+
+class PromptLogprobs:
+    """The prompt logprobs a request asked for, taken from the prefill's logits chunk by chunk
+    (a ``[prompt, vocab]`` float tensor is never held whole: 40 GB for a 64k prompt and a
+    152k vocabulary). Position 0 has none (``None``); they start at ``start_len``."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self.picked: list[float | None] = [None]
+        self.tops: list[list[tuple[float, int]] | None] = [None]
+        self.by_id: list[list[tuple[float, int]] | None] = [None]
+
+    def add(self, start: int, logits: torch.Tensor) -> None:
+        """``logits[i]`` (position ``start + i``) predicts prompt token ``start + i + 1``."""
+        ids = self.seq.prompt_ids
+        request = self.seq.logprobs
+        rows = min(len(logits), len(ids) - 1 - start)  # the prompt's last token predicts output
+        if rows <= 0:
+            return
+        temperature = torch.tensor([self.seq.params.sampling.temperature], device=logits.device)
+        # Temperature applied as for output tokens (UNVERIFIED against SGLang's input-logprob
+        # path; the reference does not say).
+        log_probs = scaled_log_probs(logits[:rows], temperature.expand(rows))
+        targets = torch.tensor(ids[start + 1 : start + 1 + rows], device=logits.device)
+        self.picked.extend(log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist())
+        if request.top_k > 0:
+            self.tops.extend(top_logprobs(log_probs, request.top_k))
+        if request.token_ids:
+            values = log_probs[:, list(request.token_ids)].tolist()
+            self.by_id.extend(list(zip(r, request.token_ids, strict=True)) for r in values)
+
+    def record(self) -> None:
+        seq, request = self.seq, self.seq.logprobs
+        seq.input_logprobs = self.picked[request.start_len :]
+        if request.top_k > 0:
+            seq.input_top = self.tops[request.start_len :]
+        if request.token_ids:
+            seq.input_token_ids_lp = self.by_id[request.start_len :]

@@ -62,6 +62,7 @@ class EngineService:
                 dtype=settings.resolved_dtype(device),
                 max_slots=settings.max_running_requests,
                 context_length=settings.context_length,
+                prefill_chunk=settings.prefill_chunk,
             )
         )
         self.scheduler = Scheduler(

@@ -42,6 +42,12 @@ class EngineSettings(BaseSettings):
     max_prefill_tokens: int = Field(
         8192, ge=1, description="Prompt tokens admitted per scheduler turn."
     )
+    prefill_chunk: int = Field(
+        512,
+        ge=1,
+        description="Prompt tokens per prefill forward: a prompt is prefilled in chunks of this "
+        "many, so attention holds chunk x prompt scores, never prompt x prompt.",
+    )
     stream_interval: int = Field(1, ge=1, description="Stream a chunk every N tokens.")
     incremental_streaming_output: bool = Field(
         False, description="Stream deltas instead of cumulative chunks."

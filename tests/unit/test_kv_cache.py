@@ -38,8 +38,12 @@ def test_ragged_batch_decode_matches_full_forward(runner):
 
 def test_prefill_with_all_logits(runner):
     ids = list(range(5, 25))
-    logits = runner.prefill(0, ids, all_logits=True)
+    chunks: list[tuple[int, torch.Tensor]] = []
+    last = runner.prefill(0, ids, on_logits=lambda start, logits: chunks.append((start, logits)))
+    assert [start for start, _ in chunks] == [0]
+    logits = torch.cat([chunk for _, chunk in chunks])
     assert (logits - full_forward(runner, ids)).abs().max() < TOLERANCE
+    assert torch.equal(last, logits[-1:])
 
 
 def test_moving_a_slot_keeps_its_decode(runner):
