@@ -146,8 +146,10 @@ class ModelRunner:
         token_ids: list[int],
         on_logits: Callable[[int, torch.Tensor], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
-        """Fill ``slot`` with ``token_ids`` from position 0; the last token's logits ``[1, V]``.
+        """Fill ``slot`` with ``token_ids`` from position ``start`` (the slot holds the KV of the
+        tokens before it: a cached prefix); the last token's logits ``[1, V]``.
 
         The prompt goes through the model ``prefill_chunk`` tokens at a time, each chunk
         attending (causally) to the cache so far and itself: a chunk's mask and scores are
@@ -156,16 +158,18 @@ class ModelRunner:
         ``[n, V]`` for positions ``start...`` (prompt logprobs are taken from them chunk by
         chunk); ``cancelled()``, asked before each chunk, stops the prefill (PrefillCancelled)."""
         length = len(token_ids)
+        if start < 0 or (start and start >= length):  # one token at least gives the logits
+            raise ValueError(f"a prefill of {length} tokens cannot start at {start}")
         self.cache.reserve(length, slot + 1)  # grown once, not chunk by chunk
         chunk = max(1, self.config.prefill_chunk)
         last = torch.empty(0)
-        for start in range(0, length, chunk):
+        for begin in range(start, length, chunk):
             if cancelled is not None and cancelled():
-                raise PrefillCancelled(f"prefill stopped at token {start} of {length}")
-            end = min(start + chunk, length)
-            self.cache.plan_prefill(slot, start, end - start)
-            ids = torch.tensor([token_ids[start:end]], device=self.device)
-            positions = torch.arange(start, end, device=self.device).unsqueeze(0)
+                raise PrefillCancelled(f"prefill stopped at token {begin} of {length}")
+            end = min(begin + chunk, length)
+            self.cache.plan_prefill(slot, begin, end - begin)
+            ids = torch.tensor([token_ids[begin:end]], device=self.device)
+            positions = torch.arange(begin, end, device=self.device).unsqueeze(0)
             out = self.model(
                 input_ids=ids,
                 position_ids=positions,
@@ -175,7 +179,7 @@ class ModelRunner:
                 logits_to_keep=0 if on_logits is not None else 1,
             )
             if on_logits is not None:
-                on_logits(start, out.logits[0])
+                on_logits(begin, out.logits[0])
             last = out.logits[0, -1:]
             del out
         return last  # [1, V]

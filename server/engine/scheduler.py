@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from server.engine.prefix_cache import PrefixCache
 from server.engine.runner import ModelRunner, PrefillCancelled
 from server.engine.sampling import SampleResult, sample, scaled_log_probs, top_logprobs
 from server.engine.sequence import Sequence, State
@@ -73,6 +74,8 @@ class SchedulerConfig:
     stream_interval: int = 1
     weight_version: str = "default"
     seed: int = 0
+    prefix_cache_bytes: int = 0  # 0: no prefix cache
+    prefix_cache_min_tokens: int = 64
 
 
 class Scheduler:
@@ -97,6 +100,8 @@ class Scheduler:
         self.generated_tokens = 0
         self.last_gen_throughput = 0.0
         self._throughput_window: deque[tuple[float, int]] = deque(maxlen=64)
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes, config.prefix_cache_min_tokens)
+        self._weights_epoch = 0  # bumped at every weight load: older KV is never reused
 
     # ----- lifecycle ------------------------------------------------------------------------
 
@@ -264,6 +269,8 @@ class Scheduler:
                 done.set_exception(exc)
 
     def _apply_update(self, update: WeightUpdate) -> UpdateResult:
+        self._weights_epoch += 1  # before the load: a load that fails halfway changed weights
+        self.prefix_cache.clear()
         self.runner.load_weights(update.tensors)
         if update.version is not None:
             self.weight_version = update.version
@@ -310,11 +317,21 @@ class Scheduler:
         slot = len(self.running)
         want_input = first_time and seq.logprobs.wants_input
         prompt_logprobs = PromptLogprobs(seq) if want_input else None
+        start = 0
+        # A request that wants prompt logprobs needs every position's logits: no reuse.
+        epoch = self._weights_epoch
+        found = None if want_input else self.prefix_cache.lookup(ids, epoch, len(ids) - 1)
+        if found is not None:
+            entry, start = found
+            self.prefix_cache.restore(self.runner.cache, slot, entry, start)
+            log.debug("%s: %d of %d prompt tokens from the prefix cache", seq.rid, start, len(ids))
+        seq.kv_epoch = epoch
         logits = self.runner.prefill(
             slot,
             ids,
             on_logits=prompt_logprobs.add if prompt_logprobs is not None else None,
             cancelled=lambda: self._stopping,
+            start=start,
         )
         seq.slot, seq.kv_len, seq.state, seq.ever_ran = slot, len(ids), State.RUNNING, True
         self.running.append(seq)
@@ -381,10 +398,14 @@ class Scheduler:
     # ----- slots and endings -----------------------------------------------------------------
 
     def _release(self, seq: Sequence) -> None:
-        """Give ``seq``'s KV slot back, moving the last running request into the hole."""
+        """Give ``seq``'s KV slot back, moving the last running request into the hole; its KV
+        goes into the prefix cache first when all of it came from the weights loaded now."""
         slot = seq.slot
         if slot is None or seq.state is not State.RUNNING:
             return
+        if seq.kv_epoch == self._weights_epoch:
+            tokens = seq.all_ids[: seq.kv_len]
+            self.prefix_cache.save(self.runner.cache, slot, tokens, self._weights_epoch)
         last = self.running[-1]
         if last is not seq:
             self.runner.cache.move(len(self.running) - 1, slot, last.kv_len)

@@ -73,6 +73,7 @@ class Sequence:
     state: State = State.WAITING
     slot: int | None = None
     kv_len: int = 0
+    kv_epoch: int = -1  # the scheduler's weights epoch at its last prefill (prefix cache)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[list[tuple[float, int]]] = field(default_factory=list)

@@ -73,6 +73,8 @@ class EngineService:
                 stream_interval=settings.stream_interval,
                 weight_version=settings.weight_version,
                 seed=settings.seed,
+                prefix_cache_bytes=settings.prefix_cache_mb << 20,
+                prefix_cache_min_tokens=settings.prefix_cache_min_tokens,
             ),
         )
         self.served_model_name = settings.served_model_name or settings.model
@@ -342,11 +344,29 @@ class EngineService:
             "dp_size": 1,
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_req_input_len": self.runner.context_length - 1,
-            "internal_states": [{"last_gen_throughput": self.scheduler.last_gen_throughput}],
+            "internal_states": [
+                {
+                    "last_gen_throughput": self.scheduler.last_gen_throughput,
+                    "prefix_cache": self.prefix_cache_info(),
+                }
+            ],
             "version": ENGINE_VERSION,
             "frontend": "python",
             "device": self.runner.device.type,
             "startup_time": self.started_at,
+        }
+
+    def prefix_cache_info(self) -> dict:
+        """The prefix cache's counters; ``hit_rate``: prompt tokens reused / looked up."""
+        cache = self.scheduler.prefix_cache
+        stats = cache.stats.as_dict()
+        looked_up = stats["looked_up_tokens"]
+        return {
+            **stats,
+            "entries": len(cache),
+            "bytes": cache.nbytes,
+            "max_bytes": cache.max_bytes,
+            "hit_rate": stats["reused_tokens"] / looked_up if looked_up else 0.0,
         }
 
     @property
@@ -369,7 +389,7 @@ class EngineService:
                     "max_total_num_tokens": self.max_total_num_tokens,
                     "token_usage": used / self.max_total_num_tokens,
                     "gen_throughput": self.scheduler.last_gen_throughput,
-                    "cache_hit_rate": 0.0,
+                    "cache_hit_rate": self.prefix_cache_info()["hit_rate"],
                     "paused": self.scheduler.paused,
                     "weight_version": self.scheduler.weight_version,
                 }

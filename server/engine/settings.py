@@ -48,6 +48,15 @@ class EngineSettings(BaseSettings):
         description="Prompt tokens per prefill forward: a prompt is prefilled in chunks of this "
         "many, so attention holds chunk x prompt scores, never prompt x prompt.",
     )
+    prefix_cache_mb: int = Field(
+        1024,
+        ge=0,
+        description="MiB of finished requests' KV kept (on the engine's device) for requests "
+        "that extend them, least recently used evicted first; 0 turns the prefix cache off.",
+    )
+    prefix_cache_min_tokens: int = Field(
+        64, ge=1, description="Shortest shared prefix the prefix cache reuses (tokens)."
+    )
     stream_interval: int = Field(1, ge=1, description="Stream a chunk every N tokens.")
     incremental_streaming_output: bool = Field(
         False, description="Stream deltas instead of cumulative chunks."
