@@ -187,8 +187,12 @@ class Scheduler:
         self.paused = None
 
     def flush_cache(self) -> bool:
-        """Succeeds only when nothing runs and nothing waits (waiting is ignored while paused)."""
-        return not self.running and (self.paused is not None or not self.waiting)
+        """Succeeds only when nothing runs and nothing waits (waiting is ignored while paused);
+        then the prefix cache is emptied, as SGLang's flush empties its radix cache."""
+        idle = not self.running and (self.paused is not None or not self.waiting)
+        if idle:
+            self.prefix_cache.clear()
+        return idle
 
     def set_weight_version(self, version: str, abort_all: bool) -> None:
         if abort_all:

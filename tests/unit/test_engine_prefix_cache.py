@@ -9,7 +9,7 @@
 * The real EngineService on the tiny model: the second request of an agent-like session (the
   first's prompt and answer and more) samples the same tokens with the same logprobs (within
   ``TOLERANCE``) warm as cold, the counters say how much was reused, and a weight update
-  empties the cache so nothing computed under the old weights is reused.
+  empties the cache so nothing computed under the old weights is reused (and so does a flush).
 """
 
 from __future__ import annotations
@@ -227,5 +227,7 @@ def test_a_warm_request_samples_what_a_cold_one_does(tiny_model_dir):
         generate(service, prompt + tokens + random_ids(20, seed=4), seed=7)
         assert scheduler.prefix_cache.stats.hits == 1  # a miss: nothing of the old weights
         assert len(scheduler.prefix_cache) == 1  # what the new weights computed is kept
+        assert scheduler.call(scheduler.flush_cache).result(timeout=30)  # /flush_cache empties it
+        assert len(scheduler.prefix_cache) == 0
     finally:
         service.close()
