@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import takewhile
 
 from server.store import sessions as store_sessions
 from server.store import turns as store_turns
@@ -136,6 +137,38 @@ def _is_special(tokenizer: Tokenizer, token: int) -> bool:
     return tokenizer.decode([token]) == "" and tokenizer.token_text(token) != ""
 
 
+def kept_turns(latest: list[Turn], earlier: list[Turn]) -> list[Turn]:
+    """What a conversation's next prompt may continue, read back from the store as
+    ``recording.next_last`` kept it: its latest request's turns; the answers of the attempts
+    that request retried (the requests just before it, of the same prompt ids), latest request
+    first, at most ``MAX_RETRIED_KEPT``; the turn the attempts continued (of the request before
+    them, the choice whose tokens the prompt extends). ``earlier``: the conversation's turns
+    before ``latest``, latest first."""
+    prompt = latest[0].prompt_ids
+    attempts: list[list[Turn]] = []  # the retried requests' turns, latest request first
+    rest = iter(earlier)
+    continued = None  # the latest turn of the request before the attempts
+    for turn in rest:
+        if turn.prompt_ids != prompt:
+            continued = turn
+            break
+        if attempts and attempts[-1][0].request_id == turn.request_id:
+            attempts[-1].insert(0, turn)  # read latest first: a request's choices in order
+        else:
+            attempts.append([turn])
+    retried = [turn for request in attempts for turn in request][:MAX_RETRIED_KEPT]
+    if continued is None:
+        return [*latest, *retried]
+    request = continued.request_id
+    before = [continued, *takewhile(lambda turn: turn.request_id == request, rest)]
+    ids = unpack_ints(prompt)
+    for turn in reversed(before):  # that request's choices in order
+        tokens = unpack_ints(turn.prompt_ids) + unpack_ints(turn.completion_ids)
+        if len(ids) > len(tokens) and ids[: len(tokens)] == tokens:
+            return [*latest, *retried, turn]
+    return [*latest, *retried]
+
+
 class SessionRegistry:
     def __init__(
         self, sessionmaker: Sessionmaker, tokenizer: Tokenizer, capacity: int = 20_000
@@ -181,14 +214,16 @@ class SessionRegistry:
         state.next_row = int(top_row or 0) + 1
         known = [ends.conversation + 1 for ends in recent]
         state.next_conversation = max(int(session.conversations or 0), *known)
-        tails: dict[int, str] = {}
+        conversations = []
         for ends in recent:  # least recently active first
-            turns = [self._from_turn(turn) for turn in ends.last]
+            turns = [self._from_turn(turn) for turn in kept_turns(ends.last, ends.earlier)]
             first_prompt = unpack_ints(ends.first.prompt_ids)
-            conversation = Conversation(
-                ends.conversation, opening_length(self._tokenizer, first_prompt), turns
-            )
-            tails.update((turn.row_index, turn.completion_id) for turn in turns)
+            opening = opening_length(self._tokenizer, first_prompt)
+            conversations.append(Conversation(ends.conversation, opening, turns))
+        rows = {turn.row_index for c in conversations for turn in c.last}
+        async with self._sessionmaker() as db:
+            tails = await store_turns.row_tails(db, session_id, rows)
+        for conversation in conversations:
             state.remember(conversation, tails)
         return state
 

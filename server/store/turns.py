@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -231,6 +231,12 @@ class ConversationEnds:
     conversation: int
     first: Turn
     last: list[Turn]
+    # Up to EARLIER of its turns before that request, latest first: where the turns it retried
+    # and the turn it continued are (``session_cache`` reads them out).
+    earlier: list[Turn] = field(default_factory=list)
+
+
+EARLIER = 64  # turns of a conversation read back before its latest request
 
 
 async def recent_conversations(
@@ -259,10 +265,36 @@ async def recent_conversations(
     by_request: dict[str, list[Turn]] = {}
     for turn in await db.scalars(query.order_by(Turn.turn_index)):
         by_request.setdefault(turn.request_id, []).append(turn)
-    return [
-        ConversationEnds(int(conversation), ends[first], by_request[ends[last].request_id])
-        for conversation, first, last in spans
-    ]
+    found = []
+    for conversation, first, last in spans:
+        latest = by_request[ends[last].request_id]
+        earlier = await db.scalars(
+            select(Turn)
+            .where(
+                Turn.session_id == session_id,
+                Turn.conversation == conversation,
+                Turn.turn_index < latest[0].turn_index,
+            )
+            .order_by(Turn.turn_index.desc())
+            .limit(EARLIER)
+        )
+        found.append(ConversationEnds(int(conversation), ends[first], latest, list(earlier)))
+    return found
+
+
+async def row_tails(db: AsyncSession, session_id: str, rows: set[int]) -> dict[int, str]:
+    """The completion id of the last turn of each of the session's ``rows``."""
+    if not rows:
+        return {}
+    last = (
+        select(func.max(Turn.turn_index))
+        .where(Turn.session_id == session_id, Turn.row_index.in_(rows))
+        .group_by(Turn.row_index)
+    )
+    query = select(Turn.row_index, Turn.completion_id).where(
+        Turn.session_id == session_id, Turn.turn_index.in_(last)
+    )
+    return {int(row): str(completion_id) for row, completion_id in await db.execute(query)}
 
 
 async def last_turn_index(db: AsyncSession, session_id: str) -> int | None:
