@@ -118,8 +118,8 @@ def _anthropic(message: Any) -> list[Any]:
 
 def _responses(item: Any) -> list[Any]:
     """A Responses API input item, or a whole Response (its output items as one assistant
-    message), as chat messages: reasoning and text as text, function calls as tool calls,
-    call outputs as tool messages."""
+    message), as chat messages: reasoning and text as text, function and custom tool calls as
+    tool calls (a custom tool's raw input as its arguments), call outputs as tool messages."""
     if not isinstance(item, dict):
         return [item]
     if item.get("object") == "response":
@@ -131,10 +131,11 @@ def _responses(item: Any) -> list[Any]:
         }
         return [reply | ({"tool_calls": calls} if calls else {})]
     kind = item.get("type", "message")
-    if kind == "function_call":
-        call = {"name": item.get("name"), "arguments": item.get("arguments")}
+    if kind in ("function_call", "custom_tool_call"):  # a custom tool's call: its raw input
+        arguments = item.get("arguments" if kind == "function_call" else "input")
+        call = {"name": item.get("name"), "arguments": arguments}
         return [{"role": "assistant", "content": "", "tool_calls": [call]}]
-    if kind == "function_call_output":
+    if kind in ("function_call_output", "custom_tool_call_output"):
         return [{"role": "tool", "content": _item_text(item.get("output"))}]
     if kind == "reasoning":
         parts = item.get("content") or item.get("summary")

@@ -75,3 +75,21 @@ def test_the_transcript_shows_responses_turns_in_chat_form():
         "content": "(thinking) add\nIt is 4.",
         "tool_calls": [{"name": "calc", "arguments": '{"e": "2+2"}'}],
     }
+
+
+def test_custom_tool_calls_show_as_tool_calls_with_their_raw_input():
+    """Codex's apply_patch is a custom tool: its call carries raw text (``input``)."""
+    asked = [{"role": "user", "content": "Fix it."}]
+    call = {
+        "type": "custom_tool_call",
+        "id": "ctc",
+        "call_id": "c",
+        "name": "apply_patch",
+        "input": "*** Begin Patch\n*** End Patch",
+    }
+    result = {"type": "custom_tool_call_output", "call_id": "c", "output": "Done!"}
+    entries = transcript([_turn(0, asked, [call]), _turn(1, [*asked, call, result], [])])
+    shown_call = {"name": "apply_patch", "arguments": "*** Begin Patch\n*** End Patch"}
+    assert entries[0].reply == {"role": "assistant", "content": "", "tool_calls": [shown_call]}
+    assert entries[1].messages == [{"role": "tool", "content": "Done!"}]
+    assert entries[1].hidden == 2
