@@ -9,9 +9,10 @@ first) before the request's own items; rendered with the chat template, that pro
 the previous turn token for token, so the chain is one training row.
 
 Hosted tools (``web_search``, ``tool_search``, ...: OpenAI runs them, the engine cannot) follow
-the run's ``hosted_tools``: ``omit`` leaves them out of the prompt, counts them
-(``proxrl_hosted_tools_omitted``) and records their types on the turn
-(``sampling.omitted_tools``); ``refuse`` answers 400 naming the first.
+the run's ``hosted_tools``: ``omit`` leaves them out of the prompt and records their types on the turn
+(``sampling.omitted_tools``); once the answer is served they are counted
+(``proxrl_hosted_tools_omitted``: a request refused or failed on the way counts nothing).
+``refuse`` answers 400 naming the first.
 
 A response created with ``store: false``, or deleted, is not retrievable or chainable (404); its
 turn stays in the store for training. Sampling, recording and streaming are ``answer``'s; what
@@ -42,26 +43,6 @@ from server.store.tables import Turn
 from server.text.tokenization import TemplateError
 
 MAX_CHAIN = 10_000  # responses one previous_response_id chain may reach back through
-# Hosted tool types counted by name (proxrl_hosted_tools_omitted); any other type is "other",
-# so a client cannot grow the metric's label set.
-HOSTED_TYPES = frozenset(
-    {
-        "web_search",
-        "web_search_preview",
-        "web_search_preview_2025_03_11",
-        "web_search_2025_08_26",
-        "tool_search",
-        "file_search",
-        "code_interpreter",
-        "image_generation",
-        "computer_use_preview",
-        "computer",
-        "local_shell",
-        "shell",
-        "apply_patch",
-        "mcp",
-    }
-)
 
 
 async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseRequest) -> Plan:
@@ -101,10 +82,8 @@ async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseR
     )
     response_id = f"resp_{uuid.uuid4().hex}"  # OpenAI's form of id
     log = replace(plan.log, request_id=response_id)
-    if omitted:
+    if omitted:  # counted once the answer is served (responses_render)
         log = replace(log, sampling={**log.sampling, "omitted_tools": omitted})
-    for kind in omitted:  # counted once the request is accepted
-        ctx.metrics.hosted_tools_omitted.labels(kind if kind in HOSTED_TYPES else "other").inc()
     return replace(plan, request_id=response_id, completion_ids=[response_id], log=log)
 
 

@@ -16,7 +16,9 @@ output token budget ran out) with the whole Response. Every event has its ``sequ
 The streamed items are what the Response holds and what the turn records: a call keeps the id
 it was streamed with, and text after a call opens a new message item.
 
-It knows no engines, sessions or store (``answer.Renderer``).
+It knows no engines, sessions or store (``answer.Renderer``). Once the answer is served (the
+Response returned, or the stream's last event), it counts the hosted tools the request's prompt
+left out (``proxrl_hosted_tools_omitted``): a request that failed on the way counts nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +44,28 @@ from server.proxy.tool_calls import (
     ToolCallDelta,
     free_form_input,
     parse_tool_calls,
+)
+
+
+# Hosted tool types counted by name (proxrl_hosted_tools_omitted); any other type is "other",
+# so a client cannot grow the metric's label set.
+HOSTED_TYPES = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "web_search_preview_2025_03_11",
+        "web_search_2025_08_26",
+        "tool_search",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "computer_use_preview",
+        "computer",
+        "local_shell",
+        "shell",
+        "apply_patch",
+        "mcp",
+    }
 )
 
 
@@ -118,6 +142,7 @@ class ResponsesRenderer:
 
     def __init__(self, ctx: ServerContext, plan: Plan, body: ResponseRequest) -> None:
         self.tokenizer = ctx.tokenizer
+        self.metrics = ctx.metrics
         self.plan, self.body = plan, body
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # the output items streamed so far
@@ -213,7 +238,15 @@ class ResponsesRenderer:
         return output
 
     def response(self, served: list[Served], usage: dict) -> dict:
+        self._count_omitted()
         return served[0].response
+
+    def _count_omitted(self) -> None:
+        """Count the hosted tools left out of a served request's prompt, by type (any type not
+        in ``HOSTED_TYPES`` as "other", so a client cannot grow the label set)."""
+        for kind in self.plan.log.sampling.get("omitted_tools", []):
+            label = kind if kind in HOSTED_TYPES else "other"
+            self.metrics.hosted_tools_omitted.labels(label).inc()
 
     # ----- the events --------------------------------------------------------------------
 
@@ -319,6 +352,7 @@ class ResponsesRenderer:
 
     def end(self, usage: dict) -> list[dict]:
         kind = "incomplete" if self.final["status"] == "incomplete" else "completed"
+        self._count_omitted()
         return [self.event(kind, response=self.final)]
 
     def error(self, error: ProxrlError) -> list[dict]:

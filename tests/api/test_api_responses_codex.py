@@ -372,6 +372,28 @@ def test_malformed_codex_shapes_are_refused_in_openais_shape(api: Api, change: d
     assert omitted_count(api, "web_search") == before  # a refused request left nothing out
 
 
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_that_fails_after_it_is_planned_counts_no_hosted_tools(
+    api: Api, stream: bool, monkeypatch: pytest.MonkeyPatch
+):
+    """Planned (hosted tools left out of its prompt) but not served: no engine in rotation, so
+    sampling fails with a 503 before any byte goes out; the metric counts served requests only."""
+    pool = api.http.app.state.ctx.pool
+
+    async def down(engine: Any) -> bool:  # a probe finds the engine still down
+        return False
+
+    monkeypatch.setattr(pool, "check", down)
+    for engine in pool.engines:
+        monkeypatch.setattr(engine, "healthy", False)
+    session = api.new_session(task_id="codex-no-engine")
+    before = omitted_count(api, "web_search")
+    error = assert_error(post(api, session, codex_body(stream=stream)), 503)
+    assert error["type"], error
+    assert turns(api, session) == []
+    assert omitted_count(api, "web_search") == before  # nothing was served
+
 # ----- the model's calls out, streamed and not -------------------------------------------------
 
 
