@@ -86,7 +86,9 @@ class PrefixCache:
     def lookup(
         self, tokens: list[int], epoch: int, limit: int | None = None
     ) -> tuple[Entry, int] | None:
-        """``find``, counted as a hit (and the tokens reused) or a miss."""
+        """``find``, counted as a hit (and the tokens reused) or a miss (when enabled)."""
+        if not self.enabled:
+            return None
         found = self.find(tokens, epoch, limit)
         self.stats.looked_up_tokens += len(tokens)
         if found is None:
