@@ -9,8 +9,8 @@ first) before the request's own items; rendered with the chat template, that pro
 the previous turn token for token, so the chain is one training row.
 
 Hosted tools (``web_search``, ``tool_search``, ...: OpenAI runs them, the engine cannot) follow
-the run's ``hosted_tools``: ``omit`` leaves them out of the prompt and records their types on the turn
-(``sampling.omitted_tools``); once the answer is served they are counted
+the run's ``hosted_tools``: ``omit`` leaves them out of the prompt and records their types on
+the turn (``sampling.omitted_tools``); once the answer is served they are counted
 (``proxrl_hosted_tools_omitted``: a request refused or failed on the way counts nothing).
 ``refuse`` answers 400 naming the first.
 

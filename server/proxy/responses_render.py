@@ -46,7 +46,6 @@ from server.proxy.tool_calls import (
     parse_tool_calls,
 )
 
-
 # Hosted tool types counted by name (proxrl_hosted_tools_omitted); any other type is "other",
 # so a client cannot grow the metric's label set.
 HOSTED_TYPES = frozenset(
