@@ -372,7 +372,6 @@ def test_malformed_codex_shapes_are_refused_in_openais_shape(api: Api, change: d
     assert omitted_count(api, "web_search") == before  # a refused request left nothing out
 
 
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_request_that_fails_after_it_is_planned_counts_no_hosted_tools(
     api: Api, stream: bool, monkeypatch: pytest.MonkeyPatch
@@ -393,6 +392,7 @@ def test_a_request_that_fails_after_it_is_planned_counts_no_hosted_tools(
     assert error["type"], error
     assert turns(api, session) == []
     assert omitted_count(api, "web_search") == before  # nothing was served
+
 
 # ----- the model's calls out, streamed and not -------------------------------------------------
 
