@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 
 from server.bounds import MAX_INT, Count
 from server.errors import InvalidRequest
+from server.proxy import forced_calls
 from server.store.run_config import MODEL_NAME_LENGTH
 
 MAX_N = 16
@@ -164,17 +165,10 @@ class ChatCompletionRequest(_Sampling):
         choice = self.tool_choice
         if choice is None or choice in ("auto", "none"):
             return None
-        names = [tool.function.name for tool in self.tools or []]
-        if not names:
-            raise InvalidRequest(f"tool_choice {_said(choice)} needs tools.", "tool_choice")
+        tools = {tool.function.name: "function" for tool in self.tools or []}
         if isinstance(choice, str):  # "required"
-            return None, choice
-        name = _function_name(choice)
-        if name not in names:
-            raise InvalidRequest(
-                f"tool_choice names the function {name!r}, which is not among the tools.",
-                param="tool_choice",
-            )
+            return forced_calls.forced_tool(tools, choice), choice
+        name = forced_calls.forced_tool(tools, "function", _function_name(choice))
         return name, "function"
 
     @property
@@ -195,10 +189,6 @@ class ChatCompletionRequest(_Sampling):
         """``max_completion_tokens`` (OpenAI's current name) wins over the deprecated
         ``max_tokens`` when a request gives both."""
         return self.max_completion_tokens or self.max_tokens
-
-
-def _said(choice: Any) -> str:
-    return repr(choice) if isinstance(choice, str) else repr(choice.get("type"))
 
 
 def _function_name(choice: dict[str, Any]) -> Any:
