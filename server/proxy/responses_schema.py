@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from server.errors import InvalidRequest
+from server.proxy import forced_calls
 from server.proxy.schemas import MAX_ITEMS, Label, ModelName, Text, TokenLimit
 from server.proxy.tool_calls import FREE_FORM_ARGUMENT, ToolNames, free_form_arguments
 
@@ -227,26 +228,17 @@ class ResponseRequest(_Lenient):
         choice = self.tool_choice
         if choice in (None, "auto", "none"):
             return None
-        said = repr(choice) if isinstance(choice, str) else repr(choice.get("type"))
-        names = [tool["function"]["name"] for tool in self.template_tools() or []]
-        if not names:
-            raise InvalidRequest(f"tool_choice {said} needs function tools.", "tool_choice")
-        if choice == "required":
-            return None, "required"
-        assert isinstance(choice, dict)
-        if choice.get("type") not in ("function", "custom"):
+        tools = {name: kind for name, (kind, _) in self.tool_kinds().items()}
+        if isinstance(choice, str):  # "required"
+            return forced_calls.forced_tool(tools, choice), choice
+        kind = choice.get("type")
+        if kind not in ("function", "custom"):
             raise InvalidRequest(
-                f"tool_choice of type {said} is not supported: send 'auto', 'none', 'required' "
-                'or {"type": "function", "name": ...}.',
+                f"tool_choice of type {kind!r} is not supported: send 'auto', 'none', 'required' "
+                'or {"type": "function" or "custom", "name": ...}.',
                 param="tool_choice",
             )
-        name = choice.get("name")
-        if name not in names:
-            raise InvalidRequest(
-                f"tool_choice names the tool {name!r}, which is not among the tools.",
-                param="tool_choice",
-            )
-        return name, str(choice["type"])
+        return forced_calls.forced_tool(tools, kind, choice.get("name")), kind
 
     @property
     def format_type(self) -> Any:

@@ -273,6 +273,18 @@ RESPONSE_REFUSALS = {
         "tool_choice": {"type": "function", "name": "nope"},
     },
     "a hosted tool": {"tools": RESPONSE_TOOLS, "tool_choice": {"type": "web_search_preview"}},
+    "a custom choice naming a function tool": {
+        "tools": RESPONSE_TOOLS,
+        "tool_choice": {"type": "custom", "name": CALC},
+    },
+    "a function choice naming a custom tool": {
+        "tools": [*RESPONSE_TOOLS, {"type": "custom", "name": "apply_patch"}],
+        "tool_choice": {"type": "function", "name": "apply_patch"},
+    },
+    "a function choice without a name": {
+        "tools": RESPONSE_TOOLS,
+        "tool_choice": {"type": "function"},
+    },
 }
 
 
@@ -284,6 +296,7 @@ def test_a_response_tool_choice_that_cannot_be_honoured_is_a_400_naming_it(api: 
         client(api, session).responses.create(**body)
     error = caught.value.body
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == "tool_choice"
+    assert "None" not in error["message"], error
     assert api.session(session["session_id"])["turns"] == []
 
 
@@ -395,7 +408,7 @@ def test_a_completed_forced_call_is_served_as_a_call_on_every_surface(
     a ``tool_calls`` entry, the Responses API a ``custom_tool_call`` item for a custom tool (raw
     input) and Anthropic a ``tool_use`` block; streamed or not, the same call, parsed from the
     start + the sampled text alone (the start was never sampled)."""
-    ctx = SimpleNamespace(tokenizer=tokenizer, model_name="tiny")
+    ctx = SimpleNamespace(tokenizer=tokenizer, model_name="tiny", metrics=None)  # none counted
     named = forced_start(tokenizer, CALC, "function", "tool_choice")
 
     chat_plan = _plan("chat", {CALC, "clock"}, named)
