@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from server.errors import TYPE_OF_STATUS, ErrorShape, InvalidRequest
+from server.proxy import forced_calls
 from server.proxy.schemas import MAX_ITEMS, MAX_STOP, Label, ModelName, StopString, Text, TokenLimit
 
 
@@ -142,14 +143,32 @@ class Conversation(_Lenient):
         choice = self.tool_choice
         if choice is None or choice.type in ("auto", "none"):
             return
-        names = [tool.name for tool in self.tools or []]
-        if not names:
-            raise InvalidRequest(f"tool_choice {choice.type!r} needs tools.", "tool_choice")
-        if choice.type == "tool" and choice.name not in names:
+        shown = self.shown_tools()
+        hidden = [tool.name for tool in self.tools or [] if tool.name not in shown]
+        if choice.name in hidden or (choice.type == "any" and hidden and not shown):
+            which = f"the tool {choice.name!r}" if choice.type == "tool" else "only tools"
             raise InvalidRequest(
-                f"tool_choice names the tool {choice.name!r}, which is not among the tools.",
+                f"tool_choice {choice.type!r} would force a call to {which} sent with "
+                "defer_loading that no tool_reference in the conversation has loaded: the "
+                "model was never shown it. Force a loaded tool, or use 'auto'.",
                 param="tool_choice",
             )
+        forced_calls.forced_tool(dict.fromkeys(shown, "tool"), choice.type, choice.name)
+
+    def shown_tools(self) -> list[str]:
+        """The names of the tools the prompt shows: those sent without ``defer_loading``, and
+        the deferred ones a ``tool_reference`` in a tool result loaded (their definition is
+        rendered there)."""
+        loaded = {
+            part.tool_name
+            for message in self.messages
+            if not isinstance(message.content, str)
+            for block in message.content
+            if isinstance(block, ToolResultBlock) and not isinstance(block.content, str)
+            for part in block.content
+            if isinstance(part, ToolReferenceBlock)
+        }
+        return [t.name for t in self.tools or [] if not t.defer_loading or t.name in loaded]
 
     @property
     def parses_tools(self) -> bool:

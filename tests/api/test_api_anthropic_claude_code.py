@@ -247,6 +247,81 @@ def test_a_tool_round_trip_and_a_tool_search_keep_the_prompts_beginning(api: Api
     assert '"name": "WebFetch"' not in head
 
 
+def tool_search_found(tool: str) -> list[dict]:
+    """A ToolSearch call and its result: a tool_reference naming ``tool``."""
+    return [
+        {
+            "role": "assistant",
+            "content": [
+                {
+                    "type": "tool_use",
+                    "id": "toolu_s",
+                    "name": "ToolSearch",
+                    "input": {"query": tool},
+                }
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_s",
+                    "content": [{"type": "tool_reference", "tool_name": tool}],
+                }
+            ],
+        },
+    ]
+
+
+FORCED_REFUSALS = {
+    "a deferred tool no tool_reference loaded": (
+        {"type": "tool", "name": "WebFetch"},
+        [BASH, TOOL_SEARCH, WEB_FETCH],
+        "defer_loading",
+    ),
+    "any with only deferred tools": (
+        {"type": "any"},
+        [WEB_FETCH, PLACEHOLDER],
+        "defer_loading",
+    ),
+    "a tool choice without a name": ({"type": "tool"}, [BASH], "needs the name of a tool"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORCED_REFUSALS))
+def test_a_forced_call_to_a_tool_the_prompt_does_not_show_is_refused(api: Api, case: str):
+    """A tool sent with defer_loading is not in the prompt until a tool_reference loads it: a
+    call forced to it (or to any tool, when only such tools are sent) would start the model in
+    a call to a tool it was never shown."""
+    choice, tools, said = FORCED_REFUSALS[case]
+    session = api.new_session(task_id="claude-code-forced-hidden")
+    body = claude_code(first_messages(), tools=tools, tool_choice=choice, thinking=None)
+    refused = assert_anthropic_error(post(api, session, body), 400, "invalid_request_error")
+    assert "tool_choice" in refused and said in refused and "None" not in refused, refused
+    assert view(api, session)["turns"] == []
+
+
+def test_a_forced_call_to_a_deferred_tool_a_tool_reference_loaded_is_served(api: Api):
+    """Once a tool_reference loaded it, the deferred tool's definition is in the prompt (in the
+    tool result): a call to it may be forced, and the prompt ends with its start."""
+    session = api.new_session(task_id="claude-code-forced-found")
+    messages = [*first_messages(), *tool_search_found("WebFetch")]
+    body = claude_code(
+        messages,
+        tools=[BASH, TOOL_SEARCH, WEB_FETCH],
+        tool_choice={"type": "tool", "name": "WebFetch"},
+        thinking=None,
+        stream=False,
+    )
+    reply = post(api, session, body)
+    assert reply.status_code == 200, reply.text
+    (turn,) = view(api, session)["turns"]
+    prompt = prompt_of(api, turn)
+    assert prompt.endswith('<tool_call>\n{"name": "WebFetch", "arguments":')
+    assert '{"type": "function", "function": {"name": "WebFetch"' in prompt  # shown, then forced
+
+
 def test_head_and_get_of_the_root_answer_200_without_a_key(api: Api):
     head = api.call("HEAD", "/", key=NO_KEY)
     assert head.status_code == 200 and head.content == b""
