@@ -90,7 +90,7 @@ def new_plan(  # noqa: PLR0913  # keyword-only: one per field a plan records
 async def check_model(ctx: ServerContext, state: SessionState, model: str) -> None:
     """Any model name is served (the turn records it), unless the session's run has
     ``strict_model_names``: then only the served model's name and the run's ``model_aliases``."""
-    config = await _run_config(ctx, state)
+    config = await run_config(ctx, state)
     if config.strict_model_names and not answers_to(config, ctx.model_name, model):
         raise ModelNotFound(model, [ctx.model_name, *config.model_aliases])
 
@@ -155,7 +155,7 @@ async def structured_output(
         raise InvalidRequest(
             f"{param} type {kind!r} is not supported; use text, json_object or json_schema.", param
         )
-    if (await _run_config(ctx, state)).response_format == "refuse":
+    if (await run_config(ctx, state)).response_format == "refuse":
         raise InvalidRequest(
             f"{param} {kind!r} (structured output) would need constrained decoding, which proxrl "
             "does not do; this run refuses it. A run with response_format 'unconstrained' "
@@ -167,10 +167,11 @@ async def structured_output(
 
 async def run_temperature(ctx: ServerContext, state: SessionState) -> float:
     """The temperature of the session's run (kept in memory for a moment: ``ctx.run_configs``)."""
-    return (await _run_config(ctx, state)).temperature
+    return (await run_config(ctx, state)).temperature
 
 
-async def _run_config(ctx: ServerContext, state: SessionState) -> RunConfig:
+async def run_config(ctx: ServerContext, state: SessionState) -> RunConfig:
+    """The config of the session's run (kept in memory for a moment: ``ctx.run_configs``)."""
     config = await ctx.run_configs.get(state.run_id)
     if config is None:  # the run of a live session is never deleted
         raise RunNotFound(state.run_id)

@@ -26,12 +26,13 @@ from dataclasses import replace
 from typing import Any
 
 from server.context import ServerContext
-from server.errors import InvalidRequest, ResponseNotFound, RunNotFound
+from server.errors import InvalidRequest, ResponseNotFound
 from server.proxy import forced_calls, prompts
 from server.proxy.plan import (
     Plan,
     check_model,
     new_plan,
+    run_config,
     run_temperature,
     sampling_request,
     structured_output,
@@ -95,10 +96,7 @@ async def _hosted_tools(
     hosted = body.hosted_tools()
     if not hosted:
         return []
-    config = await ctx.run_configs.get(state.run_id)
-    if config is None:  # the run of a live session is never deleted
-        raise RunNotFound(state.run_id)
-    if config.hosted_tools == "refuse":
+    if (await run_config(ctx, state)).hosted_tools == "refuse":
         param, kind = hosted[0]
         raise InvalidRequest(
             f"Tools of type {kind!r} are hosted tools, which proxrl's engine cannot run, and "
