@@ -99,11 +99,11 @@ def seeded(proxy) -> Seeded:
         session = proxy.new_session(run_id, task_id=f"task-{index % 2}", group_id="g")
         first = [{"role": "user", "content": f"{index}+{index}?"}]
         answer = chat(session, first)
-        if index == 0:  # the agent rewrites its history: a new row
-            second = [{"role": "user", "content": "start over"}]
+        if index == 0:  # the agent rewrites its history (an answer it never got): a break
+            second = [*first, {"role": "assistant", "content": f"not {answer}"}]
         else:
             second = [*first, {"role": "assistant", "content": answer}]
-            second.append({"role": "user", "content": "sure?"})
+        second.append({"role": "user", "content": "sure?"})
         chat(session, second)
         sid = session["session_id"]
         proxy.ok("POST", f"/rl/sessions/{sid}/reward", json={"reward": reward})
