@@ -33,6 +33,7 @@ document (``documented``) and the error event a stream ends with
     │   └── ContextLengthUnknown 503  no engine has reported its context length yet
     ├── EngineError              503  the engine serving the request failed (Retry-After)
     │   ├── EngineUnavailable    503  it timed out, broke off or answered 5xx: another may serve
+    │   │   └── EngineTimedOut   503  it took longer than --request-timeout-s: not tried again
     │   └── EngineRejected       400  it refused the request (4xx): no other engine would take it
     └── WeightUpdateFailed       502  an engine failed to load weights or join a weight group
         ├── WeightsRefused       400  every engine refused the weights named
@@ -215,6 +216,11 @@ class EngineUnavailable(EngineError):
     """The engine did not answer, answered 5xx, or broke off: another engine may serve."""
 
 
+class EngineTimedOut(EngineUnavailable):
+    """The engine did not finish within the proxy's request timeout: the request's time is
+    spent, so it is neither resumed nor sent to another engine."""
+
+
 class EngineRejected(EngineError):
     """The engine refused the request (4xx): retrying elsewhere would not help."""
 
@@ -301,6 +307,13 @@ RENDERING: dict[type[ProxrlError], Rendering] = {
         503,
         _UNAVAILABLE,
         "engine_unavailable",
+        _ENGINE_RETRY_S,
+        lead="The engine serving this request failed: ",
+    ),
+    EngineTimedOut: Rendering(
+        503,
+        _UNAVAILABLE,
+        "engine_timeout",
         _ENGINE_RETRY_S,
         lead="The engine serving this request failed: ",
     ),

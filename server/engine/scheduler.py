@@ -305,15 +305,21 @@ class Scheduler:
             try:
                 self._prefill(seq)
             except Exception as exc:
-                if isinstance(exc, PrefillCancelled):
-                    message = "engine stopping"
-                else:
+                # Stopping: an abort like any other (another engine may serve it). A failure
+                # (out of memory, say) carries a status: resubmitting it would fail again.
+                reason: dict[str, Any] = {**ABORTED_RUNNING, "message": "engine stopping"}
+                if not isinstance(exc, PrefillCancelled):
                     log.exception("prefill of %s failed", seq.rid)
-                    message = "prefill failed"
+                    reason = {
+                        **ABORTED_RUNNING,
+                        "message": f"prefill failed: {type(exc).__name__}: {exc}"[:300],
+                        "status_code": 503,
+                        "err_type": "ServiceUnavailable",
+                    }
                 if self.running and self.running[-1] is seq:  # it took the last slot
                     self.running.pop()
                 seq.state = State.WAITING
-                self._finish(seq, {**ABORTED_RUNNING, "message": message})
+                self._finish(seq, reason)
 
     def _prefill(self, seq: Sequence) -> None:
         first_time = not seq.ever_ran

@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from server.errors import EngineError, EngineRejected, EngineUnavailable
+from server.errors import EngineError, EngineRejected, EngineTimedOut, EngineUnavailable
 
 CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=60.0, connect=5.0)
 WEIGHTS_TIMEOUT = aiohttp.ClientTimeout(total=600.0, connect=5.0)
@@ -152,8 +152,21 @@ class EngineClient:
     # ----- generation ---------------------------------------------------------------------
 
     async def generate(self, body: dict) -> Piece:
-        output = await self._post("/generate", {**body, "stream": False}, self._generate_timeout)
+        try:
+            output = await self._post(
+                "/generate", {**body, "stream": False}, self._generate_timeout
+            )
+        except EngineUnavailable as exc:
+            raise self._failure(exc, exc.__cause__) from exc.__cause__
         return piece_from_output(output)
+
+    def _failure(self, unavailable: EngineUnavailable, cause: BaseException | None) -> EngineError:
+        """``unavailable``, or EngineTimedOut where ``cause`` is the generate timeout running out
+        (the request's time is spent: not tried again)."""
+        if isinstance(cause, TimeoutError):
+            seconds = self._generate_timeout.total
+            return EngineTimedOut(f"{self.url}/generate did not finish within {seconds:g} s")
+        return unavailable
 
     async def generate_stream(self, body: dict, incremental: bool) -> AsyncIterator[Piece]:
         """Pieces as the engine streams them; the last one carries the finish reason."""
@@ -175,7 +188,7 @@ class EngineClient:
                     seen += len(piece.ids)
                     yield piece
         except _FAILURES as exc:
-            raise EngineUnavailable(f"{url} broke off: {exc!r}") from exc
+            raise self._failure(EngineUnavailable(f"{url} broke off: {exc!r}"), exc) from exc
         raise EngineUnavailable(f"{url} ended without [DONE]")
 
     # ----- control --------------------------------------------------------------------------

@@ -4,7 +4,9 @@ An engine answers a request with ``finish_reason.type == "abort"`` when a weight
 (or it is aborted); this module then resubmits prompt + tokens so far with the remaining budget,
 on the same engine, which holds the request until the swap is done. An engine that fails is
 left for another one, again resuming from the tokens already received; an engine that refuses
-the request (``EngineRejected``: the request's fault) ends it and stays in rotation. Each token
+the request (``EngineRejected``: the request's fault) ends it and stays in rotation; so do an
+abort that carries an HTTP status (the engine failed this request: a prefill out of memory) and
+a request that outlasts the request timeout (``EngineTimedOut``). Each token
 keeps the policy version that sampled it. This module knows nothing about chat, sessions or
 the store.
 """
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 from server.engine_client.client import EngineUnavailable, Piece
 from server.engine_client.pool import EnginePool, EngineState, NoEngineAvailable, parse_version
+from server.errors import EngineRejected, EngineTimedOut
 
 MAX_RESUMES = 32  # swaps or engine failures one completion may live through
 # How long a request waits for an engine to come (back) into rotation before it is refused
@@ -141,6 +144,8 @@ async def complete(
         body = engine_body(request, completion.ids, f"{rid}-{completion.resumes}")
         try:
             reason = await _attempt(engine, body, stream, completion, on_piece)
+        except EngineTimedOut:
+            raise  # the request's time is spent; the engine may well be fine
         except EngineUnavailable as exc:
             pool.mark_down(engine, str(exc))
             failed.add(engine.url)
@@ -148,9 +153,23 @@ async def complete(
         if reason.get("type") != "abort":
             completion.finish_reason = reason
             return completion
+        _raise_for_abort_status(engine.url, reason)
         if len(completion.ids) >= request.max_tokens:  # aborted with the budget spent
             completion.finish_reason = {"type": "length", "length": request.max_tokens}
             return completion
         completion.resumes += 1
         if completion.resumes > MAX_RESUMES:
             raise NoEngineAvailable(f"gave up after {MAX_RESUMES} interruptions: {reason}")
+
+
+def _raise_for_abort_status(url: str, reason: dict) -> None:
+    """An abort that carries an HTTP status (the engine refused or failed this request: a
+    prefill that ran out of memory, say) ends the request: resubmitting it would fail again.
+    Aborts without one (a pause, an abort request, a stopping engine) are resumed."""
+    status = reason.get("status_code")
+    if not isinstance(status, int) or isinstance(status, bool):
+        return
+    message = str(reason.get("message") or "aborted")
+    if 400 <= status < 500:
+        raise EngineRejected(status, message)
+    raise EngineUnavailable(f"{url}: {message}")
