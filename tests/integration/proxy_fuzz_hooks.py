@@ -13,8 +13,12 @@ what was generated:
 
 And so that generations reach the engine at all, a generation body names the served model
 (``PROXRL_FUZZ_MODEL``) and loses the sampling settings the proxy refuses for what they would do
-to training (top_p < 1, penalties, logit_bias, forced tools, constrained formats, and the like):
-random values for them would otherwise refuse nearly every generated body with a 400. Schemathesis
+to training (top_p < 1, penalties, logit_bias, constrained formats, and the like): random values
+for them would otherwise refuse nearly every generated body with a 400. A ``tool_choice`` that
+forces a call (``required``, Anthropic's ``any``, a named tool) is served, its call started in the
+prompt (server/proxy/forced_calls.py), so it is sent as generated; one that names a tool names the
+body's first tool of its kind, where the body has one, so that forced named calls reach the engine
+too (a name not among the tools is a 400, which the document gives every generation). Schemathesis
 re-validates an edited case, so one the edit makes schema-valid counts as positive.
 """
 
@@ -58,8 +62,7 @@ def _trainable(body: dict[str, Any]) -> None:
         del body["top_p"]
     for field in UNTRAINABLE:
         body.pop(field, None)
-    if body.get("tool_choice") not in (None, "auto", "none"):
-        del body["tool_choice"]
+    _name_a_tool(body, _chat_tool_name)
     if body.get("top_logprobs") and body.get("logprobs") is not True:
         del body["top_logprobs"]
     if body.get("echo") and body.get("logprobs") is not None:
@@ -67,9 +70,9 @@ def _trainable(body: dict[str, Any]) -> None:
 
 
 def _responses_trainable(body: dict[str, Any]) -> None:
-    """The Responses API's body: the served model, at most MAX_TOKENS tokens, and none of what
-    it refuses for training (top_p < 1, forced tools, structured output, stored prompts,
-    conversations, background mode)."""
+    """The Responses API's body: the served model, at most MAX_TOKENS tokens, a named tool
+    choice naming a tool of its kind, and none of what it refuses for training (top_p < 1,
+    structured output, stored prompts, conversations, background mode)."""
     if isinstance(body.get("model"), str):
         body["model"] = os.environ.get("PROXRL_FUZZ_MODEL", body["model"])
     limit = body.setdefault("max_output_tokens", MAX_TOKENS)
@@ -77,15 +80,15 @@ def _responses_trainable(body: dict[str, Any]) -> None:
         body["max_output_tokens"] = MAX_TOKENS
     if body.get("top_p") not in (None, 1):
         del body["top_p"]
-    if body.get("tool_choice") not in (None, "auto", "none"):
-        del body["tool_choice"]
+    _name_a_tool(body, _responses_tool_name)
     for field in ("text", "prompt", "conversation", "background"):
         body.pop(field, None)
 
 
 def _messages_trainable(body: dict[str, Any]) -> None:
-    """Anthropic's Messages body: the served model, at most MAX_TOKENS tokens, and none of what
-    it refuses for training (top_p < 1, top_k, forced tools)."""
+    """Anthropic's Messages body: the served model, at most MAX_TOKENS tokens, a named tool
+    choice naming a tool the prompt shows, and none of what it refuses for training (top_p < 1,
+    top_k)."""
     if isinstance(body.get("model"), str):
         body["model"] = os.environ.get("PROXRL_FUZZ_MODEL", body["model"])
     limit = body.get("max_tokens")
@@ -94,9 +97,40 @@ def _messages_trainable(body: dict[str, Any]) -> None:
     if body.get("top_p") not in (None, 1):
         del body["top_p"]
     body.pop("top_k", None)
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") not in ("auto", "none"):
-        del body["tool_choice"]
+    _name_a_tool(body, _messages_tool_name)
+
+
+def _name_a_tool(body: dict[str, Any], name_of: Any) -> None:
+    """Point a tool_choice that names a tool at the body's first tool it may name
+    (``name_of(choice, tool)``: the tool's name, or None when the choice cannot name it), where
+    there is one; every other choice is sent as generated."""
+    choice, tools = body.get("tool_choice"), body.get("tools")
+    if not isinstance(choice, dict) or not isinstance(tools, list):
+        return
+    for tool in tools:
+        name = name_of(choice, tool) if isinstance(tool, dict) else None
+        if isinstance(name, str):
+            if isinstance(choice.get("function"), dict):  # Chat Completions' shape
+                choice["function"]["name"] = name
+            else:
+                choice["name"] = name
+            return
+
+
+def _chat_tool_name(choice: dict[str, Any], tool: dict[str, Any]) -> Any:
+    function = tool.get("function")
+    named = choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+    return function.get("name") if named and isinstance(function, dict) else None
+
+
+def _responses_tool_name(choice: dict[str, Any], tool: dict[str, Any]) -> Any:
+    named = choice.get("type") in ("function", "custom") and tool.get("type") == choice["type"]
+    return tool.get("name") if named else None
+
+
+def _messages_tool_name(choice: dict[str, Any], tool: dict[str, Any]) -> Any:
+    named = choice.get("type") == "tool" and not tool.get("defer_loading")
+    return tool.get("name") if named else None
 
 
 def _cap_admission_wait(config: dict[str, Any]) -> None:
