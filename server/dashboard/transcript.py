@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.rl.schemas import TurnOut
+from server.store.rows import asks_the_same
 
 
 @dataclass
@@ -35,13 +36,7 @@ def _kind(turn: TurnOut, previous: TurnOut | None) -> str:
         return "conversation"
     if turn.extends_previous:
         return "continues"
-    asked_the_same = turn.prompt_ids == previous.prompt_ids or (
-        turn.surface == previous.surface == "chat"
-        and turn.messages is not None
-        and turn.messages == previous.messages
-        and turn.tools == previous.tools
-    )
-    return "retry" if asked_the_same else "break"
+    return "retry" if asks_the_same(turn, previous) else "break"
 
 
 def transcript(turns: list[TurnOut]) -> list[TranscriptTurn]:

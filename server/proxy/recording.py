@@ -7,8 +7,9 @@ A request is placed in one of the session's conversations (docs/concepts.md), tr
    (``prompt.continues``): that conversation. Its first completion continues the turn's row if
    the turn is still the row's last; otherwise (the agent went back to an earlier answer) it
    opens a row and is a *break*, unless it is a retry.
-2. **retry**: the same prompt token ids as a conversation's latest request (a timeout, an error,
-   a framework's retry): that conversation, a new row, whose turns ``rows`` then marks as
+2. **retry**: asks the same as a conversation's latest request (``rows.asks_the_same``: the same
+   prompt token ids, or on chat the same messages and tools; a timeout, an error, a framework's
+   retry): that conversation, a new row, whose turns ``rows`` then marks as
    alternatives unless the session goes on from one of them. Not a break.
 3. **break**: its prompt begins with a conversation's *opening* (that conversation's first
    prompt up to the header of the answer it asked for: the same system prompt, tools and first
@@ -47,6 +48,7 @@ from server.proxy.session_cache import (
     last_turn,
     opening_length,
 )
+from server.store.rows import asks_the_same
 from server.store.turns import TurnRecord
 from server.store.writer import TurnWriter
 from server.text.tokenization import Tokenizer
@@ -88,19 +90,22 @@ class Place:
     retried: list[LastTurn]
 
 
-def place(state: SessionState, prompt: Prompt, opening: Callable[[], int]) -> Place:
+def place(
+    state: SessionState, prompt: Prompt, opening: Callable[[], int], log: RequestLog
+) -> Place:
     """The rule in the module docstring. ``opening`` gives the opening of the prompt, should it
-    start a conversation."""
+    start a conversation; ``log`` what the request asked."""
+    asked = LastTurn("", -1, prompt.ids, [], "", 0, log.surface, log.messages, log.tools)
     continued = prompt.continues
     if continued is not None and continued.conversation in state.conversations:
         conversation = state.conversations[continued.conversation]
-        retried = retried_turns(conversation.last, prompt.ids)
+        retried = retried_turns(conversation.last, asked)
         if state.row_tails.get(continued.row_index) == continued.completion_id:
             return Place(conversation, Kind.CONTINUE, continued.row_index, retried)
         return Place(conversation, Kind.RETRY if retried else Kind.BREAK, None, retried)
     recent_first = list(reversed(state.conversations.values()))
     for conversation in recent_first:
-        retried = retried_turns(conversation.last, prompt.ids)
+        retried = retried_turns(conversation.last, asked)
         if retried:
             return Place(conversation, Kind.RETRY, None, retried)
     opened = [c for c in recent_first if c.opened_by(prompt.ids)]
@@ -120,7 +125,7 @@ async def record(
     log: RequestLog,
 ) -> None:
     async with state.lock:
-        found = place(state, prompt, lambda: opening_length(tokenizer, prompt.ids))
+        found = place(state, prompt, lambda: opening_length(tokenizer, prompt.ids), log)
         conversation = found.conversation
         tails = dict(state.row_tails)
         next_turn, next_row = state.next_turn, state.next_row
@@ -143,6 +148,7 @@ async def record(
                     prompt.ids,
                     item.completion.ids,
                     conversation.index,
+                    (log.surface, log.messages, log.tools),
                 )
             )
             next_turn += 1
@@ -158,12 +164,13 @@ async def record(
         state.engine = served[0].completion.engine
 
 
-def retried_turns(last: list[LastTurn], prompt_ids: list[int]) -> list[LastTurn]:
+def retried_turns(last: list[LastTurn], asked: LastTurn) -> list[LastTurn]:
     """The conversation's latest request's turns (and its earlier attempts) when this request
-    asks with the very same prompt ids: a retry. ``last[0]`` is that request's first choice."""
-    if not last or last[0].prompt_ids != prompt_ids:
+    (``asked``) asks the same (``rows.asks_the_same``, the one definition of a retry): a retry.
+    ``last[0]`` is that request's first choice."""
+    if not last or not asks_the_same(last[0], asked):
         return []
-    return [turn for turn in last if turn.prompt_ids == prompt_ids]
+    return [turn for turn in last if asks_the_same(turn, asked)]
 
 
 def next_last(

@@ -24,11 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import takewhile
+from typing import Any
 
 from server.store import sessions as store_sessions
 from server.store import turns as store_turns
 from server.store.database import Sessionmaker
 from server.store.packing import unpack_ints
+from server.store.rows import asks_the_same
 from server.store.tables import Turn
 from server.text.tokenization import Tokenizer
 
@@ -47,6 +49,10 @@ class LastTurn:
     completion_ids: list[int]
     text: str  # the text of prompt + completion, special tokens included
     conversation: int = 0
+    # what its request asked, to tell a retry (``rows.asks_the_same``)
+    surface: str = "chat"
+    messages: list[Any] | None = None
+    tools: list[Any] | None = None
 
 
 @dataclass(eq=False)
@@ -106,9 +112,22 @@ def last_turn(
     prompt_ids: list[int],
     completion_ids: list[int],
     conversation: int = 0,
+    asked: tuple[str, list[Any] | None, list[Any] | None] = ("chat", None, None),
 ) -> LastTurn:
+    """``asked``: its request's surface, messages and tools."""
     text = tokenizer.decode(prompt_ids + completion_ids, skip_special_tokens=False)
-    return LastTurn(completion_id, row_index, prompt_ids, completion_ids, text, conversation)
+    surface, messages, tools = asked
+    return LastTurn(
+        completion_id,
+        row_index,
+        prompt_ids,
+        completion_ids,
+        text,
+        conversation,
+        surface,
+        messages,
+        tools,
+    )
 
 
 def opening_length(tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> int:
@@ -145,11 +164,12 @@ def kept_turns(latest: list[Turn], earlier: list[Turn]) -> list[Turn]:
     them, the choice whose tokens the prompt extends). ``earlier``: the conversation's turns
     before ``latest``, latest first."""
     prompt = latest[0].prompt_ids
+    asked = latest[0]
     attempts: list[list[Turn]] = []  # the retried requests' turns, latest request first
     rest = iter(earlier)
     continued = None  # the latest turn of the request before the attempts
     for turn in rest:
-        if turn.prompt_ids != prompt:
+        if not asks_the_same(turn, asked):
             continued = turn
             break
         if attempts and attempts[-1][0].request_id == turn.request_id:
@@ -235,4 +255,5 @@ class SessionRegistry:
             unpack_ints(turn.prompt_ids),
             unpack_ints(turn.completion_ids),
             turn.conversation,
+            (turn.surface, turn.messages, turn.tools),
         )

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 PROMPT_VERSION = -1  # version recorded for prompt positions, which no policy sampled
 
@@ -68,11 +68,25 @@ def continues(prev_prompt: list[int], prev_completion: list[int], prompt: list[i
     )
 
 
-def asks_the_same(turn: TurnTokens, other: TurnTokens) -> bool:
+class Asked(Protocol):
+    """What a request asked, as a turn of it records it."""
+
+    @property
+    def prompt_ids(self) -> object: ...  # token ids, or the store's packed form of them
+    @property
+    def surface(self) -> str: ...
+    @property
+    def messages(self) -> list[Any] | None: ...
+    @property
+    def tools(self) -> list[Any] | None: ...
+
+
+def asks_the_same(turn: Asked, other: Asked) -> bool:
     """Did the two turns' requests ask the same, i.e. is one a retry of the other? The same
     prompt token ids, on any surface; chat requests also by their messages and tools (the same
     conversation may tokenize otherwise once its history is no longer spliced). Equality stops
-    at the first difference."""
+    at the first difference. The one definition of a retry: the recorder places requests by it
+    (``recording.place``), and the rows, the counters and the dashboard read it back."""
     if turn.prompt_ids == other.prompt_ids:
         return True
     return (

@@ -8,6 +8,7 @@ through the real path: the tiny model's chat template renders the agent's messag
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -15,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from server.dashboard.transcript import transcript
 from server.proxy import prompts
 from server.proxy.generation import Completion
 from server.proxy.recording import RequestLog, Served, record
@@ -27,6 +29,7 @@ from server.proxy.session_cache import (
 from server.store.rows import TurnTokens, alternatives, retries
 from server.store.turns import TurnRecord
 from server.text.tokenization import Tokenizer
+from tests.support import turn_out
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +56,16 @@ class Session:
     store: Store = field(default_factory=Store)
     sent: int = 0
 
-    def send(self, messages: list[dict], n: int = 1) -> list[TurnRecord]:
-        """One request: the prompt spliced from the session's state, ``n`` answers."""
+    def send(
+        self, messages: list[dict], n: int = 1, ids: list[int] | None = None
+    ) -> list[TurnRecord]:
+        """One request: the prompt spliced from the session's state (or ``ids``, as if the
+        messages had tokenized otherwise), ``n`` answers."""
         self.sent += 1
         text = self.tokenizer.render(messages)
         prompt = prompts.splice(self.tokenizer, text, self.state.last)
+        if ids is not None:
+            prompt = prompts.Prompt(ids, None)
         served = []
         for choice in range(n):
             ids = [*self.tokenizer.encode(f"answer {self.sent}.{choice}"), self.end]
@@ -153,6 +161,42 @@ def test_a_retry_with_a_side_request_between_is_still_a_retry(tokenizer):
     assert again.conversation == 0 and again.new_row and not again.is_break
     tokens = session.tokens()
     assert retries(tokens) == 1 and alternatives(tokens) == {first.completion_id}
+
+
+def test_the_same_messages_tokenized_otherwise_are_a_retry_everywhere(tokenizer):
+    """One definition of a retry (``rows.asks_the_same``): a chat request whose messages and
+    tools are the previous request's, its prompt ids not (the history was no longer spliced),
+    is placed as a retry, not a break, and the rows, the retry counter and the dashboard's
+    transcript agree: rows = conversations + breaks + retries + extra choices."""
+    session = Session(tokenizer)
+    main = [system("You are a coding agent."), user("Fix the bug.")]
+    (first,) = session.send(main)
+    otherwise = [*first.prompt_ids, *tokenizer.encode(" ")]  # still begins with its opening
+    (again,) = session.send(main, ids=otherwise)
+
+    assert again.prompt_ids != first.prompt_ids
+    assert again.conversation == 0 and again.new_row
+    assert not again.is_break and not again.new_conversation
+    records = session.store.records
+    tokens = session.tokens()
+    conversations = sum(r.new_conversation for r in records)
+    breaks = sum(r.is_break for r in records)
+    assert (conversations, breaks, retries(tokens)) == (1, 0, 1)
+    assert sum(r.new_row for r in records) == conversations + breaks + retries(tokens)
+    assert alternatives(tokens) == {first.completion_id}
+    shown = [
+        dataclasses.replace(
+            turn_out(r.turn_index, surface="chat", model="tiny", messages=r.messages, response={}),
+            completion_id=r.completion_id,
+            request_id=r.request_id,
+            row_index=r.row_index,
+            extends_previous=r.extends_previous,
+            conversation=r.conversation,
+            prompt_ids=r.prompt_ids,
+        )
+        for r in records
+    ]
+    assert [t.kind for t in transcript(shown)] == ["conversation", "retry"]
 
 
 def test_opening_ends_before_the_answer_header(tokenizer):
