@@ -29,7 +29,7 @@ def assert_record_is_the_session(record: dict, view: dict) -> None:
     """Every field of the record against GET /rl/sessions/{id}."""
     assert list(record) == names()
     plain = "session_id run_id task_id group_id eval status drop_reason turn_count row_count "
-    plain += "breaks retries reward"
+    plain += "conversations breaks retries reward"
     for name in plain.split():
         assert record[name] == view[name], name
     assert json.loads(record["metadata_json"]) == view["metadata"]
@@ -42,7 +42,8 @@ def assert_record_is_the_session(record: dict, view: dict) -> None:
     alternatives = {t["completion_id"]: t["alternative"] for r in view["rows"] for t in r["turns"]}
     assert len(record["turns"]) == len(view["turns"])
     for got, want in zip(record["turns"], view["turns"], strict=True):
-        exact = "completion_id request_id turn_index row_index surface model finish_reason "
+        exact = "completion_id request_id turn_index row_index conversation surface model "
+        exact += "finish_reason "
         exact += "extends_previous prompt_ids completion_ids logprobs versions reward engine "
         exact += "resubmits"
         for name in exact.split():

@@ -48,6 +48,12 @@ TURN = (
     Column("request_id", "string", "Shared by the choices of one request (n > 1)."),
     Column("turn_index", "int", "Its order in the session, from 0."),
     Column("row_index", "int", "The training row it belongs to (rows[].row_index)."),
+    Column(
+        "conversation",
+        "int",
+        "The session's conversation it belongs to, from 0 in order of first request "
+        "(the agent's main thread, a title or summary request, a sub-agent...).",
+    ),
     Column("surface", "string", "The API it came through: chat, completions, responses, messages."),
     Column("model", "string", "The model name the request asked for.", nullable=True),
     Column("finish_reason", "string", "Why sampling stopped: stop, length, tool_calls, ..."),
@@ -101,7 +107,18 @@ SESSION = (
     Column("ended_at", "string", "When it ended (ISO-8601, UTC; null: open).", nullable=True),
     Column("turn_count", "int", "Its turns."),
     Column("row_count", "int", "Its training rows."),
-    Column("breaks", "int", "Turns that did not extend the previous one (each opened a row)."),
+    Column(
+        "conversations",
+        "int",
+        "Its conversations: the agent's main thread and each request that continued none of "
+        "the session's conversations (a title or summary request, a sub-agent, a compacted "
+        "history). Each opened a row.",
+    ),
+    Column(
+        "breaks",
+        "int",
+        "Requests that changed a conversation's recorded history (each opened a row).",
+    ),
     Column("retries", "int", "Requests sent again whose answer the session did not go on from."),
     Column("reward", "float", "Its session reward (null: none).", nullable=True),
     Column("rewards", "records", "Every reward posted, by target.", fields=REWARD),

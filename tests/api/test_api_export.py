@@ -197,6 +197,8 @@ def test_the_run_has_every_shape_of_turn(run: dict):
     assert {"str", "list"} <= set(contents)  # one field, two shapes, in one file
     assert [t["surface"] for t in views[ids["mixed"]]["turns"]] == ["chat", "messages", "responses"]
     assert views[ids["text"]]["turns"][0]["messages"] is None
+    for view in views.values():  # a session counts the conversations its turns are in
+        assert view["conversations"] == len({t["conversation"] for t in view["turns"]})
     retry = views[ids["retry"]]
     assert retry["retries"] == 1
     assert [t["alternative"] for r in retry["rows"] for t in r["turns"]].count(True) == 1
