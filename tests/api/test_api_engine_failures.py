@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -78,7 +79,7 @@ def proxy_on(engine: ThreadedEngine, tmp_path, **settings) -> Iterator[Api]:
         **settings,
     )
     with TestClient(create_app(config)) as client:
-        yield Api(client, engine.service.settings.model)
+        yield Api(client, Path(engine.service.settings.model))
 
 
 @contextmanager
@@ -133,8 +134,11 @@ def test_a_prefill_that_runs_out_of_memory_is_a_503_on_every_surface(tiny_model_
 def test_an_engine_slower_than_the_request_timeout_is_a_503_on_every_surface(
     tiny_model_dir, tmp_path
 ):
+    slow_now = threading.Event()
+
     def slow(original, *args, **kwargs):
-        time.sleep(2.5)
+        if slow_now.is_set():
+            time.sleep(2.5)
         return original(*args, **kwargs)
 
     with (
@@ -142,6 +146,8 @@ def test_an_engine_slower_than_the_request_timeout_is_a_503_on_every_surface(
         proxy_on(engine, tmp_path, request_timeout_s=1.0) as api,
     ):
         session = api.new_session(task_id="timeout")
+        assert send(api, session, "chat", "hi").status_code == 200  # the engine is in rotation
+        slow_now.set()
         for surface in SURFACES:
             reply = send(api, session, surface, "hi")
             error = error_of(reply, surface, 503)
