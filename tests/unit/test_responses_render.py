@@ -71,7 +71,9 @@ def renderer_for(tokenizer: Tokenizer, limit: int) -> ResponsesRenderer:
         model="m",
         tool_names={"calculator"},
     )
-    return ResponsesRenderer(SimpleNamespace(tokenizer=tokenizer, model_name="tiny"), plan, body)  # type: ignore[arg-type]
+    return ResponsesRenderer(
+        SimpleNamespace(tokenizer=tokenizer, model_name="tiny", metrics=None), plan, body
+    )  # type: ignore[arg-type]
 
 
 def completion_of(ids: list[int], reason: str) -> Completion:
