@@ -20,6 +20,14 @@ prompt (server/proxy/forced_calls.py), so it is sent as generated; one that name
 body's first tool of its kind, where the body has one, so that forced named calls reach the engine
 too (a name not among the tools is a 400, which the document gives every generation). Schemathesis
 re-validates an edited case, so one the edit makes schema-valid counts as positive.
+
+A cookie's generated value is sent as it would be read back: each character a Cookie header
+cannot carry in a value (anything outside RFC 6265's cookie-octets: ``;`` ends the cookie, spaces
+and a leading quote are stripped, non-ASCII is not sent) becomes ``_``, keeping its length. The
+document bounds the dashboard cookie by its length only, so the value stays as valid or as
+invalid as generated; left as generated, ``proxrl_admin=d^~%^wdKx;*???...`` (4104 characters)
+is a 9-character cookie and one with no name, which the server reads as such, and schemathesis
+counted its 200 an over-long cookie accepted.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ import schemathesis
 MAX_TOKENS = 4
 MAX_ADMISSION_WAIT_S = 0.5
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+# RFC 6265 4.1.1: the characters a cookie's value may hold (no space, '"', ',', ';' or '\\').
+COOKIE_OCTETS = frozenset(chr(c) for c in range(0x21, 0x7F)) - set('",;\\')
 UNTRAINABLE = (
     "presence_penalty",
     "frequency_penalty",
@@ -139,8 +149,18 @@ def _cap_admission_wait(config: dict[str, Any]) -> None:
         config["admission_wait_s"] = MAX_ADMISSION_WAIT_S
 
 
+def _cookie_value(value: Any) -> Any:
+    """``value`` as a Cookie header carries it: every character that is not a cookie-octet
+    replaced by ``_``, so its length (what the document bounds) is what the server reads."""
+    if not isinstance(value, str):
+        return value
+    return "".join(char if char in COOKIE_OCTETS else "_" for char in value)
+
+
 @schemathesis.hook
 def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
+    if case.cookies:
+        case.cookies = {name: _cookie_value(value) for name, value in case.cookies.items()}
     body, path = case.body, case.operation.path
     if not isinstance(body, dict):
         return
