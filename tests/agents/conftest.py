@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from server.common import tiny_model
-from tests.agents import agents as lane
+from tests.agents import agent_programs as lane
 from tests.agents import warmup
 from tests.support import ProxyProcess
 

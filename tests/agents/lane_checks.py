@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.agents.agents import Agent, AgentRun
+from tests.agents.agent_programs import Agent, AgentRun
 
 # How each surface carries a tool's result back to the model.
 TOOL_RESULT_MARKERS = ('"role": "tool"', '"type": "tool_result"', '"type": "function_call_output"')
