@@ -50,6 +50,7 @@ RULES: dict[str, tuple] = {
 
 ACCESS: dict[tuple[str, str], str] = {
     ("GET", "/health"): "open",
+    ("GET", "/"): "open",
     ("GET", "/metrics"): "open",  # on loopback; elsewhere the admin key (tested in test_proxy_rest)
     ("GET", "/openapi.json"): "open",
     ("GET", "/docs"): "open",
