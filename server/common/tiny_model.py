@@ -1,4 +1,5 @@
-"""Create proxrl's tiny model: a locally trained tokenizer and a random Llama-architecture LM.
+"""Create proxrl's tiny model: a locally trained tokenizer and a random Llama-architecture LM
+(or Mistral, the same with a sliding attention window on every layer).
 
 No model hub is reachable where proxrl is developed and tested, so the project makes its own
 model. The result is an ordinary Hugging Face model directory (``config.json``,
@@ -135,16 +136,26 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE, reasoning: bool = False) -> To
 
 
 def create_tiny_model(
-    out_dir: str | Path, size: str = "tiny", template: str = "default", context: int | None = None
+    out_dir: str | Path,
+    size: str = "tiny",
+    template: str = "default",
+    context: int | None = None,
+    window: int | None = None,
 ) -> Path:
     """Build the tokenizer and model of ``size`` and save them as a Hugging Face directory, with
     the chat template ``template`` (the reasoning one brings ``<think>`` tokens along) and
-    ``context`` positions (None: the size's own, 2,048 or 4,096)."""
+    ``context`` positions (None: the size's own, 2,048 or 4,096).
+
+    ``window``: a Mistral model whose every layer attends to the last ``window`` tokens only,
+    so its next token depends on the last ``num_hidden_layers * window`` tokens of a prompt
+    however long (None: Llama, full attention)."""
     import torch
     from transformers import (
         GenerationConfig,
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         PreTrainedTokenizerFast,
     )
 
@@ -168,7 +179,7 @@ def create_tiny_model(
     hf_tokenizer.save_pretrained(out)
 
     eos_id, pad_id = hf_tokenizer.eos_token_id, hf_tokenizer.pad_token_id
-    config = LlamaConfig(
+    architecture = dict(
         vocab_size=len(hf_tokenizer),
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -181,12 +192,19 @@ def create_tiny_model(
         eos_token_id=eos_id,
         pad_token_id=pad_id,
     )
+    config = (
+        LlamaConfig(**architecture)
+        if window is None
+        else MistralConfig(**architecture, sliding_window=window)
+    )
     # Pin the neutral tokenizer class so AutoTokenizer keeps the pipeline saved in
     # tokenizer.json. (Llama, not Qwen2: transformers 5 overrides a pinned class for qwen2
     # and builds Qwen2's regex pre-tokenizer and NFC normalizer instead.)
     config.tokenizer_class = "TokenizersBackend"
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config)
+    model = (
+        LlamaForCausalLM(config) if isinstance(config, LlamaConfig) else MistralForCausalLM(config)
+    )
     model.generation_config = GenerationConfig(
         eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, do_sample=True
     )

@@ -83,6 +83,7 @@ class Agent:
     name: str
     shell_tool: str
     arguments: dict
+    result_format: str  # how the agent wraps a command's output in the tool result it sends
     timeout_s: float = 150.0
 
     def command(self, modules: Path) -> list[str]:
@@ -128,12 +129,13 @@ class QwenCode(Agent):
 
     ``--bare`` skips its auto-discovered context (skills, extensions, memory files) and the
     tools it does not need are excluded, with a one-line system prompt: its default prompt is
-    about 47,000 tokens of the tiny tokenizer, this one under 5,000 (run_shell_command's own
-    description is most of it), which two CPU cores prefill in seconds."""
+    about 47,000 tokens of the tiny tokenizer, this one about 6,600 (the descriptions of
+    run_shell_command and read_file are most of it), which two CPU cores prefill in seconds.
+    ``read_file`` stays: an excluded tool is a deny rule, and the shell tool checks a reading
+    command such as ``ls`` against ``read_file``'s rules, so excluding it denies ``ls``."""
 
     EXCLUDED_TOOLS = (
-        "agent,get_goal,list_agents,skill,tool_call,tool_search,update_goal,"
-        "edit,notebook_edit,read_file"
+        "agent,get_goal,list_agents,skill,tool_call,tool_search,update_goal,edit,notebook_edit"
     )
     SYSTEM_PROMPT = "You are a coding agent. Use the shell tool."
 
@@ -177,5 +179,11 @@ class QwenCode(Agent):
         ]
 
 
-QWEN_CODE = QwenCode("qwen-code", "run_shell_command", {"command": "ls"})
+QWEN_CODE = QwenCode(
+    "qwen-code",
+    "run_shell_command",
+    {"command": "ls"},
+    "Command: ls\nDirectory: (root)\nOutput: {output}\nError: (none)\nExit Code: 0\n"
+    "Signal: (none)\nProcess Group PGID: (none)",
+)
 AGENTS = [QWEN_CODE]

@@ -2,10 +2,11 @@
 for every agent of the session.
 
 The warm-up: each agent runs once against the untrained model (its answer is noise, its
-prompt is stored), the tiny model is fine-tuned on those prompts (``warmup.py``) and published
-to the running server through ``POST /rl/weights``. The warmed model is cached by what it
-depends on (the lock, the agents' configuration, the warm-up code, the day: the agents put the
-date in their prompts), so a rerun skips the capture and the fine-tune.
+prompt is stored), the tiny model (with a sliding attention window, so that the fine-tune sees
+only the prompts' tails: ``warmup.py``) is fine-tuned on those prompts and published to the
+running server through ``POST /admin/weights``. The warmed model is cached by what it depends on
+(the lock, the agents' configuration, the warm-up code, the day: the agents put the date in
+their prompts), so a rerun skips the capture and the fine-tune.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tests.support import ProxyProcess
 
 MODEL = "tiny"
 CONTEXT = 32768
+WINDOW = 128  # each layer's attention window: the warm-up trains on the prompts' last 4 x 128
 
 
 @dataclass
@@ -88,7 +90,7 @@ def agent_lane(tmp_path_factory) -> Lane:
     root.mkdir(parents=True)
     modules = lane.install()
     models = tmp_path_factory.mktemp("agents-model")
-    base = tiny_model.create_tiny_model(models / MODEL, context=CONTEXT)
+    base = tiny_model.create_tiny_model(models / MODEL, context=CONTEXT, window=WINDOW)
     warmed = lane.cache_root() / f"warm-{_warm_key()}"
     with ProxyProcess(base, tmp_path_factory.mktemp("agents-serve")) as proxy:
         state = Lane(proxy, modules, root)
@@ -99,9 +101,13 @@ def agent_lane(tmp_path_factory) -> Lane:
                 session, _ = state.run(agent)
                 (turn, *_) = state.session(session["session_id"])["turns"]
                 examples += warmup.examples_for(
-                    tokenizer, turn["prompt_ids"], agent.shell_tool, agent.arguments
+                    tokenizer,
+                    turn["prompt_ids"],
+                    agent.shell_tool,
+                    agent.arguments,
+                    agent.result_format,
                 )
             state.warm_up = warmup.warm_up(base, warmed, examples)
-        state.rest("POST", "/rl/weights", json={"model_path": str(warmed)})
+        state.rest("POST", "/admin/weights", json={"model_path": str(warmed)})
         yield state
         shutil.rmtree(root, ignore_errors=True)
