@@ -117,6 +117,8 @@ bench: venv
 	$(PY) bench/async_vs_sync.py
 	$(PY) bench/staleness_ablation.py
 	$(PY) bench/staleness_sim.py
+	$(PY) bench/prefix_cache.py
+	$(PY) bench/long_prompts.py --lengths 8192 32768
 
 demo: venv
 	$(VENV)/bin/proxrl demo
