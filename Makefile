@@ -87,8 +87,11 @@ system-deps:
 
 # Everything but the tests marked slow (the end-to-end runs and the reliability drills), which
 # `make test-slow` runs; CI runs both.
+# The in-process tiers (tests/unit, tests/api) on 2 workers, as make test-fast runs them (they start
+# no process); then the tiers that start servers, one test at a time.
 test: venv system-deps
-	$(PY) -m pytest -q -m "not slow" --durations=15
+	$(PY) -m pytest -q -m "not slow" -n 2 --durations=15 tests/unit tests/api
+	$(PY) -m pytest -q -m "not slow" --durations=15 --ignore=tests/unit --ignore=tests/api
 
 test-slow: venv system-deps
 	$(PY) -m pytest -q -m slow --durations=15
