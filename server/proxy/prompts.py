@@ -21,15 +21,20 @@ template drops when it renders history (the splice rule, :func:`aligned_end`):
   the block as sampled, bar the whitespace around its inside and after it (templates re-render
   ``<think>\\n`` + reasoning + ``\\n</think>\\n\\n``);
 - **whitespace** at the start of an answer (after the template's generation prompt) and after
-  dropped reasoning may differ (Qwen3's template strips an answer's leading newlines).
+  dropped reasoning may differ (Qwen3's template strips an answer's leading newlines);
+- **tool calls**: a ``<tool_call>`` block the model wrote that is a call may come back
+  written differently: the client re-serialized its arguments (Qwen Code sends them compact,
+  Claude Code as an object the template dumps again) and the template rendered the call its
+  own way. The rendered block must be the same call: the same name and the same arguments as
+  JSON values (``tool_calls.same_call``); spacing, key order and escapes may differ. A block
+  that was not a call went back to the client as text and must come back as it was.
 
 Everything else must match character for character, and where an answer's end token is
 missing the history must go on with an answer's end (an eos text): an answer edited or extended
 is a break. (A ``</think>`` with no ``<think>`` before it may also be missing.)
 The spliced prompt keeps the exact earlier tokens, thinking and special
 tokens included, so it extends the previous prompt + completion token for token and the row
-goes on. The proxy's own tool-call rendering is not allowed for: a tool call the template
-re-renders differently from how the model wrote it (other JSON spacing) still breaks the row.
+goes on.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ from functools import lru_cache
 
 from server.proxy.reasoning import generation_prompt
 from server.proxy.session_cache import LastTurn
+from server.proxy.tool_calls import CLOSE as CALL_CLOSE
+from server.proxy.tool_calls import OPEN as CALL_OPEN
+from server.proxy.tool_calls import is_call, same_call
 from server.text.tokenization import Tokenizer
 
 THINK_OPEN = "<think>"
@@ -63,6 +71,7 @@ class Kind(Enum):
     START = "start"  # where an answer starts (after the generation prompt): empty
     OPEN = "open"  # <think>: with its block, up to the matching </think>, may be missing
     CLOSE = "close"  # </think>
+    CALL = "call"  # a <tool_call> block that is a call: may come back written differently
 
 
 @dataclass(frozen=True)
@@ -145,7 +154,12 @@ def _follow(  # noqa: C901, PLR0912  # one matcher, a branch per unit kind
         if after_drop:  # the whitespace after dropped reasoning, on either side
             pos = _skip_space(text, pos)
         present = text.startswith(unit.text, pos)
-        if unit.kind is Kind.TEXT:
+        if unit.kind is Kind.CALL:
+            end = pos + len(unit.text) if present else _same_call_end(unit.text, text, pos)
+            if end is None:
+                return None
+            pos, after_drop = end, False
+        elif unit.kind is Kind.TEXT:
             piece = unit.text.lstrip() if after_drop else unit.text
             before_close = index < len(units) and units[index].kind is Kind.CLOSE
             if before_close and in_block:  # templates re-render a kept block's newlines
@@ -183,6 +197,20 @@ def _follow(  # noqa: C901, PLR0912  # one matcher, a branch per unit kind
             else:
                 index, pos, after_drop, in_block = absent
     return pos, after_drop
+
+
+def _same_call_end(block: str, text: str, pos: int) -> int | None:
+    """Where the tool-call block at ``pos`` in ``text`` ends, when it is the sampled ``block``
+    written differently (``tool_calls.same_call``); None when it is not."""
+    if not text.startswith(CALL_OPEN, pos):
+        return None
+    close = text.find(CALL_CLOSE, pos + len(CALL_OPEN))
+    if close < 0:
+        return None
+    sampled = block[len(CALL_OPEN) : -len(CALL_CLOSE)]
+    if not same_call(sampled, text[pos + len(CALL_OPEN) : close]):
+        return None
+    return close + len(CALL_CLOSE)
 
 
 def _ends_answer(text: str, pos: int, end_texts: tuple[str, ...]) -> bool:
@@ -289,13 +317,36 @@ def _text_units(text: str) -> list[Unit]:
     while text:
         marks = [(text.find(m), m) for m in (THINK_OPEN, THINK_CLOSE) if m in text]
         if not marks:
-            units.append(Unit(text, Kind.TEXT))
+            units += _call_units(text)
             break
         at, mark = min(marks)
         if at:
-            units.append(Unit(text[:at], Kind.TEXT))
+            units += _call_units(text[:at])
         units.append(Unit(mark, Kind.OPEN if mark == THINK_OPEN else Kind.CLOSE))
         text = text[at + len(mark) :]
+    return units
+
+
+def _call_units(text: str) -> list[Unit]:
+    """``text`` as TEXT units, bar the tool-call blocks in it that are calls (CALL units). A
+    block is cut as ``tool_calls`` reads one: from ``<tool_call>`` to the first
+    ``</tool_call>``."""
+    units = []
+    start = 0
+    at = text.find(CALL_OPEN)
+    while at >= 0:
+        close = text.find(CALL_CLOSE, at + len(CALL_OPEN))
+        if close < 0:
+            break
+        end = close + len(CALL_CLOSE)
+        if is_call(text[at + len(CALL_OPEN) : close]):
+            if at > start:
+                units.append(Unit(text[start:at], Kind.TEXT))
+            units.append(Unit(text[at:end], Kind.CALL))
+            start = end
+        at = text.find(CALL_OPEN, end)
+    if start < len(text):
+        units.append(Unit(text[start:], Kind.TEXT))
     return units
 
 

@@ -12,9 +12,9 @@ The rules:
   ``</tool_call>`` cuts its block short, the cut body is not JSON, and the block stays content.
 - A closed block is a call when its body is a JSON object with a non-empty string ``"name"``
   and ``"arguments"`` that is an object, a string holding a JSON object, or absent (``{}``),
-  and, when ``tool_names`` is given, the name is one of them. NaN and Infinity are refused
-  (an OpenAI client cannot read them). A call's ``arguments`` is the object re-dumped with
-  ``ensure_ascii=False``.
+  and, when ``tool_names`` is given, the name is one of them. NaN and Infinity are refused,
+  and so is a number past a double's range (an OpenAI client cannot read them). A call's
+  ``arguments`` is the object re-dumped with ``ensure_ascii=False``.
 - A free-form tool (``ToolNames.free_form``: the Responses API's ``custom`` tools) is called
   with exactly one argument, ``"input"``, a string: its raw text (``free_form_input``). A call
   to one with any other arguments is not a call.
@@ -38,6 +38,7 @@ of the same text give the same calls under different ids.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -56,8 +57,10 @@ __all__ = [
     "ToolNames",
     "free_form_arguments",
     "free_form_input",
+    "is_call",
     "new_call_id",
     "parse_tool_calls",
+    "same_call",
 ]
 
 OPEN = "<tool_call>"
@@ -128,16 +131,25 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # 1e400: no double holds it, and Infinity is no JSON
+        raise ValueError(f"{text} is past a double's range")
+    return value
+
+
 def _call_from_body(body: str, tool_names: set[str] | None) -> ToolCall | None:
     """The call a block's body describes, or None when the block is not a call."""
     try:
-        payload = json.loads(body, parse_constant=_refuse_constant)
+        payload = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite_float)
         if not isinstance(payload, dict):
             return None
         name = payload.get("name")
         arguments = payload.get("arguments", {})
         if isinstance(arguments, str):
-            arguments = json.loads(arguments, parse_constant=_refuse_constant)
+            arguments = json.loads(
+                arguments, parse_constant=_refuse_constant, parse_float=_finite_float
+            )
     except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
         return None
     if not isinstance(name, str) or not name or not isinstance(arguments, dict):
@@ -148,6 +160,41 @@ def _call_from_body(body: str, tool_names: set[str] | None) -> ToolCall | None:
     if free_form and not _is_free_form(arguments):
         return None
     return ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
+
+
+def is_call(body: str) -> bool:
+    """Whether a block's body is a call to some tool (whichever tools were offered)."""
+    return _call_from_body(body, None) is not None
+
+
+def same_call(sampled: str, rendered: str) -> bool:
+    """Whether two block bodies are the same call, written differently: the same name and the
+    same arguments as JSON values (spacing, key order, escapes and whether ``arguments`` is an
+    object or a string holding one may differ). This is how a call the model wrote comes back
+    when a client re-serializes its arguments and the chat template renders them again."""
+    first, second = _call_from_body(sampled, None), _call_from_body(rendered, None)
+    if first is None or second is None or first.name != second.name:
+        return False
+    return _same_value(json.loads(first.arguments), json.loads(second.arguments))
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """JSON values equal as a JSON reader sees them: numbers as numbers (``1.0`` is ``1``, as a
+    JavaScript client re-serializes it, and an integer past a double's precision is the double
+    it reads as), but ``true`` is not ``1``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+    numbers = (int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool):
+        if isinstance(b, bool):
+            return False
+        try:
+            return a == b or float(a) == float(b)
+        except OverflowError:  # an integer no double holds: only itself is the same
+            return False
+    return type(a) is type(b) and a == b
 
 
 def _is_free_form(arguments: dict[str, Any]) -> bool:
