@@ -187,3 +187,16 @@ QWEN_CODE = QwenCode(
     "Signal: (none)\nProcess Group PGID: (none)",
 )
 AGENTS = [QWEN_CODE]
+
+
+def selected() -> list[Agent]:
+    """The agents a lane session warms up for: all of AGENTS, or those PROXRL_AGENTS names
+    (comma-separated), to work on one agent without running the others' capture."""
+    names = os.environ.get("PROXRL_AGENTS")
+    if not names:
+        return AGENTS
+    wanted = {name.strip() for name in names.split(",")}
+    unknown = wanted - {agent.name for agent in AGENTS}
+    if unknown:
+        raise ValueError(f"PROXRL_AGENTS names no agent of the lane: {sorted(unknown)}")
+    return [agent for agent in AGENTS if agent.name in wanted]

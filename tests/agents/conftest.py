@@ -6,7 +6,7 @@ prompt is stored), the tiny model (with a sliding attention window, so that the 
 only the prompts' tails: ``warmup.py``) is fine-tuned on those prompts and published to the
 running server through ``POST /admin/weights``. The warmed model is cached by what it depends on
 (the lock, the agents' configuration, the warm-up code, the day: the agents put the date in
-their prompts), so a rerun skips the capture and the fine-tune.
+their prompts; the agents selected: ``PROXRL_AGENTS`` names some to work on one alone), so a rerun skips the capture and the fine-tune.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def _warm_key() -> str:
         digest.update(path.read_bytes())
     digest.update(lane.lock_hash().encode())
     digest.update(datetime.date.today().isoformat().encode())
+    digest.update(",".join(agent.name for agent in lane.selected()).encode())
     return digest.hexdigest()[:16]
 
 
@@ -97,7 +98,7 @@ def agent_lane(tmp_path_factory) -> Lane:
         if not (warmed / "model.safetensors").exists():
             tokenizer = AutoTokenizer.from_pretrained(base)
             examples = []
-            for agent in lane.AGENTS:
+            for agent in lane.selected():
                 session, _ = state.run(agent)
                 (turn, *_) = state.session(session["session_id"])["turns"]
                 examples += warmup.examples_for(
