@@ -6,7 +6,8 @@ prompt is stored), the tiny model (with a sliding attention window, so that the 
 only the prompts' tails: ``warmup.py``) is fine-tuned on those prompts and published to the
 running server through ``POST /admin/weights``. The warmed model is cached by what it depends on
 (the lock, the agents' configuration, the warm-up code, the day: the agents put the date in
-their prompts; the agents selected: ``PROXRL_AGENTS`` names some to work on one alone), so a rerun skips the capture and the fine-tune.
+their prompts; the agents selected: ``PROXRL_AGENTS`` names some to work on one alone),
+so a rerun skips the capture and the fine-tune.
 """
 
 from __future__ import annotations
