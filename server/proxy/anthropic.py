@@ -49,7 +49,7 @@ from server.proxy.anthropic_schemas import (
     anthropic_body,
 )
 from server.proxy.generation import Completion
-from server.proxy.plan import Plan, check_model, new_plan, run_temperature, sampling_request
+from server.proxy.plan import Plan, check_model, new_plan, run_config, sampling_request
 from server.proxy.reasoning import reasoning_style, split_reasoning
 from server.proxy.recording import Served
 from server.proxy.session_cache import SessionState
@@ -65,12 +65,12 @@ from server.text.tokenization import TemplateError, Tokenizer
 
 
 async def plan_messages(ctx: ServerContext, state: SessionState, body: MessagesRequest) -> Plan:
-    default_temperature = await run_temperature(ctx, state)
+    config = await run_config(ctx, state)
     await check_model(ctx, state, body.model)
     body.refuse_unsupported()
     prompt = prompts.splice(ctx.tokenizer, prompt_text(ctx, body), state.last)
     limit = _token_limit(ctx, len(prompt.ids), body.max_tokens)
-    sampling = sampling_request(ctx, prompt.ids, limit, body, 0, default_temperature)
+    sampling = sampling_request(ctx, prompt.ids, limit, body, 0, config)
     return new_plan(
         "msg",
         prompt,

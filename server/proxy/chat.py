@@ -21,7 +21,7 @@ from server.proxy.plan import (
     Plan,
     check_model,
     new_plan,
-    run_temperature,
+    run_config,
     sampling_request,
     structured_output,
 )
@@ -34,7 +34,7 @@ from server.text.tokenization import TemplateError
 
 
 async def plan_chat(ctx: ServerContext, state: SessionState, body: ChatCompletionRequest) -> Plan:
-    default_temperature = await run_temperature(ctx, state)
+    config = await run_config(ctx, state)
     await check_model(ctx, state, body.model)
     body.refuse_untrainable()
     headers = await structured_output(ctx, state, body.format_type, "response_format")
@@ -48,7 +48,7 @@ async def plan_chat(ctx: ServerContext, state: SessionState, body: ChatCompletio
     start = forced_calls.forced_start(ctx.tokenizer, *forced, "tool_choice") if forced else ""
     prompt = prompts.splice(ctx.tokenizer, text + start, state.last)
     top = (body.top_logprobs or 0) if body.logprobs else 0
-    sampling = sampling_request(ctx, prompt.ids, body.token_limit, body, top, default_temperature)
+    sampling = sampling_request(ctx, prompt.ids, body.token_limit, body, top, config)
     parse_tools = tools is not None and body.tool_choice != "none"
     return new_plan(
         "chatcmpl",

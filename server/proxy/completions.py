@@ -15,7 +15,7 @@ from server.engine_client.client import Piece
 from server.errors import InvalidRequest
 from server.proxy import outputs, prompts
 from server.proxy.generation import Completion
-from server.proxy.plan import Plan, check_model, new_plan, run_temperature, sampling_request
+from server.proxy.plan import Plan, check_model, new_plan, run_config, sampling_request
 from server.proxy.recording import Served
 from server.proxy.schemas import CompletionRequest
 from server.proxy.session_cache import SessionState
@@ -23,7 +23,7 @@ from server.proxy.tool_calls import ContentDelta, StreamEvent
 
 
 async def plan_completion(ctx: ServerContext, state: SessionState, body: CompletionRequest) -> Plan:
-    default_temperature = await run_temperature(ctx, state)
+    config = await run_config(ctx, state)
     await check_model(ctx, state, body.model)
     body.refuse_untrainable()
     (given,) = _single(body)
@@ -36,7 +36,7 @@ async def plan_completion(ctx: ServerContext, state: SessionState, body: Complet
         prompt = prompts.from_ids(given, state.last)
         echo = ctx.tokenizer.decode(given)
     top = body.logprobs or 0
-    sampling = sampling_request(ctx, prompt.ids, body.max_tokens, body, top, default_temperature)
+    sampling = sampling_request(ctx, prompt.ids, body.max_tokens, body, top, config)
     return new_plan(
         "cmpl",
         prompt,

@@ -105,11 +105,11 @@ def sampling_request(
     limit: int | None,
     body: Any,
     top_logprobs: int,
-    default_temperature: float,
+    config: RunConfig,
 ) -> SamplingRequest:
-    """Sampling settings, with max tokens checked against the context length (the engines'
-    smallest; the pool routes only to engines that reported theirs); a request that gives no
-    temperature is sampled at the run's."""
+    """Sampling settings, with max tokens cut to the run's ``max_completion_tokens`` and then
+    checked against the context length (the engines' smallest; the pool routes only to engines
+    that reported theirs); a request that gives no temperature is sampled at the run's."""
     context = ctx.context_length
     if context is None:
         raise ContextLengthUnknown()
@@ -120,13 +120,15 @@ def sampling_request(
             param="messages",
         )
     max_tokens = limit if limit is not None else room
+    if config.max_completion_tokens is not None:
+        max_tokens = min(max_tokens, config.max_completion_tokens)
     if max_tokens > room:
         raise PromptTooLong(
             f"This model's maximum context length is {context} tokens; the prompt has "
             f"{len(prompt_ids)} and {max_tokens} were asked for the completion.",
             param="max_tokens",
         )
-    temperature = default_temperature if body.temperature is None else body.temperature
+    temperature = config.temperature if body.temperature is None else body.temperature
     return SamplingRequest(
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
@@ -163,11 +165,6 @@ async def structured_output(
             param=param,
         )
     return {RESPONSE_FORMAT_HEADER: "unconstrained"}
-
-
-async def run_temperature(ctx: ServerContext, state: SessionState) -> float:
-    """The temperature of the session's run (kept in memory for a moment: ``ctx.run_configs``)."""
-    return (await run_config(ctx, state)).temperature
 
 
 async def run_config(ctx: ServerContext, state: SessionState) -> RunConfig:

@@ -33,7 +33,6 @@ from server.proxy.plan import (
     check_model,
     new_plan,
     run_config,
-    run_temperature,
     sampling_request,
     structured_output,
 )
@@ -47,7 +46,7 @@ MAX_CHAIN = 10_000  # responses one previous_response_id chain may reach back th
 
 
 async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseRequest) -> Plan:
-    default_temperature = await run_temperature(ctx, state)
+    config = await run_config(ctx, state)
     await check_model(ctx, state, body.model)
     body.refuse_unsupported()
     headers = await structured_output(ctx, state, body.format_type, "text.format")
@@ -66,7 +65,7 @@ async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseR
     start = forced_calls.forced_start(ctx.tokenizer, *forced, "tool_choice") if forced else ""
     prompt = prompts.splice(ctx.tokenizer, text + start, state.last)
     limit = body.max_output_tokens
-    sampling = sampling_request(ctx, prompt.ids, limit, body, 0, default_temperature)
+    sampling = sampling_request(ctx, prompt.ids, limit, body, 0, config)
     parse_tools = tools is not None and body.tool_choice != "none"
     plan = new_plan(
         "resp",

@@ -131,6 +131,15 @@ class RunConfig(BaseModel):
         description="How long a trainer's claim holds before its sessions return to the pool "
         "(its owner may still renew or confirm them until another claim takes them).",
     )
+    max_completion_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_COUNT,
+        description="The most tokens any answer of the run may have, whatever a request asks "
+        "(a request that asks more, or gives no limit, is cut here: finish_reason length / "
+        "stop_reason max_tokens); null: up to the request's limit or the context. For agents "
+        "that send no limit (the Codex CLI) or a large one (Claude Code's 32,000).",
+    )
     hosted_tools: Literal["omit", "refuse"] = Field(
         "omit",
         description="What a Responses request's hosted tools (web_search, tool_search, "

@@ -25,6 +25,7 @@ from server.proxy.outputs import OpenAIRenderer
 from server.proxy.plan import sampling_request
 from server.proxy.streaming import first_output, guarded, sse
 from server.rl.weights import group_ranks
+from server.store.run_config import RunConfig
 from tests.sglang_double import in_band_error as sglang_in_band_error
 from tests.support import free_port, parse_sse
 from trainer.publish import group_world_size
@@ -114,7 +115,9 @@ def _body(**fields) -> SimpleNamespace:
 
 def test_no_request_is_sized_against_an_unknown_context():
     with pytest.raises(ContextLengthUnknown) as raised:
-        sampling_request(SimpleNamespace(context_length=None), [1, 2, 3], None, _body(), 0, 1.0)
+        sampling_request(
+            SimpleNamespace(context_length=None), [1, 2, 3], None, _body(), 0, RunConfig()
+        )
     assert "context length" in raised.value.message
 
 
@@ -122,14 +125,14 @@ def test_no_request_is_sized_against_an_unknown_context():
 def test_a_request_over_the_context_is_refused(prompt, limit):
     ctx = SimpleNamespace(context_length=128)
     with pytest.raises(PromptTooLong) as raised:
-        sampling_request(ctx, list(range(prompt)), limit, _body(), 0, 1.0)
+        sampling_request(ctx, list(range(prompt)), limit, _body(), 0, RunConfig())
     assert raised.value.code == "context_length_exceeded"
 
 
 def test_the_room_left_is_the_default_budget():
     ctx = SimpleNamespace(context_length=128)
-    assert sampling_request(ctx, list(range(100)), None, _body(), 0, 1.0).max_tokens == 28
-    assert sampling_request(ctx, list(range(100)), 28, _body(), 0, 1.0).max_tokens == 28
+    assert sampling_request(ctx, list(range(100)), None, _body(), 0, RunConfig()).max_tokens == 28
+    assert sampling_request(ctx, list(range(100)), 28, _body(), 0, RunConfig()).max_tokens == 28
 
 
 @pytest.mark.parametrize("max_tokens", [0, -5])
