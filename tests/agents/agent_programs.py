@@ -17,6 +17,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 HERE = Path(__file__).resolve().parent
 LOCK_FILES = ("package.json", "package-lock.json")
@@ -85,6 +86,9 @@ class Agent:
     arguments: dict
     result_format: str  # how the agent wraps a command's output in the tool result it sends
     timeout_s: float = 150.0
+    # Whether the agent tells only its run's total usage (one pair from usages()), not each
+    # answer's: the lane then compares that pair with the stored counts summed.
+    reports_total_usage: ClassVar[bool] = False
 
     def command(self, modules: Path) -> list[str]:
         raise NotImplementedError
@@ -119,7 +123,8 @@ class Agent:
         return AgentRun(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
 
     def usages(self, run: AgentRun) -> list[tuple[int, int]]:
-        """(prompt tokens, completion tokens) of each answer, as the agent received them."""
+        """(prompt tokens, completion tokens) of each answer, as the agent received them (one
+        pair, the run's totals, where ``reports_total_usage``)."""
         raise NotImplementedError
 
 
@@ -186,7 +191,66 @@ QWEN_CODE = QwenCode(
     "Command: ls\nDirectory: (root)\nOutput: {output}\nError: (none)\nExit Code: 0\n"
     "Signal: (none)\nProcess Group PGID: (none)",
 )
-AGENTS = [QWEN_CODE]
+
+
+class ClaudeCode(Agent):
+    """Claude Code (@anthropic-ai/claude-code): Anthropic's Messages API through
+    ANTHROPIC_BASE_URL (the proxy's root: it appends ``/v1/messages``), ANTHROPIC_API_KEY and
+    ANTHROPIC_MODEL; headless with ``-p``, its tools allowed with
+    ``--dangerously-skip-permissions`` (which it takes as root only with IS_SANDBOX=1).
+
+    The program is the npm package's native binary for the platform
+    (``@anthropic-ai/claude-code-linux-x64``): the package's postinstall only copies it over its
+    ``bin/claude.exe`` placeholder, and installs here run no scripts.
+
+    ``--tools Bash`` offers its shell tool alone and ``--system-prompt`` replaces its system
+    prompt with one line: its default first prompt is 30,201 tokens of the tiny tokenizer, this
+    one 3,724, and it still sends its environment (working directory, platform, date) as a
+    ``role: "system"`` message after the task. (``--bare`` gets to 1,388 but sends no such
+    message.) Its JSON output tells the run's total usage only."""
+
+    SYSTEM_PROMPT = "You are a coding agent. Use the Bash tool."
+    reports_total_usage = True
+
+    def command(self, modules: Path) -> list[str]:
+        return [
+            str(modules / "@anthropic-ai" / "claude-code-linux-x64" / "claude"),
+            "-p",
+            TASK,
+            "--output-format=json",
+            "--dangerously-skip-permissions",
+            "--tools=Bash",
+            f"--system-prompt={self.SYSTEM_PROMPT}",
+            "--no-session-persistence",
+        ]
+
+    def environment(self, home: Path, base_url: str, api_key: str, model: str) -> dict[str, str]:
+        environment = {
+            "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
+            "ANTHROPIC_API_KEY": api_key,
+            "ANTHROPIC_MODEL": model,
+            "ANTHROPIC_SMALL_FAST_MODEL": model,
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_ERROR_REPORTING": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            # An answer cut at this length is asked again three times, then the run exits 1:
+            # the untrained model's capture run ends after four short answers.
+            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64",
+        }
+        if os.geteuid() == 0:
+            environment["IS_SANDBOX"] = "1"
+        return environment
+
+    def usages(self, run: AgentRun) -> list[tuple[int, int]]:
+        usage = json.loads(run.stdout)["usage"]
+        return [(usage["input_tokens"], usage["output_tokens"])]
+
+
+CLAUDE_CODE = ClaudeCode("claude-code", "Bash", {"command": "ls"}, "{output}")
+
+
+AGENTS = [QWEN_CODE, CLAUDE_CODE]
 
 
 def selected() -> list[Agent]:

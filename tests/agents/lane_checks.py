@@ -33,8 +33,11 @@ def check_agent_run(agent: Agent, run: AgentRun, session: dict) -> dict:
         "no request after the tool call carried its result"
     )
 
-    # Every answered request recorded, with the usage the agent was told equal to what is stored.
+    # Every answered request recorded, with the usage the agent was told equal to what is stored
+    # (summed, for an agent that tells only its run's total).
     stored = [(len(t["prompt_ids"]), len(t["completion_ids"])) for t in turns]
+    if agent.reports_total_usage:
+        stored = [(sum(p for p, _ in stored), sum(c for _, c in stored))]
     assert agent.usages(run) == stored
 
     # One row per conversation and no breaks.
