@@ -140,7 +140,8 @@ async def generate(request: Request, engine: Engine) -> Response:
 
 @router.post("/abort_request", dependencies=admin)
 async def abort_request(body: protocol.AbortRequestIn, engine: Engine) -> Response:
-    await engine.run(lambda: engine.scheduler.abort(body.rid, body.abort_all))
+    if body.rid or body.abort_all:
+        await asyncio.wrap_future(engine.scheduler.abort_soon(body.rid, body.abort_all))
     return Response(status_code=200)
 
 

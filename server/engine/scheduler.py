@@ -89,6 +89,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # running[i].slot == i
         self._in_flight: dict[str, Sequence] = {}
         self._in_flight_lock = threading.Lock()
+        self._aborting: list[Callable[[Sequence], bool]] = []  # asked for, not yet done
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._pending_updates: deque[tuple[WeightUpdate, Future]] = deque()
         self._wakeup = threading.Event()
@@ -132,6 +133,29 @@ class Scheduler:
             self._in_flight[seq.rid] = seq
         seq.version_at_submit = self.weight_version
         self.call(lambda: self.waiting.append(seq))
+
+    def abort_soon(self, rid: str = "", abort_all: bool = False, exact: bool = False) -> Future:
+        """``abort`` (``abort_exact`` when ``exact``) from any thread, as soon as it can be: a
+        prefill in progress that it names stops at its next chunk (a long prompt's prefill can
+        take minutes), the rest is done between two steps. The future holds how many it
+        aborted."""
+        if not rid and not abort_all:
+            raise ValueError("abort needs rid or abort_all")
+
+        def matches(seq: Sequence) -> bool:
+            return abort_all or (seq.rid == rid if exact else seq.rid.startswith(rid))
+
+        with self._in_flight_lock:
+            self._aborting.append(matches)
+
+        def abort() -> int:
+            try:
+                return self._abort_where(matches)
+            finally:
+                with self._in_flight_lock:
+                    self._aborting.remove(matches)
+
+        return self.call(abort)
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` on the scheduler thread between two steps; its result comes in the future."""
@@ -305,10 +329,13 @@ class Scheduler:
             try:
                 self._prefill(seq)
             except Exception as exc:
-                # Stopping: an abort like any other (another engine may serve it). A failure
-                # (out of memory, say) carries a status: resubmitting it would fail again.
+                # Stopping: an abort like any other (another engine may serve it); so is an
+                # abort asked for during the prefill. A failure (out of memory, say) carries a
+                # status: resubmitting it would fail again.
                 reason: dict[str, Any] = {**ABORTED_RUNNING, "message": "engine stopping"}
-                if not isinstance(exc, PrefillCancelled):
+                if isinstance(exc, PrefillCancelled) and not self._stopping:
+                    reason = ABORTED_RUNNING
+                elif not isinstance(exc, PrefillCancelled):
                     log.exception("prefill of %s failed", seq.rid)
                     reason = {
                         **ABORTED_RUNNING,
@@ -340,7 +367,7 @@ class Scheduler:
             slot,
             ids,
             on_logits=prompt_logprobs.add if prompt_logprobs is not None else None,
-            cancelled=lambda: self._stopping,
+            cancelled=lambda: self._stopping or self._abort_asked(seq),
             start=start,
         )
         seq.slot, seq.kv_len, seq.state, seq.ever_ran = slot, len(ids), State.RUNNING, True
@@ -352,6 +379,10 @@ class Scheduler:
             self._finish(seq, {"type": "length", "length": seq.params.max_new_tokens})
             return
         self._sample_and_append([seq], logits[-1:])
+
+    def _abort_asked(self, seq: Sequence) -> bool:
+        with self._in_flight_lock:
+            return any(matches(seq) for matches in self._aborting)
 
     def _decode_step(self) -> None:
         rows = self.running

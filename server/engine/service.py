@@ -137,7 +137,8 @@ class EngineService:
     def abort_sequences(self, sequences: list[Sequence]) -> None:
         rids = [seq.rid for seq in sequences if not seq.finished]
         if rids:
-            self.scheduler.call(lambda: [self.scheduler.abort_exact(rid) for rid in rids])
+            for rid in rids:
+                self.scheduler.abort_soon(rid, exact=True)
 
     async def generate(
         self, request: protocol.GenerateRequestIn, items: list[GenerateItem]
