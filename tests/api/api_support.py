@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from anthropic import Anthropic
 from fastapi.testclient import TestClient
+from openai import OpenAI
+from openai.types.chat import ChatCompletionChunk
 
 ADMIN_KEY = "api-tier-admin-key"
 NO_KEY = None
@@ -42,6 +45,17 @@ class Api:
         body = {"run_id": run_id, **fields} if run_id else fields
         return self.ok("POST", "/rl/sessions", 201, key=key, json=body)
 
+    def session_of_run(self, config: dict | None = None, *, patch: bool = True, **fields) -> dict:
+        """A session, made with the run's key, of a fresh run whose ``config`` is set as users set
+        it: by ``PATCH /rl/runs/{id}`` (``patch``) or when the run is created; the run must echo
+        each value. None: the run's defaults, nothing sent."""
+        run = shown = self.new_run() if patch else self.new_run(**(config or {}))
+        if patch and config is not None:
+            shown = self.ok("PATCH", f"/rl/runs/{run['id']}", json={"config": config})
+        for name, value in (config or {}).items():
+            assert shown["config"][name] == value, shown["config"]
+        return self.new_session(run["id"], key=run["api_key"], **fields)
+
     def session(self, session_id: str) -> dict:
         return self.ok("GET", f"/rl/sessions/{session_id}")
 
@@ -50,6 +64,19 @@ class Api:
         request = {"model": "tiny", "messages": [{"role": "user", "content": text}], **body}
         request.setdefault("max_tokens", 4)
         return self.ok("POST", "/v1/chat/completions", key=session["api_key"], json=request)
+
+    def openai(self, key: str) -> OpenAI:
+        """The OpenAI SDK over the in-process app with ``key``; no retries. Not to be closed: its
+        HTTP client is the app's TestClient."""
+        return OpenAI(
+            base_url=f"{self.http.base_url}/v1", api_key=key, http_client=self.http, max_retries=0
+        )
+
+    def anthropic(self, key: str) -> Anthropic:
+        """The Anthropic SDK over the in-process app with ``key``; no retries (as ``openai``)."""
+        return Anthropic(
+            base_url=str(self.http.base_url), api_key=key, http_client=self.http, max_retries=0
+        )
 
 
 def assert_error(reply: httpx.Response, status: int, *, code: str | None = None) -> dict:
@@ -61,6 +88,19 @@ def assert_error(reply: httpx.Response, status: int, *, code: str | None = None)
     if code is not None:
         assert error["code"] == code, error
     return error
+
+
+def streamed_chat(chunks: list[ChatCompletionChunk]) -> tuple[str, list[float]]:
+    """The content and the logprobs of the sampled tokens that a streamed chat completion's
+    ``chunks`` (the SDK's) served for its first choice."""
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    logprobs = [
+        entry.logprob
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for entry in c.choices[0].logprobs.content or []
+    ]
+    return content, logprobs
 
 
 def sse_events(reply: httpx.Response) -> list[dict | str]:

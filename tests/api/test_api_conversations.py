@@ -6,33 +6,12 @@ the store (another replica, a restart)."""
 
 from __future__ import annotations
 
-import anthropic
-import openai
-
 from server.proxy.session_cache import SessionRegistry, SessionState
 from tests.api.api_support import Api
 
 MAIN = "You are a coding agent. Work in small steps."
 TITLE = "Write a five-word title for the user's request."
 TASK = "Fix the failing test."
-
-
-def openai_client(api: Api, session: dict) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{api.http.base_url}/v1",
-        api_key=session["api_key"],
-        http_client=api.http,
-        max_retries=0,
-    )
-
-
-def anthropic_client(api: Api, session: dict) -> anthropic.Anthropic:
-    return anthropic.Anthropic(
-        base_url=str(api.http.base_url),
-        api_key=session["api_key"],
-        http_client=api.http,
-        max_retries=0,
-    )
 
 
 def assert_shape(api: Api, session: dict, conversations: list[int], breaks: int) -> dict:
@@ -53,7 +32,7 @@ def assert_shape(api: Api, session: dict, conversations: list[int], breaks: int)
 def test_chat_completions_a_title_request_is_a_conversation_and_an_edit_a_break(api: Api):
     session = api.new_session(task_id="conversations-chat")
     main = [{"role": "system", "content": MAIN}, {"role": "user", "content": TASK}]
-    client = openai_client(api, session)  # not closed: it is the app's TestClient
+    client = api.openai(session["api_key"])  # not closed: it is the app's TestClient
     first = client.chat.completions.create(model="tiny", messages=main, max_tokens=6)
     title = [{"role": "system", "content": TITLE}, {"role": "user", "content": TASK}]
     client.chat.completions.create(model="tiny", messages=title, max_tokens=6)
@@ -84,7 +63,7 @@ def test_chat_completions_a_title_request_is_a_conversation_and_an_edit_a_break(
 def test_messages_a_sub_agent_is_a_conversation_of_its_own(api: Api):
     session = api.new_session(task_id="conversations-messages")
     task = {"role": "user", "content": TASK}
-    client = anthropic_client(api, session)  # not closed: it is the app's TestClient
+    client = api.anthropic(session["api_key"])  # not closed: it is the app's TestClient
     first = client.messages.create(
         model="claude-sonnet-4-6", max_tokens=6, system=MAIN, messages=[task]
     )
@@ -108,7 +87,7 @@ def test_messages_a_sub_agent_is_a_conversation_of_its_own(api: Api):
 def test_responses_a_summary_request_is_a_conversation_of_its_own(api: Api):
     session = api.new_session(task_id="conversations-responses")
     task = {"role": "user", "content": TASK}
-    client = openai_client(api, session)  # not closed: it is the app's TestClient
+    client = api.openai(session["api_key"])  # not closed: it is the app's TestClient
     first = client.responses.create(
         model="gpt-4o-mini", instructions=MAIN, input=[task], max_output_tokens=6
     )
@@ -148,7 +127,7 @@ def test_what_the_proxy_keeps_of_a_session_is_what_it_reloads_from_the_store(api
     main = [{"role": "system", "content": MAIN}, {"role": "user", "content": TASK}]
     title = [{"role": "system", "content": TITLE}, {"role": "user", "content": TASK}]
     ctx = api.http.app.state.ctx  # type: ignore[attr-defined]
-    client = openai_client(api, session)  # not closed: it is the app's TestClient
+    client = api.openai(session["api_key"])  # not closed: it is the app's TestClient
     first = client.chat.completions.create(model="tiny", messages=main, max_tokens=6)
     client.chat.completions.create(model="tiny", messages=title, max_tokens=6)
     live = api.http.portal.call(ctx.sessions.get, session["session_id"])  # type: ignore[union-attr]

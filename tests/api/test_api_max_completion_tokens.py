@@ -36,19 +36,10 @@ def body(surface: str, limit: int | None) -> dict:
     return request
 
 
-def session_with_cap(api: Api, cap: int | None) -> dict:
-    run = api.new_run()
-    patched = api.ok(
-        "PATCH", f"/rl/runs/{run['id']}", json={"config": {"max_completion_tokens": cap}}
-    )
-    assert patched["config"]["max_completion_tokens"] == cap
-    return api.new_session(run["id"], key=run["api_key"], task_id="cap")
-
-
 @pytest.mark.parametrize("surface", sorted(SURFACES))
 @pytest.mark.parametrize("asked", [None, 1, CAP, 50])
 def test_every_answer_is_cut_at_the_runs_cap(api: Api, surface: str, asked: int | None):
-    session = session_with_cap(api, CAP)
+    session = api.session_of_run({"max_completion_tokens": CAP}, task_id="cap")
     path, _ = SURFACES[surface]
     reply = api.call("POST", path, key=session["api_key"], json=body(surface, asked))
     assert reply.status_code == 200, reply.text
@@ -59,7 +50,7 @@ def test_every_answer_is_cut_at_the_runs_cap(api: Api, surface: str, asked: int 
 
 
 def test_without_a_cap_a_request_without_a_limit_may_fill_the_context(api: Api):
-    session = session_with_cap(api, None)
+    session = api.session_of_run({"max_completion_tokens": None}, task_id="cap")
     reply = api.call("POST", "/v1/responses", key=session["api_key"], json=body("responses", None))
     assert reply.status_code == 200, reply.text
     (turn,) = api.session(session["session_id"])["turns"]
@@ -68,7 +59,7 @@ def test_without_a_cap_a_request_without_a_limit_may_fill_the_context(api: Api):
 
 def test_a_limit_past_the_context_is_served_when_the_cap_fits(api: Api):
     """Claude Code asks 32,000 tokens whatever the context: under a cap the request is served."""
-    session = session_with_cap(api, CAP)
+    session = api.session_of_run({"max_completion_tokens": CAP}, task_id="cap")
     reply = api.call("POST", "/v1/messages", key=session["api_key"], json=body("messages", 32000))
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["output_tokens"] <= CAP

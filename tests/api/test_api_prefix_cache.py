@@ -4,8 +4,6 @@ KV of the step before, as the engine's counters show."""
 
 from __future__ import annotations
 
-import openai
-
 from tests.api.api_support import Api
 from tests.api.conftest import ThreadedEngine
 
@@ -14,12 +12,7 @@ SYSTEM = "You are a coding agent. " + "Read the file, run the tests, fix what fa
 
 def test_an_agents_next_step_reuses_the_kv_of_the_step_before(api: Api, engine: ThreadedEngine):
     session = api.new_session(task_id="prefix-cache")
-    client = openai.OpenAI(
-        base_url=f"{api.http.base_url}/v1",
-        api_key=session["api_key"],
-        http_client=api.http,
-        max_retries=0,
-    )
+    client = api.openai(session["api_key"])
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Start."}]
     first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
     before = engine.service.prefix_cache_info()

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from server.proxy.plan import RESPONSE_FORMAT_HEADER
-from tests.api.api_support import Api, assert_error
+from tests.api.api_support import Api, assert_error, streamed_chat
 
 MODEL = "gpt-5.6-luna"
 SCHEMA = {
@@ -34,26 +34,21 @@ RESPONSE_FORMATS = {
 QUESTION = [{"role": "user", "content": "What is 2 + 3? Answer in JSON."}]
 
 
-def client(api: Api, key: str) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{api.http.base_url}/v1", api_key=key, http_client=api.http, max_retries=0
-    )
-
-
-def session_of_run(api: Api, policy: str | None) -> dict:
-    """A session of a fresh run whose ``response_format`` is ``policy`` (None: left unset),
-    set by PATCH as a user would."""
-    run = api.new_run()
-    if policy is not None:
-        patched = api.ok(
-            "PATCH", f"/rl/runs/{run['id']}", json={"config": {"response_format": policy}}
-        )
-        assert patched["config"]["response_format"] == policy
-    return api.new_session(run["id"], key=run["api_key"], task_id="response-format")
+UNCONSTRAINED = {"response_format": "unconstrained"}
+TASK = "response-format"
 
 
 def turns(api: Api, session: dict) -> list[dict]:
     return api.session(session["session_id"])["turns"]
+
+
+def served_unconstrained(api: Api, session: dict, raw, usage: tuple[int, int]) -> dict:
+    """The answer (``raw``: the SDK's raw response) says it was sampled unconstrained, and
+    ``usage`` (prompt, completion tokens served) counts the session's one turn; the turn."""
+    assert raw.headers[RESPONSE_FORMAT_HEADER] == "unconstrained"
+    (turn,) = turns(api, session)
+    assert usage == (len(turn["prompt_ids"]), len(turn["completion_ids"]))
+    return turn
 
 
 @pytest.mark.parametrize("policy", [None, "refuse"])
@@ -61,8 +56,8 @@ def turns(api: Api, session: dict) -> list[dict]:
 def test_a_run_that_refuses_structured_output_answers_400_on_both_surfaces(
     api: Api, policy: str | None, kind: str
 ):
-    session = session_of_run(api, policy)
-    sdk = client(api, session["api_key"])
+    session = api.session_of_run({"response_format": policy} if policy else None, task_id=TASK)
+    sdk = api.openai(session["api_key"])
     with pytest.raises(openai.BadRequestError) as chat:
         sdk.chat.completions.create(
             model=MODEL, messages=QUESTION, max_tokens=4, response_format=CHAT_FORMATS[kind]
@@ -105,8 +100,8 @@ def test_a_session_of_the_default_run_called_without_a_key_gets_the_default_poli
 def test_an_unconstrained_run_serves_chat_structured_output_sampled_as_any_answer(
     api: Api, kind: str, stream: bool
 ):
-    session = session_of_run(api, "unconstrained")
-    sdk = client(api, session["api_key"])
+    session = api.session_of_run(UNCONSTRAINED, task_id=TASK)
+    sdk = api.openai(session["api_key"])
     request = {
         "model": MODEL,
         "messages": QUESTION,
@@ -119,13 +114,7 @@ def test_an_unconstrained_run_serves_chat_structured_output_sampled_as_any_answe
             **request, stream=True, stream_options={"include_usage": True}
         )
         chunks = list(raw.parse())
-        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        logprobs = [
-            e.logprob
-            for c in chunks
-            if c.choices and c.choices[0].logprobs
-            for e in c.choices[0].logprobs.content or []
-        ]
+        content, logprobs = streamed_chat(chunks)
         usage = chunks[-1].usage
     else:
         raw = sdk.chat.completions.with_raw_response.create(**request)
@@ -133,12 +122,9 @@ def test_an_unconstrained_run_serves_chat_structured_output_sampled_as_any_answe
         content = answer.choices[0].message.content or ""
         logprobs = [e.logprob for e in answer.choices[0].logprobs.content or []]
         usage = answer.usage
-    assert raw.headers[RESPONSE_FORMAT_HEADER] == "unconstrained"
-    (turn,) = turns(api, session)
+    turn = served_unconstrained(api, session, raw, (usage.prompt_tokens, usage.completion_tokens))
     assert turn["response"]["content"] == content
     assert logprobs == turn["logprobs"]  # the policy's, unconstrained
-    assert usage.completion_tokens == len(turn["completion_ids"])
-    assert usage.prompt_tokens == len(turn["prompt_ids"])
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -146,8 +132,8 @@ def test_an_unconstrained_run_serves_chat_structured_output_sampled_as_any_answe
 def test_an_unconstrained_run_serves_a_structured_response_and_echoes_its_format(
     api: Api, kind: str, stream: bool
 ):
-    session = session_of_run(api, "unconstrained")
-    sdk = client(api, session["api_key"])
+    session = api.session_of_run(UNCONSTRAINED, task_id=TASK)
+    sdk = api.openai(session["api_key"])
     request = {
         "model": MODEL,
         "input": "What is 2 + 3?",
@@ -160,17 +146,15 @@ def test_an_unconstrained_run_serves_a_structured_response_and_echoes_its_format
     else:
         raw = sdk.responses.with_raw_response.create(**request)
         response = raw.parse()
-    assert raw.headers[RESPONSE_FORMAT_HEADER] == "unconstrained"
+    usage = (response.usage.input_tokens, response.usage.output_tokens)
+    turn = served_unconstrained(api, session, raw, usage)
     assert response.text.format.type == kind
-    (turn,) = turns(api, session)
     assert turn["response"]["text"] == {"format": RESPONSE_FORMATS[kind]}
-    assert response.usage.output_tokens == len(turn["completion_ids"])
-    assert response.usage.input_tokens == len(turn["prompt_ids"])
 
 
 def test_text_is_always_served_without_the_header(api: Api):
-    session = session_of_run(api, None)
-    sdk = client(api, session["api_key"])
+    session = api.session_of_run(task_id=TASK)
+    sdk = api.openai(session["api_key"])
     raw = sdk.chat.completions.with_raw_response.create(
         model=MODEL, messages=QUESTION, max_tokens=2, response_format={"type": "text"}
     )
@@ -198,7 +182,7 @@ BAD_FORMATS = {
 
 @pytest.mark.parametrize("case", sorted(BAD_FORMATS))
 def test_a_malformed_or_unknown_format_is_refused_even_unconstrained(api: Api, case: str):
-    session = session_of_run(api, "unconstrained")
+    session = api.session_of_run(UNCONSTRAINED, task_id=TASK)
     path, extra = BAD_FORMATS[case]
     body = (
         {"model": MODEL, "messages": QUESTION, "max_tokens": 2}

@@ -320,9 +320,7 @@ def test_codex_resending_the_whole_history_with_tool_items_extends_the_row(api: 
 
 
 def test_a_run_that_refuses_hosted_tools_answers_400_naming_the_tool(api: Api):
-    run = api.new_run(hosted_tools="refuse")
-    assert run["config"]["hosted_tools"] == "refuse"
-    session = api.new_session(run_id=run["id"], key=run["api_key"], task_id="codex-refuse")
+    session = api.session_of_run({"hosted_tools": "refuse"}, patch=False, task_id="codex-refuse")
     error = assert_error(post(api, session, codex_body()), 400)
     assert error["param"] == "tools.2.type" and "'tool_search'" in error["message"]
     assert "hosted_tools" in error["message"]

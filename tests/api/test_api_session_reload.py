@@ -6,8 +6,6 @@ a retry sent after a restart is a retry, not a break."""
 
 from __future__ import annotations
 
-import openai
-
 from server.proxy.session_cache import SessionRegistry, SessionState
 from tests.api.api_support import Api
 
@@ -30,12 +28,7 @@ def kept(state: SessionState) -> dict:
 def test_a_fresh_registry_holds_what_the_live_one_does_after_each_request(api: Api):
     session = api.new_session(task_id="session-reload")
     ctx = api.http.app.state.ctx  # type: ignore[attr-defined]
-    client = openai.OpenAI(
-        base_url=f"{api.http.base_url}/v1",
-        api_key=session["api_key"],
-        http_client=api.http,
-        max_retries=0,
-    )  # not closed: it is the app's TestClient
+    client = api.openai(session["api_key"])  # not closed: it is the app's TestClient
 
     def ask(messages: list[dict], n: int = 1) -> str:
         answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, n=n)

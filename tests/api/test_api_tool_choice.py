@@ -29,9 +29,9 @@ from server.proxy.plan import Plan, new_plan
 from server.proxy.prompts import Prompt
 from server.proxy.responses_render import ResponsesRenderer
 from server.proxy.responses_schema import ResponseRequest
-from server.proxy.tool_calls import ContentDelta, ToolCallDelta, parse_tool_calls
+from server.proxy.tool_calls import ContentDelta, ParsedOutput, ToolCallDelta, parse_tool_calls
 from server.text.tokenization import Tokenizer
-from tests.api.api_support import Api, assert_error
+from tests.api.api_support import Api, assert_error, streamed_chat
 
 MODEL = "gpt-5.6-luna"
 CALC = "calculator"
@@ -57,25 +57,19 @@ def tokenizer(api: Api) -> Tokenizer:
     return Tokenizer.from_pretrained(api.model_dir)
 
 
-def client(api: Api, session: dict) -> openai.OpenAI:
-    """The SDK over the in-process app (the TestClient is an httpx client); no retries."""
-    return openai.OpenAI(
-        base_url=f"{api.http.base_url}/v1",
-        api_key=session["api_key"],
-        http_client=api.http,
-        max_retries=0,
-    )
-
-
-def only_turn(api: Api, session: dict) -> dict:
+def forced_turn(
+    api: Api, tokenizer: Tokenizer, session: dict, start: str, usage: tuple[int, int]
+) -> tuple[dict, ParsedOutput]:
+    """The session's one turn, checked: the stored prompt ends with the generation prompt, then
+    the forced start; every sampled token has its logprob; ``usage`` (prompt, completion tokens
+    served) counts them. With the parse of the forced start + the sampled text, which is what
+    the answer must read as."""
     (turn,) = api.session(session["session_id"])["turns"]
-    return turn
-
-
-def assert_forced_prompt(tokenizer: Tokenizer, turn: dict, start: str) -> None:
-    """The stored prompt ends with the generation prompt, then the forced start."""
     assert tokenizer.decode(turn["prompt_ids"], False).endswith(GENERATION_PROMPT + start)
     assert len(turn["logprobs"]) == len(turn["completion_ids"]) > 0
+    assert usage == (len(turn["prompt_ids"]), len(turn["completion_ids"]))
+    sampled = tokenizer.decode(turn["completion_ids"])
+    return turn, parse_tool_calls(start + sampled, {CALC, "clock"})
 
 
 # ----- Chat Completions ---------------------------------------------------------------------
@@ -103,7 +97,7 @@ def test_a_forced_chat_call_starts_in_the_prompt_and_stores_what_was_sampled(
         "logprobs": True,
         "seed": 7,
     }
-    sdk = client(api, session)
+    sdk = api.openai(session["api_key"])
     if stream:
         chunks = list(
             sdk.chat.completions.create(
@@ -111,15 +105,9 @@ def test_a_forced_chat_call_starts_in_the_prompt_and_stores_what_was_sampled(
             )
         )
         usage = chunks[-1].usage
-        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        content, logprobs = streamed_chat(chunks)
         calls = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
         served = [(call.function.name, call.function.arguments) for call in calls]
-        logprobs = [
-            entry.logprob
-            for c in chunks
-            if c.choices and c.choices[0].logprobs
-            for entry in c.choices[0].logprobs.content or []
-        ]
         finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
     else:
         answer = sdk.chat.completions.create(**request)
@@ -129,10 +117,9 @@ def test_a_forced_chat_call_starts_in_the_prompt_and_stores_what_was_sampled(
         logprobs = [entry.logprob for entry in answer.choices[0].logprobs.content or []]
         finish = answer.choices[0].finish_reason
 
-    turn = only_turn(api, session)
-    assert_forced_prompt(tokenizer, turn, start)
-    assert usage.prompt_tokens == len(turn["prompt_ids"])
-    assert usage.completion_tokens == len(turn["completion_ids"])
+    turn, parsed = forced_turn(
+        api, tokenizer, session, start, (usage.prompt_tokens, usage.completion_tokens)
+    )
     assert logprobs == turn["logprobs"]  # only the sampled tokens, each with its logprob
     # What the client got is what the turn records, and the parse of the forced start + the
     # sampled text.
@@ -142,8 +129,6 @@ def test_a_forced_chat_call_starts_in_the_prompt_and_stores_what_was_sampled(
         (c["function"]["name"], c["function"]["arguments"]) for c in stored.get("tool_calls", [])
     ]
     assert stored_calls == served
-    sampled = tokenizer.decode(turn["completion_ids"])
-    parsed = parse_tool_calls(start + sampled, {CALC, "clock"})
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == served
     assert content == (parsed.content or "")
     for name, arguments in served:
@@ -159,7 +144,7 @@ def test_a_forced_chat_call_that_parses_is_served_as_a_call(api: Api, tokenizer:
     of the named tool (arguments a JSON object), and the rest is text that begins with the
     forced start."""
     session = api.new_session(task_id="chat-forced-n")
-    answer = client(api, session).chat.completions.create(
+    answer = api.openai(session["api_key"]).chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Use the calculator."}],
         tools=CHAT_TOOLS,
@@ -201,7 +186,7 @@ def test_a_forced_response_call_starts_in_the_prompt_and_stores_what_was_sampled
         "tool_choice": choice,
         "max_output_tokens": 24,
     }
-    sdk = client(api, session)
+    sdk = api.openai(session["api_key"])
     if stream:
         events = list(sdk.responses.create(**request, stream=True))
         assert events[-1].type in ("response.completed", "response.incomplete")
@@ -212,14 +197,10 @@ def test_a_forced_response_call_starts_in_the_prompt_and_stores_what_was_sampled
         ]
     else:
         response = sdk.responses.create(**request)
-    turn = only_turn(api, session)
+    usage = (response.usage.input_tokens, response.usage.output_tokens)
+    turn, parsed = forced_turn(api, tokenizer, session, start, usage)
     assert turn["response"] == response.to_dict()  # what the client got
     assert turn["response"]["tool_choice"] == choice
-    assert_forced_prompt(tokenizer, turn, start)
-    assert response.usage.input_tokens == len(turn["prompt_ids"])
-    assert response.usage.output_tokens == len(turn["completion_ids"])
-    sampled = tokenizer.decode(turn["completion_ids"])
-    parsed = parse_tool_calls(start + sampled, {CALC, "clock"})
     calls = [(i.name, i.arguments) for i in response.output if i.type == "function_call"]
     assert calls == [(c.name, c.arguments) for c in parsed.tool_calls]
     text = "".join(
@@ -293,7 +274,7 @@ def test_a_response_tool_choice_that_cannot_be_honoured_is_a_400_naming_it(api: 
     session = api.new_session(task_id="responses-forced-refused")
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 2} | RESPONSE_REFUSALS[case]
     with pytest.raises(openai.BadRequestError) as caught:
-        client(api, session).responses.create(**body)
+        api.openai(session["api_key"]).responses.create(**body)
     error = caught.value.body
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == "tool_choice"
     assert "None" not in error["message"], error
