@@ -18,6 +18,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def model_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A model directory for each architecture of tests/architectures.py (random weights, the
+    tiny model's tokenizer), built once per test session; tests read them, never write them."""
+    from tests import architectures
+
+    root = tmp_path_factory.mktemp("architectures")
+    return {
+        name: str(architectures.build(name, root / name, tiny_model_dir))
+        for name in architectures.ARCHITECTURES
+    }
+
+
+@pytest.fixture(scope="session")
 def postgres():
     """A PostgreSQL server for the session; ``postgres.new_database()`` gives a fresh URL."""
     from tests.postgres import PostgresServer

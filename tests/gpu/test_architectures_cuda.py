@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests import architectures
-from tests.unit.test_architectures_engine import model_dirs, serve_together  # noqa: F401
+from tests.unit.test_architectures_engine import serve_together
 from trainer import attention
 from trainer.batching import packed, shift_logprobs
 
@@ -28,7 +28,7 @@ BFLOAT16_MEAN_BOUND = 0.05
 
 
 @pytest.mark.parametrize("name", list(architectures.ARCHITECTURES))
-def test_float32_on_cuda_serves_the_reference(name, model_dirs):  # noqa: F811
+def test_float32_on_cuda_serves_the_reference(name, model_dirs):
     worst = 0.0
     for prompt, tokens, logprobs in serve_together(model_dirs[name], device="cuda"):
         expected = architectures.reference_logprobs(model_dirs[name], prompt + tokens)
@@ -38,7 +38,7 @@ def test_float32_on_cuda_serves_the_reference(name, model_dirs):  # noqa: F811
 
 
 @pytest.mark.parametrize("name", list(architectures.ARCHITECTURES))
-def test_bfloat16_engine_and_trainer_agree(name, model_dirs):  # noqa: F811
+def test_bfloat16_engine_and_trainer_agree(name, model_dirs):
     served = serve_together(model_dirs[name], device="cuda", dtype="bfloat16")
     attention.register()
     model = AutoModelForCausalLM.from_pretrained(

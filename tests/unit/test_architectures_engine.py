@@ -34,15 +34,6 @@ PROMPTS = (3, 11, 20, 6)  # prompt lengths
 NEW_TOKENS = (30, 18, 25, 12)  # finish at different steps
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("architectures")
-    return {
-        name: str(architectures.build(name, root / name, tiny_model_dir))
-        for name in architectures.ARCHITECTURES
-    }
-
-
 async def _generate_together(service: EngineService, prompts: list[list[int]]) -> list[dict]:
     async def one(ids: list[int], new_tokens: int) -> dict:
         request = protocol.GenerateRequestIn(

@@ -55,15 +55,6 @@ VOCAB = (3, 680)  # token ids the tiny tokenizer's 688-token vocabulary holds, s
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("architectures")
-    return {
-        name: architectures.build(name, root / name, tiny_model_dir)
-        for name in architectures.ARCHITECTURES
-    }
-
-
-@pytest.fixture(scope="module")
 def rows() -> list[list[int]]:
     generator = torch.Generator().manual_seed(0)
     return [torch.randint(*VOCAB, (n,), generator=generator).tolist() for n in LENGTHS]
@@ -233,7 +224,7 @@ def test_a_model_with_unsupported_attention_is_refused_naming_it(tmp_path):
 # ----- the worker: sharding, tied embeddings, publishing, checkpoints ----------------------------
 
 
-def start_worker(model_dir: Path) -> Worker:
+def start_worker(model_dir: str | Path) -> Worker:
     return support.start_worker(model_dir, lr=1e-2)
 
 

@@ -27,15 +27,6 @@ PROMPT = 45
 CHUNKS = (5, 16, PROMPT)  # PROMPT: one chunk, the prefill as it was
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("architectures")
-    return {
-        name: str(architectures.build(name, root / name, tiny_model_dir))
-        for name in architectures.ARCHITECTURES
-    }
-
-
 def prompt(length: int = PROMPT, seed: int = 0) -> list[int]:
     return torch.randint(3, 680, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 

@@ -118,15 +118,6 @@ REUSED = 27  # cuts the 8-token windows and the 16-token chunks at odd places
 EXTRA = 23
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("architectures")
-    return {
-        name: str(architectures.build(name, root / name, tiny_model_dir))
-        for name in architectures.ARCHITECTURES
-    }
-
-
 def random_ids(length: int, seed: int) -> list[int]:
     return torch.randint(3, 680, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
