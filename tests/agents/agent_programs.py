@@ -12,9 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -84,7 +86,9 @@ class Agent:
     name: str
     shell_tool: str
     arguments: dict
-    result_format: str  # how the agent wraps a command's output in the tool result it sends
+    # How the agent wraps a command's output in the tool result it sends: a format with an
+    # {output} field, or a function of the output (for results with varying parts).
+    result_format: str | Callable[[str], str]
     timeout_s: float = 150.0
     # Whether the agent tells only its run's total usage (one pair from usages()), not each
     # answer's: the lane then compares that pair with the stored counts summed.
@@ -250,7 +254,137 @@ class ClaudeCode(Agent):
 CLAUDE_CODE = ClaudeCode("claude-code", "Bash", {"command": "ls"}, "{output}")
 
 
-AGENTS = [QWEN_CODE, CLAUDE_CODE]
+@dataclass
+class CodexRun(AgentRun):
+    """A Codex run with the token counts Codex was told for each answer (its session file's
+    ``token_count`` events: ``codex exec --json`` prints only each task's sum)."""
+
+    token_counts: list[dict]
+
+
+class Codex(Agent):
+    """The Codex CLI (@openai/codex): the Responses API through a model provider in
+    ``$CODEX_HOME/config.toml`` (base URL, ``wire_api = "responses"``, the key in the variable
+    ``env_key`` names); headless with ``codex exec``, commands run without asking
+    (``approval_policy = "never"``, no sandbox). The program is the npm package's native binary
+    for the platform (``@openai/codex-linux-x64``).
+
+    The model name is one Codex knows (``gpt-5.5``; proxrl serves any name): its default path,
+    whose tools include ``apply_patch`` as a free-form ``custom`` tool and the hosted
+    ``web_search`` and ``tool_search``, which proxrl leaves out and records. (With a name it
+    does not know, such as ``tiny``, Codex sends its sub-agent tools in a ``namespace`` and no
+    ``apply_patch``.) Its first prompt is 21,371 tokens of the tiny tokenizer by default; with
+    its own instructions replaced by one line (``model_instructions_file``), its permissions
+    text, skills list and goal tools off, 3,939, its tool kinds unchanged. Its network traffic
+    stays on loopback with analytics, feedback, telemetry export and the update check off and
+    ``features.plugins = false`` (its plugin sync clones from github.com and calls
+    api.github.com and chatgpt.com)."""
+
+    MODEL = "gpt-5.5"
+    INSTRUCTIONS = "You are a coding agent. Use the shell tool."
+    BINARY = ("@openai", "codex-linux-x64", "vendor", "x86_64-unknown-linux-musl", "bin", "codex")
+    CONFIG = """\
+model = "{model}"
+model_provider = "proxrl"
+model_instructions_file = "{instructions}"
+include_permissions_instructions = false
+approval_policy = "never"
+sandbox_mode = "danger-full-access"
+check_for_update_on_startup = false
+
+[model_providers.proxrl]
+name = "proxrl"
+base_url = "{base_url}"
+env_key = "PROXRL_API_KEY"
+wire_api = "responses"
+
+[features]
+goals = false
+plugins = false
+
+[skills]
+include_instructions = false
+
+[analytics]
+enabled = false
+
+[feedback]
+enabled = false
+
+[otel]
+exporter = "none"
+trace_exporter = "none"
+metrics_exporter = "none"
+"""
+
+    def command(self, modules: Path) -> list[str]:
+        return [
+            str(modules.joinpath(*self.BINARY)),
+            "exec",
+            "--strict-config",
+            "--skip-git-repo-check",
+            "--json",
+            TASK,
+        ]
+
+    def environment(self, home: Path, base_url: str, api_key: str, model: str) -> dict[str, str]:
+        codex_home = home / ".codex"
+        codex_home.mkdir(parents=True, exist_ok=True)
+        instructions = codex_home / "instructions.md"
+        instructions.write_text(self.INSTRUCTIONS + "\n")
+        config = self.CONFIG.format(model=self.MODEL, instructions=instructions, base_url=base_url)
+        (codex_home / "config.toml").write_text(config)
+        return {"CODEX_HOME": str(codex_home), "PROXRL_API_KEY": api_key}
+
+    def run(
+        self, modules: Path, home: Path, workdir: Path, base_url: str, api_key: str, model: str
+    ) -> CodexRun:
+        done = super().run(modules, home, workdir, base_url, api_key, model)
+        events = [
+            json.loads(line)
+            for path in sorted((home / ".codex" / "sessions").rglob("rollout-*.jsonl"))
+            for line in path.read_text().splitlines()
+        ]
+        counts = [
+            event["payload"]["info"]["last_token_usage"]
+            for event in events
+            if event["type"] == "event_msg"
+            and event["payload"]["type"] == "token_count"
+            and event["payload"]["info"]
+        ]
+        return CodexRun(done.returncode, done.stdout, done.stderr, done.wall_s, counts)
+
+    def usages(self, run: AgentRun) -> list[tuple[int, int]]:
+        assert isinstance(run, CodexRun)
+        return [(count["input_tokens"], count["output_tokens"]) for count in run.token_counts]
+
+    def task_usage(self, run: AgentRun) -> tuple[int, int]:
+        """(prompt tokens, completion tokens) summed over the task, as ``--json`` prints them."""
+        (usage,) = [
+            event["usage"]
+            for event in map(json.loads, run.stdout.splitlines())
+            if event["type"] == "turn.completed"
+        ]
+        return usage["input_tokens"], usage["output_tokens"]
+
+
+def codex_result(output: str) -> str:
+    """How Codex's ``exec_command`` wraps a command's output: a chunk id and the wall time vary
+    from run to run (here drawn from the output, so that the warm-up's examples are fixed), and
+    the token count is Codex's estimate (4 bytes a token)."""
+    draw = random.Random(output)
+    text = output + "\n"
+    return (
+        f"Chunk ID: {draw.randbytes(3).hex()}\nWall time: {draw.uniform(0, 0.05):.4f} seconds\n"
+        f"Process exited with code 0\nOriginal token count: {-(-len(text.encode()) // 4)}\n"
+        f"Output:\n{text}"
+    )
+
+
+CODEX = Codex("codex", "exec_command", {"cmd": "ls"}, codex_result)
+
+
+AGENTS = [QWEN_CODE, CLAUDE_CODE, CODEX]
 
 
 def selected() -> list[Agent]:

@@ -29,6 +29,10 @@ from tests.support import ProxyProcess
 MODEL = "tiny"
 CONTEXT = 32768
 WINDOW = 128  # each layer's attention window: the warm-up trains on the prompts' last 4 x 128
+# The longest answer of the lane's run (RunConfig.max_completion_tokens): Codex asks no limit,
+# Claude Code 32,000, so the untrained model's capture answers would run to the context's end;
+# the warmed model's answers (a tool call, "Done.") are under 30 tokens.
+ANSWER_LIMIT = 64
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Lane:
     proxy: ProxyProcess
     modules: Path
     root: Path
+    run_id: str
     warm_up: dict = field(default_factory=dict)
 
     def rest(self, method: str, path: str, **kwargs) -> dict:
@@ -57,7 +62,9 @@ class Lane:
 
     def run(self, agent: lane.Agent) -> tuple[dict, lane.AgentRun]:
         """A new session and one run of ``agent`` in it: (the session, the run)."""
-        session = self.rest("POST", "/rl/sessions", json={"metadata": {"agent": agent.name}})
+        session = self.rest(
+            "POST", "/rl/sessions", json={"run_id": self.run_id, "metadata": {"agent": agent.name}}
+        )
         home = self.root / "home" / f"{agent.name}-{session['session_id']}"
         run = agent.run(
             self.modules,
@@ -95,7 +102,15 @@ def agent_lane(tmp_path_factory) -> Lane:
     base = tiny_model.create_tiny_model(models / MODEL, context=CONTEXT, window=WINDOW)
     warmed = lane.cache_root() / f"warm-{_warm_key()}"
     with ProxyProcess(base, tmp_path_factory.mktemp("agents-serve")) as proxy:
-        state = Lane(proxy, modules, root)
+        config = {"max_completion_tokens": ANSWER_LIMIT}
+        reply = httpx.post(
+            f"{proxy.url}/rl/runs",
+            headers=proxy.admin,
+            json={"name": "agents", "config": config},
+            timeout=60,
+        )
+        assert reply.status_code == 201, reply.text
+        state = Lane(proxy, modules, root, reply.json()["id"])
         if not (warmed / "model.safetensors").exists():
             tokenizer = AutoTokenizer.from_pretrained(base)
             examples = []

@@ -29,7 +29,7 @@ import json
 import random
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,16 +60,22 @@ def examples_for(
     prompt_ids: Sequence[int],
     name: str,
     arguments: dict,
-    result_format: str = "{output}",
+    result_format: str | Callable[[str], str] = "{output}",
 ) -> list[Example]:
     """The first turn (prompt -> tool call) and a second turn per made-up tool output
     (prompt, call, result -> a short answer), as the chat template renders them; the agent
-    wraps a command's output in its tool result as ``result_format`` shows."""
+    wraps a command's output in its tool result as ``result_format`` shows (a format with an
+    ``{output}`` field, or a function of the output: a result whose other parts vary, such as
+    an id or a time, varies across the examples so that the model learns to answer any)."""
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     call = [*tokenizer.encode(tool_call_text(name, arguments)), end]
     examples = [Example(list(prompt_ids), call)]
     for output in TOOL_OUTPUTS:
-        result = result_format.format(output=output)
+        result = (
+            result_format(output)
+            if callable(result_format)
+            else result_format.format(output=output)
+        )
         follow = tokenizer.encode(
             f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
             "<|im_start|>assistant\n"
