@@ -39,6 +39,25 @@ MARKER = "PROXRL_RAY_DIR"  # in every local Ray process's environment: the watch
 _TOKEN = secrets.token_hex(32)  # one per process: Ray's C++ side caches the token it first reads
 
 
+# Ray's AF_UNIX sockets lie at <dir>/session_<date>_<time>_<pid>/sockets/plasma_store, and a
+# socket's path holds at most 107 bytes: under a long $TMPDIR Ray could not start.
+RAY_DIR_MAX_CHARS = 40
+
+
+def private_ray_dir() -> str:
+    """A new directory only this user can enter (0700), short enough for Ray's socket paths:
+    under $TMPDIR where that is short, else under /tmp or /dev/shm."""
+    length = len("/proxrl-ray-") + 8  # mkdtemp's random part
+    for base in (tempfile.gettempdir(), "/tmp", "/dev/shm"):
+        if len(base) + length <= RAY_DIR_MAX_CHARS and os.access(base, os.W_OK | os.X_OK):
+            return tempfile.mkdtemp(prefix="proxrl-ray-", dir=base)
+    raise RuntimeError(
+        f"no short writable temporary directory for Ray's sockets: $TMPDIR "
+        f"({tempfile.gettempdir()}) is longer than {RAY_DIR_MAX_CHARS - length} characters "
+        "and neither /tmp nor /dev/shm is writable"
+    )
+
+
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -96,7 +115,7 @@ class LocalRay:
         )
 
     def _start(self) -> None:
-        self.temp_dir = tempfile.mkdtemp(prefix="proxrl-ray-")
+        self.temp_dir = private_ray_dir()
         self.watchdog = watchdog.start(f"{MARKER}={self.temp_dir}", self.temp_dir)
         token_path = os.path.join(self.temp_dir, "auth_token")
         with open(os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
