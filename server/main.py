@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, gene
 from sqlalchemy.engine import make_url
 
 from server import auth, dashboard, errors
+from server.common.key_handover import hand_over
 from server.deps import Authorization, Ctx
 from server.engine_client import sglang
 from server.metrics import Metrics, RequestMetrics
@@ -43,6 +44,8 @@ class SessionPathRedaction(logging.Filter):
 
 
 REDACT_SESSION_PATHS = SessionPathRedaction()
+# Where a generated admin key goes when stdout is not a terminal (under --data-dir).
+ADMIN_KEY_FILE = "admin-key"
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
@@ -124,8 +127,9 @@ def serve(settings: ServerSettings) -> None:
     if settings.admin_key is None:
         key = f"proxrl-admin-{secrets.token_urlsafe(24)}"
         settings = settings.model_copy(update={"admin_key": key})
-        # Keys go to the person at the terminal (stdout), never to the log (stderr).
-        print(f"admin key (generated; choose one with --admin-key or PROXRL_ADMIN_KEY): {key}")
+        # Keys go to the person at the terminal, never to a log (stderr, or a journal's stdout).
+        line = "admin key (generated; choose one with --admin-key or PROXRL_ADMIN_KEY)"
+        hand_over(line, key, settings.data_dir / ADMIN_KEY_FILE)
     print(f"proxrl serves {settings.model_name} at {settings.base_url}/v1")
     store = make_url(settings.database_url).render_as_string(hide_password=True)
     print(f"store: {store}", flush=True)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from sqlalchemy.exc import DBAPIError
 
+from server.common.key_handover import hand_over
 from server.common.processes import EngineProcess, ServerProcess, wait_all
 from server.context import ServerContext
 from server.engine.settings import model_directory_problem
@@ -44,6 +45,9 @@ from server.store.writer import TurnWriter
 from server.text.tokenization import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# Where a new default run's key goes when stdout is not a terminal (under --data-dir).
+DEFAULT_RUN_KEY_FILE = "default-run-key"
 
 
 def launch_embedded(settings: ServerSettings) -> list[EngineProcess]:
@@ -83,7 +87,8 @@ async def ensure_default_run(ctx: ServerContext) -> Run:
     if key is not None:
         log.info("created the default run %s", run.id)
         # For the person at the terminal, once; never into a log.
-        print(f"default run {run.id}, run key (shown once): {key}", flush=True)
+        line = f"default run {run.id}, run key (shown once)"
+        hand_over(line, key, ctx.settings.data_dir / DEFAULT_RUN_KEY_FILE)
     return run
 
 
