@@ -29,6 +29,7 @@ document (``documented``) and the error event a stream ends with
     ├── RewardConflict           409  a different reward was already posted for that target
     ├── GroupMixesEval           409  a group_id holds sessions of the other kind (eval/training)
     ├── StalenessBound           429  the run's admission is full (Retry-After)
+    ├── Overloaded               503  requests or connections at their bound (Retry-After)
     ├── NoEngineAvailable        503  no engine in rotation could serve (Retry-After)
     │   └── ContextLengthUnknown 503  no engine has reported its context length yet
     ├── EngineError              503  the engine serving the request failed (Retry-After)
@@ -36,7 +37,7 @@ document (``documented``) and the error event a stream ends with
     │   │   └── EngineTimedOut   503  it took longer than --request-timeout-s: not tried again
     │   └── EngineRejected       400  it refused the request (4xx): no other engine would take it
     └── WeightUpdateFailed       502  an engine failed to load weights or join a weight group
-        ├── WeightsRefused       400  every engine refused the weights named
+        ├── WeightsRefused       400  unreadable weight files, or every engine refused them
         ├── RendezvousUnreachable 422 the trainer's rendezvous does not answer
         ├── WeightGroupRefused   422  an engine refused the weight group's values
         └── NoEngineToUpdate     503  no engine in rotation to update
@@ -196,6 +197,11 @@ class StalenessBound(ProxrlError):
         )
 
 
+class Overloaded(ProxrlError):
+    """At a bound of ``server.overload``: the requests in flight of the caller's class, or
+    the connections the server holds."""
+
+
 class NoEngineAvailable(ProxrlError):
     pass
 
@@ -288,6 +294,9 @@ RENDERING: dict[type[ProxrlError], Rendering] = {
     RewardConflict: Rendering(409, "conflict_error", "reward_conflict"),
     GroupMixesEval: Rendering(409, "conflict_error", "group_mixes_eval"),
     StalenessBound: Rendering(429, "rate_limit_error", "staleness_bound", retry_after_s=1),
+    Overloaded: Rendering(
+        503, _UNAVAILABLE, "overloaded", 1, lead="The server is at its bound of requests: "
+    ),
     NoEngineAvailable: Rendering(
         503,
         _UNAVAILABLE,
@@ -379,9 +388,14 @@ def _answer(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def render(request: Request, exc: ProxrlError) -> JSONResponse:
+    """The answer to ``exc`` on ``request``'s route, in its API's shape."""
+    return _answer(request, exc.status, body_of(exc), exc.headers)
+
+
 async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ProxrlError)
-    return _answer(request, exc.status, body_of(exc), exc.headers)
+    return render(request, exc)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -421,6 +435,38 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return await _domain_error(request, ProxrlError(INTERNAL_MESSAGE))
 
 
+class _KeepConnection:
+    """ASGI middleware: an unhandled error, before its response started, answered here as
+    ``_unexpected`` does, and not raised on. Starlette's outermost layer answers it too but then
+    raises it again, and uvicorn closes the connection of a request that raised: the client's
+    next request on that pooled connection would fail in transit. (After the response started,
+    the connection cannot be saved: the exception goes on.)"""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        from starlette.requests import Request
+
+        started = False
+
+        async def send_noting(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting)
+        except Exception as exc:
+            if started:
+                raise
+            response = await _unexpected(Request(scope), exc)
+            await response(scope, receive, send)
+
+
 def install(app: FastAPI, shapes: Sequence[ErrorShape] = ()) -> None:
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
@@ -429,6 +475,7 @@ def install(app: FastAPI, shapes: Sequence[ErrorShape] = ()) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
+    app.add_middleware(_KeepConnection)
     app.state.error_shapes = tuple(shapes)
     app.openapi = _documenting_validation(app, shapes)  # type: ignore[method-assign]
 

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
 from sqlalchemy.engine import make_url
 
-from server import auth, dashboard, errors
+from server import auth, dashboard, errors, overload
 from server.common.key_handover import hand_over
 from server.deps import Authorization, Ctx
 from server.engine_client import sglang
@@ -61,6 +61,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="proxrl", summary="An OpenAI-compatible RL proxy", lifespan=lifespan)
     errors.install(app, proxy_routes.ERROR_SHAPES)
+    app.add_middleware(overload.InFlight, caps=request_caps(settings))
     app.add_middleware(RequestMetrics, metrics=figures)
     for router in (proxy_routes.router, *rl_routes.ROUTERS):
         app.include_router(router)
@@ -105,6 +106,27 @@ def create_app(settings: ServerSettings) -> FastAPI:
     return app
 
 
+def request_caps(settings: ServerSettings) -> dict[str, int]:
+    """The requests in flight each class of caller may have (``server.overload.InFlight``)."""
+    return {
+        "admin": settings.max_requests_admin,
+        "run": settings.max_requests_run,
+        "session": settings.max_requests_session,
+        "anonymous": settings.max_requests_anonymous,
+    }
+
+
+def connection_limits(settings: ServerSettings) -> overload.ConnectionLimits:
+    cap = overload.connection_cap(settings.max_connections)
+    if cap < settings.max_connections:
+        print(
+            f"connections: at most {cap} at once (--max-connections {settings.max_connections} "
+            "does not fit the open-file limit; raise it with ulimit -n or LimitNOFILE=)",
+            flush=True,
+        )
+    return overload.ConnectionLimits(cap, settings.header_timeout_s, settings.body_timeout_s)
+
+
 def serve(settings: ServerSettings) -> None:
     # Whatever would stop it once started, before anything is created or started.
     problem = None
@@ -143,6 +165,7 @@ def serve(settings: ServerSettings) -> None:
         port=settings.port,
         log_level=settings.log_level,
         timeout_keep_alive=settings.keep_alive_timeout_s,
+        http=overload.guarded_protocol(connection_limits(settings)),
         timeout_graceful_shutdown=settings.graceful_shutdown_timeout_s,
     )
 

@@ -96,7 +96,59 @@ class ServerSettings(BaseSettings):
         description="Seconds an idle client connection stays open. Longer than clients keep "
         "idle connections pooled (httpx and the openai SDK 5 s, aiohttp 15 s, Node 4 s, Go "
         "90 s): a server that closes first races a client reusing the connection, and that "
-        "request is lost in transit.",
+        "request is lost in transit. Idle connections hold no more than a descriptor: at "
+        "--max-connections the longest idle are closed first.",
+    )
+    max_connections: int = Field(
+        4096,
+        ge=1,
+        description="Client connections held at once. At the cap a new connection closes the "
+        "connections idle longest (kept alive between requests); with none idle its request is "
+        "answered 503 with Retry-After. Lowered at start to fit the open-file limit (ulimit -n): "
+        "to half of what it leaves past 64 (a connection in use may hold one to an engine).",
+    )
+    max_requests_admin: int = Field(
+        64, ge=1, description="Requests in flight with the admin key; past it: 503, Retry-After."
+    )
+    max_requests_run: int = Field(
+        512, ge=1, description="Requests in flight with run keys; past it: 503, Retry-After."
+    )
+    max_requests_session: int = Field(
+        2048,
+        ge=1,
+        description="Requests in flight with session keys or session paths (agents' traffic, "
+        "streams until they end); past it: 503, Retry-After.",
+    )
+    max_requests_anonymous: int = Field(
+        128,
+        ge=1,
+        description="Requests in flight without a key (dashboard pages, refused keys; health "
+        "probes are never refused); past it: 503, Retry-After.",
+    )
+    header_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="Longest a request's headers may take to arrive, from its first byte (a new "
+        "connection's first request: from the connection); then the connection is closed.",
+    )
+    body_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Longest a request's body may take to arrive once its headers have; then the "
+        "connection is closed.",
+    )
+    weights_check_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest reading and checking a publish's weight files may take, before any "
+        "engine pauses for them; past it (a hung mount) the publish is refused with a 400 "
+        "weights_unreadable, and nothing paused.",
+    )
+    weights_pause_limit_s: float = Field(
+        300.0,
+        gt=0,
+        description="Longest engines stay paused for a publish; a load not done by then is "
+        "abandoned, the engines resume, and the publish answers 502 weights_load_timeout.",
     )
     graceful_shutdown_timeout_s: int = Field(
         120,

@@ -1,5 +1,13 @@
 """Publish new weights: pause every engine, load the weights, continue, bump the version.
 
+Nothing a publish waits on may stall serving: weight files are read and checked before any
+engine pauses (``weight_files``), and the engines stay paused at most ``--weights-pause-limit-s``:
+a load not done by then is abandoned and the engines resume the version they served. (An
+engine whose load still finishes later serves its tokens under that new version's tag, and the
+pool keeps it out while it serves a version other than the run's.) A weight group is joined
+only where a rendezvous store answers: something that merely accepts connections is refused
+within seconds, before any engine waits on it.
+
 Pausing in ``abort`` mode returns every in-flight request with its partial tokens; the proxy
 resubmits them at once (see ``generation``), and the paused engine holds them until it has
 loaded the new weights, so clients see one uninterrupted answer. An engine that fails to load
@@ -11,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,6 +37,7 @@ from server.errors import (
     WeightsRefused,
     WeightUpdateFailed,
 )
+from server.rl import weight_files
 from server.rl.schemas import (
     RENDEZVOUS_WAIT_S,
     DistributedWeightsIn,
@@ -51,6 +62,14 @@ def from_broadcast(body: DistributedWeightsIn, version: int) -> Loader:
     return lambda engine: engine.client.update_weights_from_distributed(payload, str(version))
 
 
+def _loader_of(body: WeightsIn, version: int) -> tuple[Loader, str]:
+    """How the engines get the weights ``body`` names, and what to call them in messages."""
+    if body.distributed is not None:
+        name = body.distributed.group_name
+        return from_broadcast(body.distributed, version), f"the broadcast on {name!r}"
+    return from_disk(str(body.model_path), version), str(body.model_path)
+
+
 async def _load(engine: EngineState, loader: Loader) -> dict:
     try:
         result = await loader(engine)
@@ -61,6 +80,30 @@ async def _load(engine: EngineState, loader: Loader) -> dict:
     return {"url": engine.url, "success": bool(result.get("success")), **result}
 
 
+async def _check_files(model_path: str, seconds: float) -> None:
+    """Refuse weights the engines could not read, before any engine pauses for them."""
+    problem = await weight_files.problem(model_path, seconds)
+    if problem is not None:
+        message = f"The weights at {model_path!r} cannot be loaded: {problem}. "
+        raise WeightsRefused(message + "No engine was paused.", "model_path", "weights_unreadable")
+
+
+async def _load_within(
+    engines: list[EngineState], loader: Loader, limit: float, source: str
+) -> list[dict]:
+    """Every engine's load result, if all are in within ``limit`` seconds; else the load is
+    abandoned (the caller resumes the engines)."""
+    try:
+        return await asyncio.wait_for(asyncio.gather(*(_load(e, loader) for e in engines)), limit)
+    except TimeoutError:
+        log.warning("abandoned loading %s after %.0f s; the engines resume", source, limit)
+        raise WeightUpdateFailed(
+            f"The engines did not load {source} within {limit:g} s (--weights-pause-limit-s): "
+            "the load was abandoned and the engines resumed serving.",
+            code="weights_load_timeout",
+        ) from None
+
+
 async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
     """Swap the weights ``body`` names into every engine in rotation, as a new version."""
     run_id, version = body.run_id, body.version
@@ -69,6 +112,8 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
     if run is None:
         raise RunNotFound(run_id)
     version = run.policy_version + 1 if version is None else version
+    if body.distributed is None:
+        await _check_files(str(body.model_path), ctx.settings.weights_check_timeout_s)
     pool = ctx.pool
     async with pool.update_lock:
         engines = pool.healthy
@@ -78,14 +123,11 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
         paused = await asyncio.gather(
             *(e.client.pause("abort") for e in engines), return_exceptions=True
         )
-        if body.distributed is not None:
-            loader = from_broadcast(body.distributed, version)
-            source = f"the broadcast on {body.distributed.group_name!r}"
-        else:
-            loader = from_disk(str(body.model_path), version)
-            source = str(body.model_path)
+        loader, source = _loader_of(body, version)
         try:
-            results = await asyncio.gather(*(_load(e, loader) for e in engines))
+            results = await _load_within(
+                engines, loader, ctx.settings.weights_pause_limit_s, source
+            )
         finally:
             await asyncio.gather(*(e.client.resume() for e in engines), return_exceptions=True)
         pause_seconds = time.perf_counter() - started
@@ -112,6 +154,13 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
     )
 
 
+# torch.distributed's TCPStore protocol (c10d/TCPStore.cpp): a client validates with a magic
+# number, then PING carries a nonce the store sends back.
+_VALIDATE, _PING, _MAGIC = 0, 13, 0x3C85F7CE
+# How long a store that accepted the connection may take to answer the ping.
+RENDEZVOUS_PING_S = 3.0
+
+
 def group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
     """Each engine's first rank in the trainer's weight group, and the group's size. The trainer
     is rank 0; an engine of tensor-parallel size t holds the t ranks from its offset on
@@ -124,17 +173,19 @@ def group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
 
 
 async def rendezvous_problem(host: str, port: int, wait_s: float) -> str | None:
-    """None once something accepts a TCP connection at ``host:port`` (rank 0's store, which the
-    trainer starts as it asks the engines to join), else why nothing did within ``wait_s``.
+    """None once a torch.distributed store answers at ``host:port`` (rank 0's, which the trainer
+    starts as it asks the engines to join), else why none did: nothing accepted a connection
+    within ``wait_s``, or what accepted it did not answer a store's ping within
+    ``RENDEZVOUS_PING_S``.
 
-    Engines asked to join an address where nobody listens would block in their rendezvous for
+    Engines asked to join an address where no store answers would block in their rendezvous for
     many minutes, so the caller's address is checked here first."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     while True:
         try:
             connecting = asyncio.open_connection(host, port)
-            _, writer = await asyncio.wait_for(connecting, max(deadline - loop.time(), 0.1))
+            reader, writer = await asyncio.wait_for(connecting, max(deadline - loop.time(), 0.1))
         except socket.gaierror as exc:
             return f"the host {host!r} does not resolve ({exc.strerror})"
         except (OSError, TimeoutError, ValueError) as exc:
@@ -142,8 +193,31 @@ async def rendezvous_problem(host: str, port: int, wait_s: float) -> str | None:
                 return f"nothing accepted a connection at {host}:{port} within {wait_s:g} s ({exc})"
             await asyncio.sleep(0.2)
             continue
-        writer.close()
+        try:
+            return await _store_problem(reader, writer, host, port)
+        finally:
+            writer.close()
+
+
+async def _store_problem(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, port: int
+) -> str | None:
+    nonce = secrets.randbits(32) | 1  # never 0: nothing read is not an echo
+    writer.write(struct.pack("<BIBI", _VALIDATE, _MAGIC, _PING, nonce))
+    try:
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.readexactly(4), RENDEZVOUS_PING_S)
+    except TimeoutError:
+        answer = None
+    except (OSError, asyncio.IncompleteReadError):
+        answer = b""
+    if answer and struct.unpack("<I", answer)[0] == nonce:
         return None
+    seen = "no answer" if answer is None else f"the answer {answer!r}" if answer else "a close"
+    return (
+        f"{host}:{port} accepts connections but is not a torch.distributed store "
+        f"({seen} to its ping within {RENDEZVOUS_PING_S:g} s)"
+    )
 
 
 async def form_group(ctx: ServerContext, body: WeightGroupIn) -> dict[str, Any]:

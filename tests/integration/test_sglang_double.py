@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -133,10 +132,13 @@ def test_a_request_over_the_learned_context_is_refused_by_the_proxy(proxy, doubl
 
 @contextlib.contextmanager
 def rendezvous() -> Iterator[int]:
-    """A port where something accepts connections, as rank 0's store would (the proxy asks
-    no engine to join a rendezvous nobody listens at); the doubles only record the join."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        yield listener.getsockname()[1]
+    """The port of a torch.distributed store, as rank 0's would be (the proxy asks no engine to
+    join where no store answers); the doubles only record the join."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    yield store.port
+    del store
 
 
 def test_weight_group_ranks_follow_each_engines_tp_size(proxy, doubles):
