@@ -17,6 +17,7 @@ document (``documented``) and the error event a stream ends with
     ├── AuthenticationRequired   401  no key, or not one the call takes
     │   └── InvalidKey           401  a key proxrl did not issue
     ├── KeyOutOfScope            403  a valid key that cannot reach this run, session or call
+    ├── BodyTooLarge             413  a body over the route's limit (max_body_bytes, ...)
     ├── ResourceNotFound         404  no such thing (a dashboard file)
     │   ├── RunNotFound          404
     │   ├── SessionNotFound      404
@@ -120,6 +121,11 @@ class InvalidKey(AuthenticationRequired):
 
 class KeyOutOfScope(ProxrlError):
     pass
+
+
+class BodyTooLarge(ProxrlError):
+    """A request body over its route's limit (``server.limits``), refused before it is read
+    whole."""
 
 
 class ResourceNotFound(ProxrlError):
@@ -282,6 +288,7 @@ RENDERING: dict[type[ProxrlError], Rendering] = {
     AuthenticationRequired: Rendering(401, "authentication_error"),
     InvalidKey: Rendering(401, "authentication_error", "invalid_api_key"),
     KeyOutOfScope: Rendering(403, "permission_error"),
+    BodyTooLarge: Rendering(413, "request_too_large", "request_too_large"),
     ResourceNotFound: Rendering(404, "not_found_error"),
     RunNotFound: Rendering(404, "not_found_error", "run_not_found"),
     SessionNotFound: Rendering(404, "not_found_error", "session_not_found"),
@@ -487,7 +494,8 @@ def _documenting_validation(
     app: FastAPI, shapes: Sequence[ErrorShape]
 ) -> Callable[[], dict[str, Any]]:
     """``app.openapi`` with request-validation errors as ``_validation_error`` sends them: our
-    error shape (not FastAPI's HTTPValidationError), 422 on REST routes and 400 on OpenAI ones."""
+    error shape (not FastAPI's HTTPValidationError), 422 on REST routes and 400 on OpenAI ones;
+    and a 413 on every route that takes a body (its limit, ``server.limits``)."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -497,6 +505,9 @@ def _documenting_validation(
         for path, operations in document.get("paths", {}).items():
             for operation in operations.values():
                 responses = operation.get("responses", {})
+                if "requestBody" in operation:  # server.limits answers before the route
+                    shape = next((s.model for s in shapes if s.matches(path)), ErrorBody)
+                    responses.setdefault("413", _error_response("413", document, shape))
                 if "HTTPValidationError" not in str(responses.get("422", "")):
                     continue
                 del responses["422"]

@@ -19,6 +19,7 @@ from server import auth, dashboard, errors, overload
 from server.common.key_handover import hand_over
 from server.deps import Authorization, Ctx
 from server.engine_client import sglang
+from server.limits import RequestLimits
 from server.metrics import Metrics, RequestMetrics
 from server.proxy import routes as proxy_routes
 from server.rl import routes as rl_routes
@@ -60,6 +61,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
             yield
 
     app = FastAPI(title="proxrl", summary="An OpenAI-compatible RL proxy", lifespan=lifespan)
+    # Added first, so innermost: a body is read (or refused) once the outer layers let it in.
+    app.add_middleware(RequestLimits, settings=settings)
     errors.install(app, proxy_routes.ERROR_SHAPES)
     app.add_middleware(overload.InFlight, caps=request_caps(settings))
     app.add_middleware(RequestMetrics, metrics=figures)

@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from server.common import admin_keys
 from server.store.database import default_url
+from server.store.stored_json import SERVABLE_DEPTH
 
 
 def env_name(settings: type[BaseSettings], field: str) -> str:
@@ -82,6 +83,33 @@ class ServerSettings(BaseSettings):
     )
     request_timeout_s: float = Field(
         600.0, gt=0, description="Longest one engine request may take."
+    )
+    max_body_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body on the model routes (/v1/..., /sessions/{id}/v1/...), "
+        "in bytes; a larger one is answered 413 before it is read whole. 32 MiB: an agent's "
+        "longest prompts with their tools are a few MB.",
+    )
+    max_rest_body_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body on the other routes (/rl/..., /admin/...), in bytes; "
+        "past it: 413, before it is read whole.",
+    )
+    max_json_depth: int = Field(
+        64,
+        ge=2,
+        le=SERVABLE_DEPTH,
+        description="Deepest nesting of arrays and objects a JSON body may have, on every route "
+        f"(at most {SERVABLE_DEPTH}: what the answers that carry stored values can serve); "
+        "deeper: 400.",
+    )
+    max_metadata_bytes: int = Field(
+        64 * 1024,
+        ge=2,
+        description="Largest session metadata, as UTF-8 JSON, in bytes; larger: 400. Every claim "
+        "and session view carries it whole.",
     )
     health_interval_s: float = Field(2.0, gt=0, description="Seconds between engine checks.")
     sweep_interval_s: float = Field(

@@ -235,6 +235,7 @@ class ExportCommand(BaseModel):
                 f"proxrl export: the store is {mismatch}: run `proxrl db upgrade --db URL` (or "
                 "start this proxrl's server on it) first"
             )
+        skipped: list[tuple[str, str]] = []
         with progress_bar("exporting {task.description}", "sessions") as progress:
             task = progress.add_task(self.run, total=None)
             try:
@@ -246,6 +247,7 @@ class ExportCommand(BaseModel):
                         self.out,
                         on_total=lambda total: progress.update(task, total=total),
                         on_page=lambda sessions: progress.advance(task, sessions),
+                        on_skip=lambda session_id, reason: skipped.append((session_id, reason)),
                     )
                 )
             except RunNotFound:
@@ -257,6 +259,10 @@ class ExportCommand(BaseModel):
             except OSError as exc:  # the file could not be written (a full disk, no access)
                 raise SystemExit(f"proxrl export: {self.out}: {exc.strerror or exc}") from None
         print(f"wrote {written} session(s) to {self.out}", file=sys.stderr)
+        for session_id, reason in skipped:
+            print(f"skipped session {session_id}: {reason}", file=sys.stderr)
+        if skipped:
+            print(f"skipped {len(skipped)} session(s) no file can carry", file=sys.stderr)
 
 
 class Proxrl(

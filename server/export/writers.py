@@ -31,14 +31,23 @@ class Writer(Protocol):
     def close(self) -> bytes: ...
 
 
+# Line ends other than "\n" that readers splitting on Unicode line ends (str.splitlines, some
+# editors) would break a line at: escaped, as only strings can hold them.
+_LINE_ENDS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
+
+
 class JsonlWriter:
-    """A line of JSON per record (JSON Lines; UTF-8)."""
+    """A line of JSON per record (JSON Lines; UTF-8, with U+2028, U+2029 and U+0085 escaped so
+    that no reader sees a line end inside a record)."""
 
     media_type = "application/x-ndjson"
 
     def page(self, records: list[dict[str, Any]]) -> bytes:
         return b"".join(
-            json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+            json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+            .translate(_LINE_ENDS)
+            .encode()
+            + b"\n"
             for record in records
         )
 

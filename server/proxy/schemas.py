@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from server.bounds import MAX_INT, Count
+from server.bounds import MAX_INT, Count, NoNul
 from server.errors import InvalidRequest
 from server.proxy import forced_calls
 from server.store.run_config import MODEL_NAME_LENGTH
@@ -26,9 +26,9 @@ MAX_STOP = 16
 MAX_TEXT = 8_000_000
 MAX_ITEMS = 100_000
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
-Label = Annotated[str, StringConstraints(max_length=1000)]
+Label = Annotated[str, StringConstraints(max_length=1000), NoNul]
 # What a turn records of it (turns.model): a longer name is a 400, never a failed write.
-ModelName = Annotated[str, StringConstraints(max_length=MODEL_NAME_LENGTH)]
+ModelName = Annotated[str, StringConstraints(max_length=MODEL_NAME_LENGTH), NoNul]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=1000)]
 TokenLimit = Annotated[int, Field(ge=1, le=MAX_INT)]
 

@@ -40,24 +40,26 @@ async def claim(
     rule = group_rule(config, group)
     async with ctx.sessionmaker() as db, db.begin():
         result = await claims.claim(db, run.id, max_sessions, lease_s or config.claim_lease_s, rule)
+        # Built before the commit: a claim whose answer cannot be built is not taken.
+        answer = ClaimOut(
+            claim_id=result.claim_id,
+            expires_at=result.expires_at,
+            run_config=config.model_dump(),
+            sessions=[
+                ClaimedSessionOut(
+                    session_id=s.session_id,
+                    task_id=s.task_id,
+                    group_id=s.group_id,
+                    metadata=s.metadata,
+                    reward=s.reward,
+                    rows=[RowOut(**vars(row)) for row in s.rows],
+                )
+                for s in result.sessions
+            ],
+        )
     if result.dropped:
         await ctx.admission.notify()
-    return ClaimOut(
-        claim_id=result.claim_id,
-        expires_at=result.expires_at,
-        run_config=config.model_dump(),
-        sessions=[
-            ClaimedSessionOut(
-                session_id=s.session_id,
-                task_id=s.task_id,
-                group_id=s.group_id,
-                metadata=s.metadata,
-                reward=s.reward,
-                rows=[RowOut(**vars(row)) for row in s.rows],
-            )
-            for s in result.sessions
-        ],
-    )
+    return answer
 
 
 async def renew(ctx: ServerContext, claim_ids: list[str], lease_s: float | None) -> RenewOut:

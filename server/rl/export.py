@@ -5,7 +5,8 @@ Each session is read by the very code that answers GET /rl/sessions/{id}
 times ISO-8601, and each turn gets its ``alternative`` flag and ``loss_mask`` from the session's
 rows. Pages follow ``(created_at, id)`` (``server.store.session_pages``), so memory holds one
 page, whatever the run's size. Used by ``proxrl export`` (reading the store directly) and by
-GET /rl/runs/{id}/export (streamed); it knows neither the command line nor HTTP.
+GET /rl/runs/{id}/export (streamed); it knows neither the command line nor HTTP. A session the
+view withholds values of is left out with its reason (logged, and told to ``proxrl export``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +30,8 @@ from server.store import runs as store_runs
 from server.store import sessions as status
 from server.store.database import Sessionmaker
 from server.store.session_pages import SessionFilter, count_sessions, cursor_after, session_page
+
+log = logging.getLogger(__name__)
 
 STATUSES: dict[str, tuple[str, ...] | None] = {
     "consumed": (status.CONSUMED,),
@@ -46,19 +50,39 @@ async def count(sessionmaker: Sessionmaker, chosen: SessionFilter) -> int:
         return await count_sessions(db, chosen)
 
 
+def log_skip(session_id: str, reason: str) -> None:
+    log.warning("export: session %s skipped: %s", session_id, reason)
+
+
 async def record_pages(
-    sessionmaker: Sessionmaker, chosen: SessionFilter, page_size: int = PAGE_SIZE
+    sessionmaker: Sessionmaker,
+    chosen: SessionFilter,
+    page_size: int = PAGE_SIZE,
+    on_skip: Callable[[str, str], None] = log_skip,
 ) -> AsyncIterator[list[dict[str, Any]]]:
-    """The chosen sessions' records, a page at a time, oldest first."""
+    """The chosen sessions' records, a page at a time, oldest first. A session holding stored
+    values no file can carry (its view's ``withheld``: an older version's lone surrogate or
+    deep nesting) is left out, and ``on_skip`` hears its id and why: one such session does not
+    stop the export, nor goes into it with holes."""
     after = None
     while True:
         async with sessionmaker() as db:
             page = await session_page(db, chosen, after, page_size)
-        if page:
-            yield [session_record(view) for view in await session_views(sessionmaker, page)]
+        records = []
+        for view in await session_views(sessionmaker, page) if page else []:
+            if view.withheld:
+                on_skip(view.session_id, skip_reason(view.withheld))
+            else:
+                records.append(session_record(view))
+        if records:
+            yield records
         if len(page) < page_size:
             return
         after = cursor_after(page)
+
+
+def skip_reason(withheld: dict[str, str]) -> str:
+    return "; ".join(f"{where}: {problem}" for where, problem in withheld.items())
 
 
 async def file_chunks(
@@ -172,11 +196,12 @@ async def export_file(
     out: Path,
     on_total: Callable[[int], None] = lambda total: None,
     on_page: Callable[[int], None] = lambda sessions: None,
+    on_skip: Callable[[str, str], None] = log_skip,
 ) -> int:
     """Write the chosen sessions of the store at ``url`` to ``out`` (through ``out.partial``,
     renamed at the end, so ``out`` is never half written, and removed if the export fails or
     is interrupted); how many sessions it holds. ``on_total`` hears how many there are to
-    write, ``on_page`` each page's count."""
+    write, ``on_page`` each page's count, ``on_skip`` each session left out and why."""
     engine = database.connect(url)
     try:
         sessionmaker = database.sessionmaker(engine)
@@ -186,7 +211,7 @@ async def export_file(
         written = 0
         try:
             with partial.open("wb") as file:
-                async for records in record_pages(sessionmaker, chosen):
+                async for records in record_pages(sessionmaker, chosen, on_skip=on_skip):
                     file.write(await asyncio.to_thread(writer.page, records))
                     written += len(records)
                     on_page(len(records))

@@ -25,6 +25,7 @@ from server.bounds import (
     Host,
     Id,
     Name,
+    NoNul,
     Shape,
 )
 from server.store.run_config import MAX_COUNT, REWARD_BOUND, RunConfig, Seconds
@@ -37,8 +38,8 @@ MAX_TENSORS = 1_000_000
 
 DROP_REASON = (
     'Why the session was dropped: a short code, a colon, a sentence (e.g. "no_reward: ...", '
-    '"no_turns: ...", "incomplete_group: ...", "no_group: ...", or a trainer\'s own reason); '
-    "null unless dropped."
+    '"no_turns: ...", "incomplete_group: ...", "no_group: ...", "unservable: ...", or a '
+    "trainer's own reason); null unless dropped."
 )
 ROW_TURNS = (
     "The turns in the row, in order, each {completion_id, turn_index, start, end (its sampled "
@@ -159,6 +160,13 @@ class RunCreated(RunOut):
     api_key: str = Field(description="The run's key; shown once.")
 
 
+WITHHELD = (
+    "Stored values this answer cannot carry, by where they are (metadata, turns[2].messages), "
+    "with why: a string UTF-8 cannot encode or nesting deeper than 200 levels, as older versions "
+    "stored them. Each is shown empty ({} or []); empty when nothing is withheld."
+)
+
+
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -166,7 +174,10 @@ class SessionCreate(BaseModel):
     task_id: Name | None = Field(None, description="The task (for baselines).")
     group_id: Name | None = Field(None, description="The GRPO group.")
     metadata: dict[Name, Any] = Field(
-        default_factory=dict, max_length=1000, description="Anything of yours."
+        default_factory=dict,
+        max_length=1000,
+        description="Anything of yours: JSON of at most max_metadata_bytes (64 KiB by default) "
+        "as UTF-8, nested at most max_json_depth deep.",
     )
     eval: bool = Field(
         False,
@@ -256,6 +267,7 @@ class SessionOut(BaseModel):
     task_id: str | None
     group_id: str | None
     metadata: dict[str, Any]
+    withheld: dict[str, str] = Field(description=WITHHELD)
     status: str
     created_at: datetime
     ended_at: datetime | None
@@ -317,7 +329,9 @@ class ClaimOut(BaseModel):
 
 
 DropReason = Annotated[
-    str, StringConstraints(strip_whitespace=True, min_length=1, max_length=DROP_REASON_LENGTH)
+    str,
+    StringConstraints(strip_whitespace=True, min_length=1, max_length=DROP_REASON_LENGTH),
+    NoNul,
 ]
 EACH_WITH_ITS_REASON = (
     f'each with its reason ("code: a sentence", at most {DROP_REASON_LENGTH} characters)'

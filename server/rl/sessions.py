@@ -7,14 +7,15 @@ GRPO group with eval members would never fill (they are never trainable), so mix
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from server.context import ServerContext
-from server.errors import GroupMixesEval, RunNotFound, SessionNotFound
+from server.errors import GroupMixesEval, InvalidRequest, RunNotFound, SessionNotFound
 from server.rl import runs as run_views
 from server.rl.admission import Held, admits
 from server.rl.schemas import RewardOut, RowOut, SessionCreated, SessionOut, SessionSummary, TurnOut
-from server.store import claims, rewards, runs
+from server.store import claims, rewards, runs, stored_json
 from server.store import sessions as store
 from server.store.database import Sessionmaker
 from server.store.groups import key_of
@@ -34,6 +35,7 @@ async def create_session(
 ) -> SessionCreated:
     """A new session once the run's staleness bound admits it (waits, then 429); an eval
     session at once."""
+    _check_metadata(metadata, ctx.settings.max_metadata_bytes)
     created: list = []
 
     async def check() -> tuple[bool, RunConfig]:
@@ -71,6 +73,26 @@ async def create_session(
         base_url=f"{ctx.settings.base_url}/v1",
         status=session.status,
     )
+
+
+def _check_metadata(metadata: dict[str, Any], max_bytes: int) -> None:
+    """Metadata every reader can serve back: finite numbers (PostgreSQL's JSON has no NaN), and
+    at most ``max_bytes`` as UTF-8 JSON (claims and views carry it whole). The door
+    (``server.limits``) already refused lone surrogates and deep nesting."""
+    try:
+        text = json.dumps(metadata, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        raise InvalidRequest(
+            "metadata holds NaN or Infinity, which JSON cannot carry; use null or a string",
+            param="metadata",
+        ) from None
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise InvalidRequest(
+            f"metadata is {size:,} bytes as JSON; at most {max_bytes:,} (max_metadata_bytes): "
+            "keep large data elsewhere and put its address here",
+            param="metadata",
+        )
 
 
 async def get_session(ctx: ServerContext, session_id: str) -> Session:
@@ -127,25 +149,56 @@ async def session_views(sessionmaker: Sessionmaker, found: list[Session]) -> lis
         turns = await turns_by_session(db, ids)
         targets = await rewards.rewards_of(db, ids)
         claimed = await claims.sessions_with_rows(db, found)
-    return [
-        SessionOut(
-            **summary_fields(session),
-            metadata=session.meta,
-            reward=targets[session.id].get(SESSION_TARGET),
-            rewards=targets[session.id],
-            turns=[
-                TurnOut(
-                    **served_fields(t),
-                    reward=targets[session.id].get(t.completion_id),
-                    created_at=t.created_at,
-                )
-                for t in turns[session.id]
-            ],
-            rows=[RowOut(**vars(row)) for row in with_rows.rows],
-            retries=with_rows.retries,
+    views = []
+    for session, with_rows in zip(found, claimed, strict=True):
+        withheld: dict[str, str] = {}
+        metadata = _servable(session.meta, "metadata", withheld)
+        served = [
+            _servable_turn(served_fields(t), i, withheld) for i, t in enumerate(turns[session.id])
+        ]
+        views.append(
+            SessionOut(
+                **summary_fields(session),
+                metadata=metadata if metadata is not None else {},
+                withheld=withheld,
+                reward=targets[session.id].get(SESSION_TARGET),
+                rewards=targets[session.id],
+                turns=[
+                    TurnOut(
+                        **fields,
+                        reward=targets[session.id].get(t.completion_id),
+                        created_at=t.created_at,
+                    )
+                    for t, fields in zip(turns[session.id], served, strict=True)
+                ],
+                rows=[RowOut(**vars(row)) for row in with_rows.rows],
+                retries=with_rows.retries,
+            )
         )
-        for session, with_rows in zip(found, claimed, strict=True)
-    ]
+    return views
+
+
+# A turn's free-form values, as its request and answer stored them.
+_TURN_JSON = ("messages", "tools", "response", "sampling")
+
+
+def _servable(value: Any, name: str, withheld: dict[str, str]) -> Any:
+    """``value``, or None (its problem noted in ``withheld`` under ``name``) when an older
+    version stored what no answer can carry (``stored_json.problem``)."""
+    problem = stored_json.problem(value)
+    if problem is None:
+        return value
+    withheld[name] = problem
+    return None
+
+
+def _servable_turn(fields: dict[str, Any], index: int, withheld: dict[str, str]) -> dict[str, Any]:
+    for name in _TURN_JSON:
+        value = _servable(fields[name], f"turns[{index}].{name}", withheld)
+        if value is None and fields[name] is not None:
+            value = {} if isinstance(fields[name], dict) else []
+        fields[name] = value
+    return fields
 
 
 async def post_reward(

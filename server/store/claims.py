@@ -16,7 +16,9 @@ whole groups (``server.store.groups``: by group_id always, by task_id too under 
 split: SQLite serialises writers (each write transaction here starts with a write), and on
 Postgres the chosen sessions are locked with SKIP LOCKED; a group of which fewer were locked
 than chosen is left alone, and the claim goes on to the next groups. Claimed sessions come back
-as training rows.
+as training rows; one whose stored metadata no answer can carry (an older version's lone
+surrogate or deep nesting: ``stored_json``) is dropped instead, with its reason, in the same
+transaction.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.errors import ClaimNotFound, NotInClaim
-from server.store import drop_reasons, groups
+from server.store import drop_reasons, groups, stored_json
 from server.store import sessions as status
 from server.store.keys import new_id
 from server.store.rewards import SESSION_TARGET, rewards_of
@@ -90,7 +92,16 @@ async def claim(
             .where(Session.id.in_(chosen), Session.status == status.TRAINABLE)
             .values(status=status.CLAIMED, claim_id=claim_id, claim_expires_at=expires)
         )
-    return Claim(claim_id, expires, await _load(db, claim_id), dropped)
+    claimed = await _load(db, claim_id)
+    unservable = {
+        c.session_id: drop_reasons.unservable(problem)
+        for c in claimed
+        if (problem := stored_json.problem(c.metadata)) is not None
+    }
+    if unservable:  # dropped as the trainer drops: they keep the claim's id, and count settled
+        dropped += await _drop(db, unservable)
+        claimed = [c for c in claimed if c.session_id not in unservable]
+    return Claim(claim_id, expires, claimed, dropped)
 
 
 def _trainable(run_id: str) -> tuple:

@@ -46,3 +46,10 @@ def no_group(group_size: int) -> str:
         f"{group_size} can form; give sessions a group_id or task_id, or set "
         "on_incomplete_group=train"
     )
+
+
+def unservable(problem: str) -> str:
+    return _fit(
+        f"unservable: its metadata holds {problem}, as an older version stored it; no answer "
+        "can carry it to the trainer (GET /rl/sessions/{id} shows the rest)"
+    )

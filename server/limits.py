@@ -1,0 +1,202 @@
+"""The door every request with a body passes before a route reads it, in this order:
+
+1. **Who is calling** (401): on routes that need a key (``/v1/...``, ``/rl/...``,
+   ``/admin/weights...``), no key or a key proxrl did not issue is refused before a byte of the
+   body is read; on ``/sessions/{id}/v1/...`` the id must name a session (404). Scope (403) is
+   the route's business, once it knows what is asked.
+2. **How big** (413): a declared ``Content-Length`` over the route's limit is refused unread; a
+   body without one (chunked) is counted as it arrives and refused once past the limit. The
+   model routes (OpenAI, Anthropic) take ``max_body_bytes``, the rest ``max_rest_body_bytes``.
+3. **What every reader can serve back** (400): a JSON body with a string UTF-8 cannot encode (a
+   lone surrogate, from an escape like ``"\\ud800"``) or nested deeper than ``max_json_depth``
+   is refused, on every route, before the route parses it.
+
+Refusals are in the surface's error shape (``server.errors``). It knows surfaces by path, keys
+only through ``server.auth``, and nothing of the routes' schemas or of what they store.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import anyio
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server import auth, errors
+from server.errors import (
+    AuthenticationRequired,
+    BodyTooLarge,
+    InvalidRequest,
+    ProxrlError,
+    ResourceNotFound,
+    SessionNotFound,
+)
+from server.settings import ServerSettings
+from server.store import stored_json
+
+KEYED = ("/v1/", "/rl/", "/admin/weights")
+_PATH_SESSION = re.compile(r"^/sessions/([^/]+)/v1/")
+_MODEL_ROUTES = ("/v1/", "/sessions/")
+# Bodies past this are checked off the event loop: the others wait no longer than for a small one.
+_CHECK_IN_THREAD_BYTES = 256 * 1024
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_INNERMOST = re.compile(rb"\[\]|\{\}")
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+
+
+class RequestLimits:
+    """ASGI middleware: the checks above, then the route reads the body as it came."""
+
+    def __init__(self, app: ASGIApp, settings: ServerSettings) -> None:
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if "\x00" in scope["path"]:  # no route has one, and no text column could look it up
+            exc = ResourceNotFound("No such path: it holds a NUL character (%00).")
+            await errors.render(Request(scope), exc)(scope, receive, send)
+            return
+        if not _has_body(scope):
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        try:
+            await _authenticate(request)
+            body = await self._read(request, receive)
+            if body is None:  # the client left while sending
+                return
+            if body and _is_json(request):
+                await self._check(body)
+        except ProxrlError as exc:
+            await errors.render(request, exc)(scope, receive, send)
+            return
+        await self.app(scope, _replaying(body, receive), send)
+
+    def limit(self, path: str) -> int:
+        if path.startswith(_MODEL_ROUTES):
+            return self.settings.max_body_bytes
+        return self.settings.max_rest_body_bytes
+
+    async def _read(self, request: Request, receive: Receive) -> bytes | None:
+        limit = self.limit(request.url.path)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BodyTooLarge(_too_large(int(declared), limit))
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(_too_large(size, limit, more=True))
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _check(self, body: bytes) -> None:
+        depth = self.settings.max_json_depth
+        if len(body) > _CHECK_IN_THREAD_BYTES:
+            problem = await anyio.to_thread.run_sync(json_problem, body, depth)
+        else:
+            problem = json_problem(body, depth)
+        if problem is not None:
+            raise InvalidRequest(f"The request body holds {problem}.", code="unservable_json")
+
+
+def json_problem(body: bytes, max_depth: int) -> str | None:
+    """What in a JSON ``body`` no reader could serve back (None: nothing, or not JSON at all,
+    which the route answers). Cheap scans of the bytes first; the body is parsed only where an
+    escaped surrogate may be lone."""
+    if _nesting_exceeds(body, max_depth):
+        return f"nesting deeper than {max_depth} levels (max_json_depth)"
+    if b"\\ud" not in body and b"\\uD" not in body:
+        return None  # no escaped surrogate, so no lone one (raw bytes of one are not UTF-8)
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return stored_json.problem(value, max_depth)
+
+
+def _nesting_exceeds(body: bytes, max_depth: int) -> bool:
+    """Whether the JSON ``body`` nests deeper than ``max_depth``: its brackets outside strings,
+    innermost pairs removed once per level (each pass is one C-speed scan)."""
+    if body.count(b"[") + body.count(b"{") <= max_depth:
+        return False
+    brackets = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    for _ in range(max_depth):
+        if not brackets:
+            return False
+        brackets = _INNERMOST.sub(b"", brackets)
+    return bool(brackets)
+
+
+async def _authenticate(request: Request) -> None:
+    path = request.url.path
+    ctx = request.app.state.ctx
+    token = auth.bearer(request.headers.get("authorization")) or request.headers.get("x-api-key")
+    path_session = _PATH_SESSION.match(path)
+    if path_session is not None:
+        # The id in the path is the credential: a key proxrl did not issue counts as none.
+        if await ctx.sessions.get(path_session.group(1)) is None:
+            raise SessionNotFound(path_session.group(1))
+        return
+    if not path.startswith(KEYED):
+        return
+    if not token:
+        raise AuthenticationRequired(
+            "This call needs a key: 'Authorization: Bearer <key>' (or x-api-key).",
+            code="invalid_api_key" if path.startswith("/v1/") else None,
+        )
+    await auth.identify_key(ctx, token)  # InvalidKey (401) for a key proxrl did not issue
+
+
+def _has_body(scope: Scope) -> bool:
+    headers = dict(scope["headers"])
+    length = headers.get(b"content-length")
+    if length is not None:
+        return length.strip() not in (b"", b"0")
+    return b"transfer-encoding" in headers
+
+
+def _is_json(request: Request) -> bool:
+    """As FastAPI decides to parse a body as JSON: no content type, or application/json or
+    application/*+json."""
+    kind = request.headers.get("content-type")
+    if not kind:
+        return True
+    media = kind.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+def _too_large(size: int, limit: int, more: bool = False) -> str:
+    return (
+        f"The request body is {'over ' if more else ''}{size:,} bytes; this route takes at most "
+        f"{limit:,} (max_body_bytes on the model routes, max_rest_body_bytes on the others)."
+    )
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """``receive`` that gives the body already read, then whatever the client sends next (its
+    disconnect, which a stream watches for)."""
+    given = False
+
+    async def replay() -> Message:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
