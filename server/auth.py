@@ -24,8 +24,6 @@ from server.store import runs as store_runs
 from server.store import sessions as store_sessions
 from server.store.keys import hash_key
 
-KEY_CACHE_LIMIT = 100_000
-
 
 @dataclass(frozen=True)
 class Caller:
@@ -60,15 +58,13 @@ async def identify_key(ctx: ServerContext, token: str | None) -> Caller:
     cached = ctx.key_cache.get(key_hash)
     if cached is None:
         # Keys are issued before anyone can use them, so one unknown now stays unknown.
-        if key_hash in ctx.unknown_keys:
+        if ctx.unknown_keys.get(key_hash):
             raise InvalidKey()
         cached = await _lookup(ctx, key_hash)
         if cached is None:
-            if len(ctx.unknown_keys) < KEY_CACHE_LIMIT:
-                ctx.unknown_keys.add(key_hash)
+            ctx.unknown_keys.put(key_hash, True)
             raise InvalidKey()
-        if len(ctx.key_cache) < KEY_CACHE_LIMIT:
-            ctx.key_cache[key_hash] = cached
+        ctx.key_cache.put(key_hash, cached)
     kind, run_id, session_id = cached
     return Caller(kind, run_id, session_id)  # type: ignore[arg-type]
 

@@ -12,6 +12,8 @@ from server.metrics import Metrics
 from server.proxy.session_cache import SessionRegistry
 from server.rl.admission import Admission
 from server.settings import ServerSettings
+from server.store.byte_lru import MB, ByteLRU
+from server.store.database import StoreHealth
 from server.store.run_config import RunConfigs
 from server.store.writer import TurnWriter
 from server.text.tokenization import Tokenizer
@@ -32,8 +34,13 @@ class ServerContext:
     admission: Admission = field(default_factory=Admission)
     metrics: Metrics = field(default_factory=Metrics)
     default_run_id: str = ""
-    key_cache: dict[str, tuple[str, str | None, str | None]] = field(default_factory=dict)
-    unknown_keys: set[str] = field(default_factory=set)
+    store_health: StoreHealth = field(default_factory=StoreHealth)
+    # key hash -> (kind, run id, session id); the hashes no key of the store has. Bounded in
+    # bytes (--lookup-cache-mb): what is dropped is looked up again.
+    key_cache: ByteLRU[str, tuple[str, str | None, str | None]] = field(
+        default_factory=lambda: ByteLRU(24 * MB)
+    )
+    unknown_keys: ByteLRU[str, bool] = field(default_factory=lambda: ByteLRU(8 * MB))
     started_at: float = field(default_factory=time.time)
     model_name: str = ""  # the served model's name, fixed at start
 

@@ -33,6 +33,7 @@ document (``documented``) and the error event a stream ends with
     ├── Overloaded               503  requests or connections at their bound (Retry-After)
     ├── NoEngineAvailable        503  no engine in rotation could serve (Retry-After)
     │   └── ContextLengthUnknown 503  no engine has reported its context length yet
+    ├── StoreUnavailable         503  the store is full, read-only, locked or away (Retry-After)
     ├── EngineError              503  the engine serving the request failed (Retry-After)
     │   ├── EngineUnavailable    503  it timed out, broke off or answered 5xx: another may serve
     │   │   └── EngineTimedOut   503  it took longer than --request-timeout-s: not tried again
@@ -220,6 +221,15 @@ class ContextLengthUnknown(NoEngineAvailable):
         )
 
 
+class StoreUnavailable(ProxrlError):
+    """The store cannot take the request now (``store.database.store_fault`` says why): retrying
+    later may succeed, and nothing the client was answered is lost."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"it is {reason}. Nothing of this request was kept; retry later.")
+        self.reason = reason
+
+
 class EngineError(ProxrlError):
     pass
 
@@ -278,6 +288,8 @@ _INVALID = "invalid_request_error"
 _UNAVAILABLE = "service_unavailable"
 # An engine may be back at the next health check (or the next request's probe): retry soon.
 _ENGINE_RETRY_S = 1
+# A store fault (a disk filling, a database restarting) takes longer to clear.
+_STORE_RETRY_S = 2
 
 RENDERING: dict[type[ProxrlError], Rendering] = {
     ProxrlError: Rendering(500, "server_error"),
@@ -312,6 +324,13 @@ RENDERING: dict[type[ProxrlError], Rendering] = {
         lead="No engine could serve this request: ",
     ),
     ContextLengthUnknown: Rendering(503, _UNAVAILABLE, "no_engine_available", _ENGINE_RETRY_S),
+    StoreUnavailable: Rendering(
+        503,
+        _UNAVAILABLE,
+        "store_unavailable",
+        _STORE_RETRY_S,
+        lead="The store cannot serve this request now: ",
+    ),
     EngineError: Rendering(
         503,
         _UNAVAILABLE,
@@ -564,7 +583,7 @@ MEANINGS = {
     422: "A field is missing or out of its bounds (see param).",
     429: "Not admitted now (the run's staleness bound); try again after Retry-After seconds.",
     502: "An engine failed the request.",
-    503: "No engine is in rotation to serve it.",
+    503: "Not now: no engine in rotation, or the store unavailable; retry after Retry-After.",
 }
 _RETRY_AFTER = {
     "Retry-After": {

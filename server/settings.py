@@ -115,6 +115,26 @@ class ServerSettings(BaseSettings):
     sweep_interval_s: float = Field(
         5.0, gt=0, description="Seconds between applying session and reward deadlines."
     )
+    store_busy_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="How long a write waits for a SQLite store another process holds locked; "
+        "past it the request is answered 503 store_unavailable with Retry-After.",
+    )
+    session_cache_mb: float = Field(
+        256.0,
+        gt=0,
+        description="Memory for what the proxy keeps of each session between its turns (the "
+        "last turns' tokens and text, to splice the next prompt), in MB; beyond it the least "
+        "recently used sessions are dropped and reloaded from the store at their next request.",
+    )
+    lookup_cache_mb: float = Field(
+        32.0,
+        gt=0,
+        description="Memory for what the proxy keeps of its store lookups (callers' keys: half; "
+        "keys the store does not have: a quarter; runs' configs: a quarter), in MB; beyond it "
+        "the least recently used are dropped and read from the store again when next needed.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )

@@ -32,12 +32,14 @@ from server.context import ServerContext
 from server.engine.settings import model_directory_problem
 from server.engine_client import sglang
 from server.engine_client.pool import EnginePool
+from server.errors import StoreUnavailable
 from server.metrics import Metrics
 from server.proxy.session_cache import SessionRegistry
 from server.settings import ServerSettings
 from server.store import database, runs
 from server.store import secrets as store_secrets
 from server.store import sessions as store_sessions
+from server.store.byte_lru import MB, ByteLRU
 from server.store.keys import hash_key
 from server.store.run_config import RunConfig, RunConfigs
 from server.store.tables import Run
@@ -119,6 +121,8 @@ async def sweep(ctx: ServerContext) -> None:
         try:
             async with ctx.sessionmaker() as db, db.begin():
                 changed = await store_sessions.expire(db)
+        except StoreUnavailable:
+            continue  # the store's health has logged the episode
         except Exception:
             log.exception("applying session deadlines failed")
             continue
@@ -136,16 +140,18 @@ async def server_context(
         raise ValueError("the server needs an admin key (serve() generates one)")
     url = settings.database_url
     await asyncio.to_thread(database.upgrade, url)
-    db_engine = database.connect(url)
-    writer_engine = database.connect_sync(url)
-    maker = database.sessionmaker(db_engine)
+    health = database.StoreHealth()
+    db_engine = database.connect(url, health, settings.store_busy_timeout_s)
+    writer_engine = database.connect_sync(url, health, settings.store_busy_timeout_s)
+    maker = database.sessionmaker(db_engine, health)
     tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, settings.model)
     launcher = LAUNCHERS[settings.engine]
     launched = [] if settings.engine_urls else await asyncio.to_thread(launcher, settings)
     urls = settings.engine_urls or [engine.url for engine in launched]
     pool = EnginePool(urls, settings.request_timeout_s, settings.health_interval_s)
     metrics = metrics or Metrics()
-    writer = TurnWriter(writer_engine, on_commit=metrics.store_write_seconds.observe)
+    writer = TurnWriter(writer_engine, on_commit=metrics.store_write_seconds.observe, health=health)
+    lookups = int(settings.lookup_cache_mb * MB)
     sweeper: asyncio.Task | None = None
     try:
         await pool.start()
@@ -161,10 +167,13 @@ async def server_context(
             writer=writer,
             pool=pool,
             tokenizer=tokenizer,
-            sessions=SessionRegistry(maker, tokenizer),
-            run_configs=RunConfigs(maker),
+            sessions=SessionRegistry(maker, tokenizer, int(settings.session_cache_mb * MB)),
+            run_configs=RunConfigs(maker, budget_bytes=lookups // 4),
             model_name=settings.model_name,
             metrics=metrics,
+            store_health=health,
+            key_cache=ByteLRU(lookups // 2),
+            unknown_keys=ByteLRU(lookups // 4),
         )
         metrics.state.ctx = ctx
         run = await ensure_default_run(ctx)

@@ -52,16 +52,25 @@ class PostgresServer:
             shutil.chown(self.root, "postgres", "postgres")
             os.chmod(self.root, 0o700)
         self._run(str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust")
+        self.resume()
+        return self
+
+    def resume(self) -> None:
+        """Start the server again (after ``halt``), on the same port and data."""
         options = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off"
         self._run(
             str(self.bin / "pg_ctl"), "-D", str(self.data), "-o", options,
             "-l", str(self.root / "server.log"), "-w", "start",
         )  # fmt: skip
-        return self
+
+    def halt(self) -> None:
+        """Stop the server as an operator would (fast: connections cut, transactions rolled
+        back), keeping its data."""
+        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop")
 
     def stop(self) -> None:
         try:
-            self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop")
+            self.halt()
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
 

@@ -380,7 +380,11 @@ class MessagesRenderer:
         self.names = _tool_names(body)
         # The answer names the served model, as every surface's does (docs/concepts.md#model-names).
         self.model, self.stops, self.streamed = ctx.model_name, body.stops, body.stream
-        self.context_cut = plan.sampling.max_tokens < body.max_tokens  # see _token_limit
+        # Cut by the context (see _token_limit), not by the run's max_completion_tokens.
+        room = (ctx.context_length or 0) - len(plan.sampling.prompt_ids)
+        self.context_cut = (
+            plan.sampling.max_tokens < body.max_tokens and plan.sampling.max_tokens >= room
+        )
         self.blocks = _Blocks()
         self.message: dict[str, Any] = {}
 

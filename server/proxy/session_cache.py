@@ -10,24 +10,29 @@ session's turns, which record their conversation.
 A session holds *conversations* (docs/concepts.md): the agent's main thread, and the side
 requests an agent sends in the same session (a title, a summary, a sub-agent). Each
 conversation has an *opening*: its first prompt up to the header of the answer it asked for
-(:func:`opening_length`); every later request of the conversation begins with it. The state is
-bounded: the :data:`MAX_CONVERSATIONS` most recently active conversations, and of each the last
-request's turns, :data:`MAX_RETRIED_KEPT` answers of earlier attempts of the same prompt and
-the turn it continued.
+(:func:`opening_length`); every later request of the conversation begins with it. A session's
+state is bounded: the :data:`MAX_CONVERSATIONS` most recently active conversations, and of each
+the last request's turns, :data:`MAX_RETRIED_KEPT` answers of earlier attempts of the same
+prompt and the turn it continued. The registry is bounded in bytes (``--session-cache-mb``):
+the least recently used sessions are dropped, and reloaded from the store at their next
+request; a dropped state a request still holds stays the session's one state until that
+request is done, so two requests of a session never work on two copies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from itertools import takewhile
 from typing import Any
 
 from server.store import sessions as store_sessions
 from server.store import turns as store_turns
+from server.store.byte_lru import MB, ByteLRU, nbytes
 from server.store.database import Sessionmaker
 from server.store.packing import unpack_ints
 from server.store.rows import asks_the_same
@@ -53,6 +58,12 @@ class LastTurn:
     surface: str = "chat"
     messages: list[Any] | None = None
     tools: list[Any] | None = None
+
+    @cached_property
+    def nbytes(self) -> int:
+        """What it takes in memory (its token ids dominate: ``byte_lru.INT_IN_LIST`` each)."""
+        parts = (self.prompt_ids, self.completion_ids, self.text, self.messages, self.tools)
+        return 160 + sum(nbytes(part) for part in parts)
 
 
 @dataclass(eq=False)
@@ -83,6 +94,14 @@ class SessionState:
     row_tails: dict[int, str] = field(default_factory=dict)
     engine: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # told when what it keeps changed (the registry measures it again)
+    on_change: Callable[[SessionState], None] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """What it keeps, in bytes: its turns (each measured once) and a little bookkeeping."""
+        turns = sum(turn.nbytes for c in self.conversations.values() for turn in c.last)
+        return 1024 + turns + 100 * len(self.row_tails)
 
     @property
     def has_turns(self) -> bool:
@@ -103,6 +122,8 @@ class SessionState:
             self.conversations.popitem(last=False)
         rows = {turn.row_index for turn in self.last}
         self.row_tails = {row: tails[row] for row in rows if row in tails}
+        if self.on_change is not None:
+            self.on_change(self)
 
 
 def last_turn(
@@ -190,34 +211,62 @@ def kept_turns(latest: list[Turn], earlier: list[Turn]) -> list[Turn]:
 
 
 class SessionRegistry:
+    """Sessions' states by id, at most ``budget_bytes`` of them (``SessionState.nbytes``)."""
+
     def __init__(
-        self, sessionmaker: Sessionmaker, tokenizer: Tokenizer, capacity: int = 20_000
+        self, sessionmaker: Sessionmaker, tokenizer: Tokenizer, budget_bytes: int = 256 * MB
     ) -> None:
         self._sessionmaker = sessionmaker
         self._tokenizer = tokenizer
-        self._capacity = capacity
-        self._states: OrderedDict[str, SessionState] = OrderedDict()
+        self._states: ByteLRU[str, SessionState] = ByteLRU(
+            budget_bytes, size_of=lambda state: state.nbytes, on_evict=self._evicted
+        )
+        # Dropped states that requests may still hold: while one does, it is the session's.
+        self._held: weakref.WeakValueDictionary[str, SessionState] = weakref.WeakValueDictionary()
+
+    @property
+    def nbytes(self) -> int:
+        return self._states.nbytes
+
+    def __len__(self) -> int:
+        return len(self._states)
 
     async def get(self, session_id: str) -> SessionState | None:
         state = self._states.get(session_id)
+        if state is not None:
+            return state
+        state = self._held.pop(session_id, None)
         if state is None:
             state = await self._load(session_id)
             if state is None:
                 return None
-            self._states[session_id] = state
-            while len(self._states) > self._capacity:
-                self._states.popitem(last=False)
-        self._states.move_to_end(session_id)
+            racing = self._states.get(session_id) or self._held.pop(session_id, None)
+            if racing is not None:  # another request loaded it meanwhile: one state
+                return racing
+        state.on_change = self._changed
+        self._states.put(session_id, state)
         return state
 
     def forget(self, session_id: str) -> None:
         """Drop what is kept of the session: its next request reloads it from the store."""
-        self._states.pop(session_id, None)
+        state = self._states.pop(session_id) or self._held.pop(session_id, None)
+        if state is not None:
+            state.on_change = None
 
     def set_status(self, session_id: str, status: str) -> None:
-        state = self._states.get(session_id)
+        """A session that takes no more turns needs nothing kept: it is dropped (its state
+        told first, for a request that holds it)."""
+        state = self._states.peek(session_id) or self._held.get(session_id)
         if state is not None:
             state.status = status
+            if status != "open":
+                self.forget(session_id)
+
+    def _changed(self, state: SessionState) -> None:
+        self._states.resize(state.id)
+
+    def _evicted(self, session_id: str, state: SessionState) -> None:
+        self._held[session_id] = state
 
     async def _load(self, session_id: str) -> SessionState | None:
         async with self._sessionmaker() as db:

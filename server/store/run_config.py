@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from server.store.byte_lru import MB, ByteLRU, nbytes
+
 # Rewards (posted, or a run's default_reward) lie within [-REWARD_BOUND, REWARD_BOUND]: the
 # trainer's statistics square returns, and a reward of 1e200 overflowed them.
 REWARD_BOUND = 1e9
@@ -167,10 +169,18 @@ class RunConfigs:
     cost. Another server on the same store sees a change within ``ttl_s``; this one at once
     (``put``)."""
 
-    def __init__(self, sessionmaker: async_sessionmaker, ttl_s: float = RUN_CONFIG_TTL_S) -> None:
+    def __init__(
+        self,
+        sessionmaker: async_sessionmaker,
+        ttl_s: float = RUN_CONFIG_TTL_S,
+        budget_bytes: int = 8 * MB,
+    ) -> None:
         self.sessionmaker = sessionmaker
         self.ttl_s = ttl_s
-        self._read: dict[str, tuple[float, RunConfig]] = {}  # run id -> (monotonic time, config)
+        # run id -> (monotonic time, config); the least recently used dropped past the budget
+        self._read: ByteLRU[str, tuple[float, RunConfig]] = ByteLRU(
+            budget_bytes, size_of=lambda entry: nbytes(entry[1].model_dump())
+        )
 
     async def get(self, run_id: str) -> RunConfig | None:
         """The run's config, or None for no such run."""
@@ -185,8 +195,8 @@ class RunConfigs:
         if run is None:
             return None
         config = RunConfig.model_validate(run.config)
-        self._read[run_id] = (read_at, config)
+        self._read.put(run_id, (read_at, config))
         return config
 
     def put(self, run_id: str, config: RunConfig) -> None:
-        self._read[run_id] = (time.monotonic(), config)
+        self._read.put(run_id, (time.monotonic(), config))

@@ -17,6 +17,11 @@ Where the batch is written depends on the store:
 - Other databases (Postgres): on a worker thread, one hand-off per batch; the network round
   trips must not block the loop.
 
+A batch the store refuses fails every request in it, before any is answered: a fault (a disk
+full, a store locked past its busy timeout or read-only, a lost Postgres: ``database.store_fault``)
+as ``StoreUnavailable`` (503, Retry-After), which ``health`` logs once per episode; the next batch
+that commits ends the episode. Anything else is a bug, logged with its traceback.
+
 Write volume is kept in ``stats``; ``on_commit`` (the server's metrics) sees each batch's
 latency.
 """
@@ -33,6 +38,8 @@ from typing import Any
 
 from sqlalchemy import Engine, text
 
+from server.errors import StoreUnavailable
+from server.store.database import StoreHealth, store_fault
 from server.store.turns import TurnInserter, TurnRecord
 
 log = logging.getLogger(__name__)
@@ -75,8 +82,10 @@ class TurnWriter:
         max_batch: int = 256,
         on_commit: Callable[[float], None] | None = None,
         checkpoint_bytes: int = CHECKPOINT_BYTES,
+        health: StoreHealth | None = None,
     ) -> None:
         self._engine = engine
+        self.health = health or StoreHealth()
         self._insert = TurnInserter(engine.dialect)
         self._on_commit = on_commit  # called with each committed batch's seconds
         self._max_batch = max_batch
@@ -135,11 +144,12 @@ class TurnWriter:
             if not self._write_here(records):
                 await asyncio.to_thread(self._write, records)
         except Exception as exc:
-            log.exception("writing %d turns failed", len(records))
+            reason = self._fault(exc, len(records))
             for _, done in batch:
                 if not done.done():
-                    done.set_exception(exc)
+                    done.set_exception(exc if reason is None else StoreUnavailable(reason))
             return
+        self.health.recovered()
         elapsed = time.perf_counter() - started
         self.last_batch_seconds = elapsed
         self.stats.batches += 1
@@ -155,6 +165,15 @@ class TurnWriter:
         for _, done in batch:
             if not done.done():
                 done.set_result(None)
+
+    def _fault(self, exc: Exception, turns: int) -> str | None:
+        """The store fault that failed a batch (told to ``health``), or None: a bug, logged."""
+        reason = store_fault(exc)
+        if reason is None:
+            log.error("writing %d turns failed", turns, exc_info=exc)
+        else:
+            self.health.failed(reason)
+        return reason
 
     def _write_here(self, records: list[TurnRecord]) -> bool:
         """SQLite: write on the loop unless the store is locked (then False: use a thread)."""
@@ -185,8 +204,9 @@ class TurnWriter:
         try:
             await asyncio.to_thread(self._checkpoint_wal)
             self.stats.checkpoints += 1
-        except Exception:
-            log.exception("checkpointing the store's WAL failed (tried again ~4 MB later)")
+        except Exception as exc:
+            if store_fault(exc) is None:  # a fault is the episode's, logged once
+                log.exception("checkpointing the store's WAL failed (tried again ~4 MB later)")
         finally:
             self._checkpoint = None
 

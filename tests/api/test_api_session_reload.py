@@ -55,3 +55,32 @@ def test_a_fresh_registry_holds_what_the_live_one_does_after_each_request(api: A
     assert (view["conversations"], view["breaks"]) == (2, 0)
     assert view["retries"] == 3
     assert len({tuple(t["prompt_ids"]) for t in view["turns"][1:] if t["conversation"] == 0}) == 1
+
+
+def test_a_registry_past_its_byte_budget_drops_sessions_that_reload_where_they_were(api: Api):
+    """Sessions dropped for the budget go on in the same row once reloaded; a dropped state a
+    request still holds stays the session's one state."""
+    ctx = api.http.app.state.ctx  # type: ignore[attr-defined]
+    call = api.http.portal.call  # type: ignore[union-attr]
+    sessions = [api.new_session(task_id=f"budget-{i}") for i in range(6)]
+    said: dict[str, list[dict]] = {}
+    for session in sessions:
+        messages = [{"role": "user", "content": f"Count from {session['session_id'][-4:]}."}]
+        answer = api.chat(session, max_tokens=6, messages=messages)
+        said[session["session_id"]] = [*messages, answer["choices"][0]["message"]]
+    one = call(ctx.sessions.get, sessions[0]["session_id"]).nbytes
+    small = SessionRegistry(ctx.sessionmaker, ctx.tokenizer, budget_bytes=int(2.5 * one))
+    held = call(small.get, sessions[0]["session_id"])
+    live, ctx.sessions = ctx.sessions, small
+    try:
+        for session in sessions:
+            messages = [*said[session["session_id"]], {"role": "user", "content": "Go on."}]
+            api.chat(session, max_tokens=6, messages=messages)
+            assert small.nbytes <= small._states.budget_bytes
+        assert len(small) < len(sessions)
+        assert call(small.get, sessions[0]["session_id"]) is held  # held here: not reloaded
+        for session in sessions:
+            first, second = api.session(session["session_id"])["turns"]
+            assert second["extends_previous"] and second["row_index"] == first["row_index"]
+    finally:
+        ctx.sessions = live

@@ -1,0 +1,132 @@
+"""A store that cannot take writes (here: SQLite locked by another process past the server's
+busy timeout, a real fault) is a 503 with Retry-After in each surface's error shape, logged
+once for the episode, and the server recovers by itself; nothing answered is lost."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from server.store.database import sqlite_file
+from tests.api.api_support import ADMIN_KEY, Api, assert_error, sse_events
+
+BUSY_TIMEOUT_S = 0.2
+
+
+@pytest.fixture(scope="module")
+def api(tiny_model_dir: Path, engine, tmp_path_factory) -> Iterator[Api]:
+    from server.main import create_app
+    from server.settings import ServerSettings
+
+    settings = ServerSettings(
+        model=str(tiny_model_dir),
+        engines=engine.url,
+        data_dir=tmp_path_factory.mktemp("store-unavailable"),
+        admin_key=ADMIN_KEY,
+        log_level="warning",
+        store_busy_timeout_s=BUSY_TIMEOUT_S,
+    )
+    with TestClient(create_app(settings)) as client:
+        yield Api(client, tiny_model_dir)
+
+
+@contextmanager
+def locked(api: Api) -> Iterator[None]:
+    """Another process's write transaction on the store, held until the block ends."""
+    path = sqlite_file(api.http.app.state.ctx.settings.database_url)  # type: ignore[attr-defined]
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        yield
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
+def stored_turns(api: Api, session: dict) -> int:
+    return len(api.session(session["session_id"])["turns"])
+
+
+def test_every_surface_answers_503_with_retry_after_while_the_store_is_locked(api: Api, caplog):
+    caplog.set_level(logging.WARNING)
+    session = api.new_session(task_id="store-locked")
+    user = [{"role": "user", "content": "hi"}]
+    api.chat(session)
+    with locked(api):
+        with pytest.raises(openai.APIStatusError) as chat:
+            api.openai(session["api_key"]).chat.completions.create(
+                model="tiny", messages=user, max_tokens=4
+            )
+        with pytest.raises(anthropic.APIStatusError) as messages:
+            api.anthropic(session["api_key"]).messages.create(
+                model="tiny", messages=user, max_tokens=4
+            )
+        streamed = api.call(
+            "POST",
+            "/v1/chat/completions",
+            key=session["api_key"],
+            json={"model": "tiny", "messages": user, "max_tokens": 4, "stream": True},
+        )
+        reward = api.call(
+            "POST", f"/rl/sessions/{session['session_id']}/reward", json={"reward": 1}
+        )
+        created = api.call("POST", "/rl/sessions", json={"task_id": "while-locked"})
+    for refused in (chat.value.response, messages.value.response, reward, created):
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "2"
+    assert chat.value.body["code"] == "store_unavailable"  # type: ignore[index]
+    assert messages.value.body["type"] == "error"  # type: ignore[index]
+    assert messages.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    for rest in (reward, created):
+        error = assert_error(rest, 503, code="store_unavailable")
+        assert "locked" in error["message"]
+    # a stream already under way ends with the error, and no finish: its answer is not whole
+    events = sse_events(streamed)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "store_unavailable"  # type: ignore[index]
+    assert not any(c.get("finish_reason") for e in events[:-2] for c in e.get("choices", []))  # type: ignore[union-attr]
+
+    # recovered without a restart (told once the store has been quiet for settle_s); nothing
+    # answered lost, nothing refused kept
+    time.sleep(api.http.app.state.ctx.store_health.settle_s)  # type: ignore[attr-defined]
+    api.chat(session)
+    assert stored_turns(api, session) == 2
+    assert api.session(session["session_id"])["reward"] is None
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("server")]
+    assert [message.split(":")[0].split(" after")[0] for _, message in lines] == [
+        "store unavailable",
+        "store available again",
+    ], lines
+    assert all(level == "WARNING" for level, _ in lines) and not any(
+        r.exc_info for r in caplog.records
+    )
+
+
+def test_a_store_fault_is_told_from_a_bug() -> None:
+    """Real SQLite errors: the faults are named, a wrong statement is not one."""
+    from server.store.database import store_fault
+
+    memory = sqlite3.connect(":memory:")
+    with pytest.raises(sqlite3.OperationalError) as wrong:
+        memory.execute("SELECT * FROM no_such_table")
+    assert store_fault(wrong.value) is None
+    with pytest.raises(sqlite3.IntegrityError) as constraint:
+        memory.execute("CREATE TABLE t (x INTEGER PRIMARY KEY)")
+        memory.execute("INSERT INTO t VALUES (1), (1)")
+    assert store_fault(constraint.value) is None
+    memory.execute("PRAGMA max_page_count=2")  # a real "database or disk is full"
+    with pytest.raises(sqlite3.OperationalError) as full:
+        memory.execute(
+            "CREATE TABLE big AS WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL "
+            "SELECT i + 1 FROM n LIMIT 10000) SELECT i, hex(randomblob(64)) FROM n"
+        )
+    assert store_fault(full.value) == "full (no space left on its disk)"
