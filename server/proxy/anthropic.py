@@ -49,7 +49,15 @@ from server.proxy.anthropic_schemas import (
     anthropic_body,
 )
 from server.proxy.generation import Completion
-from server.proxy.plan import Plan, check_model, new_plan, run_config, sampling_request
+from server.proxy.plan import (
+    Plan,
+    build_prompt,
+    check_model,
+    new_plan,
+    refuse_oversize,
+    run_config,
+    sampling_request,
+)
 from server.proxy.reasoning import reasoning_style, split_reasoning
 from server.proxy.recording import Served
 from server.proxy.session_cache import SessionState
@@ -61,14 +69,15 @@ from server.proxy.tool_calls import (
     ToolCallStream,
     parse_tool_calls,
 )
-from server.text.tokenization import TemplateError, Tokenizer
+from server.text.tokenization import PromptText, TemplateError, Tokenizer
 
 
 async def plan_messages(ctx: ServerContext, state: SessionState, body: MessagesRequest) -> Plan:
     config = await run_config(ctx, state)
     await check_model(ctx, state, body.model)
     body.refuse_unsupported()
-    prompt = prompts.splice(ctx.tokenizer, prompt_text(ctx, body), state.last)
+    client = config.client_special_tokens
+    prompt = await build_prompt(ctx, state, lambda: prompt_text(ctx, body, client), "messages")
     limit = _token_limit(ctx, len(prompt.ids), body.max_tokens)
     sampling = sampling_request(ctx, prompt.ids, limit, body, 0, config)
     return new_plan(
@@ -113,14 +122,22 @@ def forced_call(tokenizer: Tokenizer, body: Conversation) -> str:
 
 async def count_tokens(ctx: ServerContext, state: SessionState, body: CountTokensRequest) -> dict:
     """The prompt's token count, as ``/v1/messages`` would tokenize it in a fresh session."""
+    config = await run_config(ctx, state)
     await check_model(ctx, state, body.model)
     body.refuse_unsupported()
-    return {"input_tokens": len(ctx.tokenizer.encode(prompt_text(ctx, body)))}
+
+    def count() -> int:
+        text = prompt_text(ctx, body, config.client_special_tokens)
+        refuse_oversize(ctx, len(text.text), "messages")
+        return ctx.tokenizer.count_prompt(text)
+
+    return {"input_tokens": await prompts.off_loop(count)}
 
 
-def prompt_text(ctx: ServerContext, body: Conversation) -> str:
+def prompt_text(ctx: ServerContext, body: Conversation, client: str = "text") -> PromptText:
     """The prompt: the conversation rendered, then a final assistant message's text or the
-    start of a forced tool call."""
+    start of a forced tool call; the client's special-token texts kept as text unless
+    ``client`` (the run's ``client_special_tokens``) is "parse"."""
     messages, tools, prefill = conversation(body, system_in_place(ctx.tokenizer))
     forced = forced_call(ctx.tokenizer, body)
     if forced and prefill:
@@ -129,12 +146,16 @@ def prompt_text(ctx: ServerContext, body: Conversation) -> str:
             "answer cannot also continue a final assistant message.",
             param="tool_choice",
         )
-    return _render(ctx, messages, tools) + prefill + forced
+    return ctx.tokenizer.client_text(
+        _render(ctx, messages, tools, client), prefill + forced, client
+    )
 
 
-def _render(ctx: ServerContext, messages: list[dict], tools: list[dict] | None) -> str:
+def _render(
+    ctx: ServerContext, messages: list[dict], tools: list[dict] | None, client: str
+) -> PromptText:
     try:
-        return ctx.tokenizer.render(messages, tools=tools, add_generation_prompt=True)
+        return ctx.tokenizer.render_prompt(messages, tools, True, client)
     except TemplateError as exc:
         raise InvalidRequest(f"The chat template refused the messages: {exc}", "messages") from exc
 

@@ -1,11 +1,13 @@
 """``/v1/chat/completions``: render the conversation into a plan; chat's answer and chunks.
 
-The prompt is rendered with the model's chat template and tokenized here (continuing the
-session's last turn token for token when the history matches); the engines only ever see token
-ids. A request without a temperature is sampled at its run's. ``tool_choice`` "required" or a
-named function ends the prompt with the start of a call (``forced_calls``); ``response_format``
-is served or refused by the run's policy (``plan.structured_output``). Sampling, recording and
-streaming are ``answer``'s; this module says what a chat answer and its chunks look like.
+The prompt is rendered with the model's chat template and tokenized here, on a prompt thread
+(continuing the session's last turn token for token when the history matches); a special
+token's text in the client's messages or tools is tokenized as text (the run's
+``client_special_tokens``). The engines only ever see token ids. A request without a
+temperature is sampled at its run's. ``tool_choice`` "required" or a named function ends the
+prompt with the start of a call (``forced_calls``); ``response_format`` is served or refused by
+the run's policy (``plan.structured_output``). Sampling, recording and streaming are
+``answer``'s; this module says what a chat answer and its chunks look like.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from typing import Any
 from server.context import ServerContext
 from server.engine_client.client import Piece
 from server.errors import InvalidRequest
-from server.proxy import forced_calls, outputs, prompts
+from server.proxy import forced_calls, outputs
 from server.proxy.generation import Completion
 from server.proxy.plan import (
     Plan,
+    build_prompt,
     check_model,
     new_plan,
     run_config,
@@ -30,7 +33,7 @@ from server.proxy.recording import Served
 from server.proxy.schemas import ChatCompletionRequest
 from server.proxy.session_cache import SessionState
 from server.proxy.tool_calls import ContentDelta, ReasoningDelta, StreamEvent, parse_tool_calls
-from server.text.tokenization import TemplateError
+from server.text.tokenization import PromptText, TemplateError
 
 
 async def plan_chat(ctx: ServerContext, state: SessionState, body: ChatCompletionRequest) -> Plan:
@@ -41,12 +44,19 @@ async def plan_chat(ctx: ServerContext, state: SessionState, body: ChatCompletio
     forced = body.forced_tool()
     messages = [message.for_template() for message in body.messages]
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-    try:
-        text = ctx.tokenizer.render(messages, tools=tools, add_generation_prompt=True)
-    except TemplateError as exc:
-        raise InvalidRequest(f"The chat template refused the messages: {exc}", "messages") from exc
     start = forced_calls.forced_start(ctx.tokenizer, *forced, "tool_choice") if forced else ""
-    prompt = prompts.splice(ctx.tokenizer, text + start, state.last)
+    client = config.client_special_tokens
+
+    def render() -> PromptText:
+        try:
+            text = ctx.tokenizer.render_prompt(messages, tools, True, client)
+        except TemplateError as exc:
+            raise InvalidRequest(
+                f"The chat template refused the messages: {exc}", "messages"
+            ) from exc
+        return ctx.tokenizer.client_text(text, start, client)
+
+    prompt = await build_prompt(ctx, state, render, "messages")
     top = (body.top_logprobs or 0) if body.logprobs else 0
     sampling = sampling_request(ctx, prompt.ids, body.token_limit, body, top, config)
     parse_tools = tools is not None and body.tool_choice != "none"

@@ -1,7 +1,10 @@
 """``/v1/completions``: a text or token-id prompt into a plan; the text completion's answer.
 
 A text prompt that begins with a previous turn's exact text reuses that turn's tokens (as chat
-does); a token-id prompt continues a turn when it starts with that turn's ids. One prompt per
+does); a token-id prompt continues a turn when it starts with that turn's ids. A text prompt's
+special tokens' texts are special tokens, whatever the run's ``client_special_tokens``: the
+client writes the whole prompt, the chat template's turns and role tokens included (it is the
+template here), and could send the same ids as a token-id prompt anyway. One prompt per
 request: a batch of prompts is refused (each would be its own turn). Sampling, recording and
 streaming are ``answer``'s; this module says what a text completion looks like.
 """
@@ -15,7 +18,15 @@ from server.engine_client.client import Piece
 from server.errors import InvalidRequest
 from server.proxy import outputs, prompts
 from server.proxy.generation import Completion
-from server.proxy.plan import Plan, check_model, new_plan, run_config, sampling_request
+from server.proxy.plan import (
+    Plan,
+    check_model,
+    new_plan,
+    refuse_oversize,
+    run_config,
+    sampling_request,
+    spliced,
+)
 from server.proxy.recording import Served
 from server.proxy.schemas import CompletionRequest
 from server.proxy.session_cache import SessionState
@@ -27,8 +38,10 @@ async def plan_completion(ctx: ServerContext, state: SessionState, body: Complet
     await check_model(ctx, state, body.model)
     body.refuse_untrainable()
     (given,) = _single(body)
+    last = list(state.last)
     if isinstance(given, str):
-        prompt = prompts.splice(ctx.tokenizer, given, state.last)
+        refuse_oversize(ctx, len(given), "prompt")
+        prompt = await prompts.off_loop(lambda: spliced(ctx, given, last, "prompt"))
         echo = given
     else:
         if any(not 0 <= t < ctx.tokenizer.vocab_size for t in given):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,11 +23,13 @@ from server.errors import (
     PromptTooLong,
     RunNotFound,
 )
+from server.proxy import prompts
 from server.proxy.generation import SamplingRequest
 from server.proxy.prompts import Prompt
 from server.proxy.recording import RequestLog
 from server.proxy.session_cache import SessionState
 from server.store.run_config import RunConfig
+from server.text.tokenization import PromptText, TooManyTokens
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,50 @@ async def check_model(ctx: ServerContext, state: SessionState, model: str) -> No
 
 def answers_to(config: RunConfig, served: str, model: str) -> bool:
     return model == served or model in config.model_aliases
+
+
+async def build_prompt(
+    ctx: ServerContext, state: SessionState, render: Callable[[], PromptText | str], param: str
+) -> Prompt:
+    """The prompt ``render`` writes, tokenized and continuing the session's last turn when it
+    can (``prompts.splice``), all on a prompt thread (``prompts.off_loop``): a long prompt
+    holds no other request. A text too long for the context is refused before it is
+    tokenized (``refuse_oversize``)."""
+    last = list(state.last)
+
+    def work() -> Prompt:
+        text = render()
+        refuse_oversize(ctx, len(text if isinstance(text, str) else text.text), param)
+        return spliced(ctx, text, last, param)
+
+    return await prompts.off_loop(work)
+
+
+def spliced(ctx: ServerContext, text: PromptText | str, last: list[Any], param: str) -> Prompt:
+    """``prompts.splice`` of ``text``, refused when it has more tokens than the context."""
+    context = ctx.context_length
+    try:
+        return prompts.splice(ctx.tokenizer, text, last, context)
+    except TooManyTokens as exc:
+        raise PromptTooLong(
+            f"The prompt has {exc.tokens} tokens; the model's context is {context}.", param=param
+        ) from None
+
+
+def refuse_oversize(ctx: ServerContext, characters: int, param: str) -> None:
+    """Refuse a prompt of more ``characters`` than the context's tokens can hold: no token of
+    the vocabulary stands for more than ``max_chars_per_token`` characters, so such a text is
+    over the context however it tokenizes. (Tokenizing megabytes takes seconds and memory.)"""
+    context = ctx.context_length
+    if context is None:
+        return  # sampling_request refuses it
+    most = ctx.tokenizer.max_chars_per_token
+    if characters > context * most:
+        raise PromptTooLong(
+            f"The prompt has {characters:,} characters; the model's context is {context:,} "
+            f"tokens, which hold at most {context * most:,} ({most} a token at most).",
+            param=param,
+        )
 
 
 def sampling_request(

@@ -34,28 +34,40 @@ missing the history must go on with an answer's end (an eos text): an answer edi
 is a break. (A ``</think>`` with no ``<think>`` before it may also be missing.)
 The spliced prompt keeps the exact earlier tokens, thinking and special
 tokens included, so it extends the previous prompt + completion token for token and the row
-goes on.
+goes on. The new text is tokenized as the whole prompt would be: a special token's text that
+the client wrote stays text (``PromptText.as_text``), whatever turn it falls in.
+
+Rendering and tokenizing a long prompt takes long (seconds for megabytes), so the surfaces run
+them on a few worker threads (:func:`off_loop`), never on the event loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
-from functools import lru_cache
+from functools import cache, lru_cache
+from typing import TypeVar
 
 from server.proxy.reasoning import generation_prompt
 from server.proxy.session_cache import LastTurn
 from server.proxy.tool_calls import CLOSE as CALL_CLOSE
 from server.proxy.tool_calls import OPEN as CALL_OPEN
 from server.proxy.tool_calls import is_call, same_call
-from server.text.tokenization import Tokenizer
+from server.text.tokenization import PromptText, Tokenizer, TooManyTokens
+
+T = TypeVar("T")
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 # Readings of a turn tried before it counts as not continued (each costs a pass over the turn):
 # a history that really changed fails at its first few, so this only bounds pathological input.
 MAX_READINGS = 256
+# Threads that render and tokenize prompts: requests beyond them wait their turn, the event loop
+# and every other request go on.
+PROMPT_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -82,17 +94,42 @@ class Unit:
     kind: Kind
 
 
-def splice(tokenizer: Tokenizer, text: str, last: list[LastTurn]) -> Prompt:
-    """Token ids of the prompt ``text``, reusing the tokens of the turn it extends."""
+def splice(
+    tokenizer: Tokenizer,
+    prompt: str | PromptText,
+    last: list[LastTurn],
+    limit: int | None = None,
+) -> Prompt:
+    """Token ids of the prompt, reusing the tokens of the turn it extends. A ``str`` is text
+    whose special tokens' texts all count (a text completion's prompt, written by the client
+    in the template's form). A prompt of more than ``limit`` tokens raises ``TooManyTokens``."""
+    if isinstance(prompt, str):
+        prompt = PromptText(prompt)
+    text = prompt.text
     for turn in last:
         end = len(turn.text) if text.startswith(turn.text) else None
         if end is None:
             units = units_of(tokenizer, turn.prompt_ids + turn.completion_ids)
             end = aligned_end(units, text, _end_texts(tokenizer))
         if end is not None and end < len(text):
-            suffix = tokenizer.encode(text[end:])
-            return Prompt(turn.prompt_ids + turn.completion_ids + suffix, turn)
-    return Prompt(tokenizer.encode(text), None)
+            prefix = turn.prompt_ids + turn.completion_ids
+            rest = None if limit is None else limit - len(prefix)
+            try:
+                suffix = tokenizer.encode_prompt(prompt, end, rest)
+            except TooManyTokens as exc:
+                raise TooManyTokens(len(prefix) + exc.tokens) from None
+            return Prompt(prefix + suffix, turn)
+    return Prompt(tokenizer.encode_prompt(prompt, 0, limit), None)
+
+
+async def off_loop(work: Callable[[], T]) -> T:
+    """``work()`` on a prompt thread (``PROMPT_THREADS``), the event loop free meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(_prompt_threads(), work)
+
+
+@cache
+def _prompt_threads() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="proxrl-prompt")
 
 
 def from_ids(ids: list[int], last: list[LastTurn]) -> Prompt:

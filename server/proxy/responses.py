@@ -27,9 +27,10 @@ from typing import Any
 
 from server.context import ServerContext
 from server.errors import InvalidRequest, ResponseNotFound
-from server.proxy import forced_calls, prompts
+from server.proxy import forced_calls
 from server.proxy.plan import (
     Plan,
+    build_prompt,
     check_model,
     new_plan,
     run_config,
@@ -40,7 +41,7 @@ from server.proxy.responses_schema import ResponseRequest, to_messages
 from server.proxy.session_cache import SessionState
 from server.store import turns as store_turns
 from server.store.tables import Turn
-from server.text.tokenization import TemplateError
+from server.text.tokenization import PromptText, TemplateError
 
 MAX_CHAIN = 10_000  # responses one previous_response_id chain may reach back through
 
@@ -58,12 +59,17 @@ async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseR
     if body.instructions:
         messages.insert(0, {"role": "system", "content": body.instructions})
     tools = body.template_tools()
-    try:
-        text = ctx.tokenizer.render(messages, tools=tools, add_generation_prompt=True)
-    except TemplateError as exc:
-        raise InvalidRequest(f"The chat template refused the input: {exc}", "input") from exc
     start = forced_calls.forced_start(ctx.tokenizer, *forced, "tool_choice") if forced else ""
-    prompt = prompts.splice(ctx.tokenizer, text + start, state.last)
+    client = config.client_special_tokens
+
+    def render() -> PromptText:
+        try:
+            text = ctx.tokenizer.render_prompt(messages, tools, True, client)
+        except TemplateError as exc:
+            raise InvalidRequest(f"The chat template refused the input: {exc}", "input") from exc
+        return ctx.tokenizer.client_text(text, start, client)
+
+    prompt = await build_prompt(ctx, state, render, "input")
     limit = body.max_output_tokens
     sampling = sampling_request(ctx, prompt.ids, limit, body, 0, config)
     parse_tools = tools is not None and body.tool_choice != "none"

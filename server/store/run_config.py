@@ -142,6 +142,16 @@ class RunConfig(BaseModel):
         "stop_reason max_tokens); null: up to the request's limit or the context. For agents "
         "that send no limit (the Codex CLI) or a large one (Claude Code's 32,000).",
     )
+    client_special_tokens: Literal["text", "parse"] = Field(
+        "text",
+        description="How a special token's text (<|im_end|>, <|im_start|>, ...) written by the "
+        "client in messages, system text, instructions, tool results, tool calls' arguments or "
+        "tool definitions is tokenized, on Chat Completions, Responses and Anthropic Messages: "
+        "text (as ordinary text tokens, so the prompt's roles and turn ends are only the chat "
+        "template's) or parse (as the special token itself: for clients that write special "
+        "tokens on purpose, who can then also write the prompt's structure). /v1/completions' "
+        "text prompt, which the client formats itself, always parses them.",
+    )
     hosted_tools: Literal["omit", "refuse"] = Field(
         "omit",
         description="What a Responses request's hosted tools (web_search, tool_search, "

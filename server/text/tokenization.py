@@ -19,7 +19,9 @@ This module knows nothing about HTTP, sessions or sampling. Nor does it know:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 from pathlib import Path
@@ -32,7 +34,7 @@ import jinja2.utils
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["TemplateError", "Tokenizer"]
+__all__ = ["PromptText", "TemplateError", "Tokenizer", "TooManyTokens"]
 
 # The special tokens every transformers tokenizer names; a template sees each one that is set.
 NAMED_SPECIAL_TOKENS = tuple(
@@ -60,6 +62,25 @@ class TemplateError(ValueError):
     error), or does not compile; the message says why."""
 
 
+class TooManyTokens(ValueError):
+    """A text tokenized to more ids than were allowed (``Tokenizer.encode_prompt``)."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__(f"{tokens} tokens")
+        self.tokens = tokens
+
+
+@dataclass(frozen=True)
+class PromptText:
+    """A prompt's text and the stretches of it (``[start, end)`` character ranges, in order)
+    that hold a special token's text written by the client: tokenized as text, never as the
+    special token (``Tokenizer.render_prompt``). The rest is the chat template's own text, whose
+    special tokens are the prompt's structure."""
+
+    text: str
+    as_text: tuple[tuple[int, int], ...] = ()
+
+
 class Tokenizer:
     """A model directory's tokenizer and chat template, without transformers."""
 
@@ -84,6 +105,24 @@ class Tokenizer:
         self.pad_token_id: int | None = (
             None if pad_token is None else backend.token_to_id(pad_token)
         )
+        # The same tokenizer with special tokens read as text (transformers'
+        # split_special_tokens), for client text: a copy, as the flag is the backend's state.
+        self._text_backend = tokenizers.Tokenizer.from_str(backend.to_str())
+        self._text_backend.encode_special_tokens = True
+        added = backend.get_added_tokens_decoder()
+        self.special_texts = tuple(
+            sorted({token.content for token in added.values() if token.special}, key=len)
+        )[::-1]  # longest first: a regex alternation takes the first that matches
+        self._special = (
+            re.compile("|".join(re.escape(text) for text in self.special_texts))
+            if self.special_texts
+            else None
+        )
+        # No token stands for more characters than its vocabulary entry has (byte-level entries
+        # spell one character per byte, SentencePiece's one per character, byte fallback's
+        # <0xNN> more): a text of more characters than context * this is over the context.
+        vocab = backend.get_vocab(with_added_tokens=True)
+        self.max_chars_per_token = max((len(entry) for entry in vocab), default=1)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
@@ -114,8 +153,117 @@ class Tokenizer:
             raise TemplateError(f"{directory}: {exc}") from exc
 
     def encode(self, text: str) -> list[int]:
-        """The ids of ``text``, with no special tokens added around it."""
-        return list(self._backend.encode(text, add_special_tokens=False).ids)
+        """The ids of ``text``, with no special tokens added around it. (Through the batch
+        call, which releases the GIL while it works: a long text tokenized on a worker thread
+        does not stop the others.)"""
+        return list(self._backend.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+
+    def encode_prompt(
+        self, prompt: PromptText, start: int = 0, limit: int | None = None
+    ) -> list[int]:
+        """The ids of ``prompt.text[start:]``: its ``as_text`` stretches tokenized as text
+        (a special token's text there becomes ordinary tokens), the rest as ``encode`` does.
+        The tokenizer splits text at special tokens anyway, so this is ``encode`` of the text
+        but for the client's special-token texts. More than ``limit`` ids raise
+        ``TooManyTokens`` before they are made Python ints (a million take 0.1 s, the GIL
+        held)."""
+        parsed, plain = self._encodings(prompt, start)
+        count = sum(map(len, parsed)) + sum(map(len, plain))
+        if limit is not None and count > limit:
+            raise TooManyTokens(count)
+        ids: list[int] = []
+        for index, plain_encoding in enumerate(plain):
+            ids += parsed[index].ids
+            ids += plain_encoding.ids
+        return ids + parsed[-1].ids
+
+    def count_prompt(self, prompt: PromptText) -> int:
+        """``len(encode_prompt(prompt))``, without making the ids Python ints."""
+        parsed, plain = self._encodings(prompt, 0)
+        return sum(map(len, parsed)) + sum(map(len, plain))
+
+    def _encodings(
+        self, prompt: PromptText, start: int
+    ) -> tuple[list[tokenizers.Encoding], list[tokenizers.Encoding]]:
+        """The encodings of the template's pieces of ``prompt.text[start:]`` (one more than
+        the client's) and of the client's special-token texts between them."""
+        cuts = [(max(begin, start), end) for begin, end in prompt.as_text if end > start]
+        parsed, plain = [], []
+        at = start
+        for begin, end in cuts:
+            parsed.append(prompt.text[at:begin])
+            plain.append(prompt.text[begin:end])
+            at = end
+        parsed.append(prompt.text[at:])
+        parsed_encodings = self._backend.encode_batch_fast(parsed, add_special_tokens=False)
+        if not plain:
+            return parsed_encodings, []
+        return parsed_encodings, self._text_backend.encode_batch_fast(
+            plain, add_special_tokens=False
+        )
+
+    def holds_special(self, text: str) -> bool:
+        """Whether ``text`` holds a special token's text."""
+        return self._special is not None and self._special.search(text) is not None
+
+    def client_text(
+        self, prompt: PromptText, text: str, client_special_tokens: str = "text"
+    ) -> PromptText:
+        """``prompt`` followed by the client's ``text`` (a prefill, a forced call's start),
+        whose special tokens' texts stay text (``client_special_tokens`` "parse": count)."""
+        offset = len(prompt.text)
+        found = (
+            self._special.finditer(text)
+            if self._special is not None and client_special_tokens == "text"
+            else ()
+        )
+        spans = tuple((offset + match.start(), offset + match.end()) for match in found)
+        return PromptText(prompt.text + text, prompt.as_text + spans)
+
+    def render_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        client_special_tokens: str = "text",
+        **template_kwargs: Any,
+    ) -> PromptText:
+        """``render``'s prompt, with the special tokens' texts that the client wrote in
+        ``messages`` and ``tools`` marked to be tokenized as text (``client_special_tokens``
+        "text"; "parse": none are, as ``render`` + ``encode``). The prompt's structure (roles,
+        turn ends) is then the template's alone.
+
+        The stretches are found by rendering again with each such text wrapped in two marker
+        characters that appear nowhere in the prompt; the render without the markers must be
+        the prompt exactly. A template that cuts into a special token's text, or renders other
+        text because of the markers, is refused with ``TemplateError``.
+        """
+        text = self.render(messages, tools, add_generation_prompt, **template_kwargs)
+        if client_special_tokens == "parse" or not any(
+            self.holds_special(value) for value in _strings([messages, tools])
+        ):
+            return PromptText(text)
+        opening, closing = _markers(text)
+        pattern = self._special
+        assert pattern is not None
+
+        def mark(value: str) -> str:
+            return pattern.sub(lambda match: opening + match.group() + closing, value)
+
+        marked = self.render(
+            _marked(messages, mark),
+            None if tools is None else _marked(tools, mark),
+            add_generation_prompt,
+            **template_kwargs,
+        )
+        prompt = _unmarked(marked, opening, closing, set(self.special_texts))
+        if prompt is None or prompt.text != text:
+            raise TemplateError(
+                "the conversation holds a special token's text where the chat template changes "
+                "it, so it cannot be kept apart from the template's own special tokens; send it "
+                "without that text (or run with client_special_tokens 'parse')"
+            )
+        return prompt
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids``, without special tokens unless ``skip_special_tokens`` is off."""
@@ -161,6 +309,69 @@ class Tokenizer:
         # A template is code run on client data: whatever it raises is a refusal of that data.
         except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as exc:
             raise TemplateError(f"the chat template failed on this conversation: {exc}") from exc
+
+
+# --- Client text in a prompt ------------------------------------------------------------------
+
+# Marker characters (Unicode's supplementary private use area) for client special-token texts.
+_MARKER_CHOICES = [chr(0xF0000 + i) for i in range(64)]
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in ``value`` (JSON-like data), keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, str):
+                yield key
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
+
+
+def _marked(value: Any, mark: Any) -> Any:
+    """``value`` with ``mark`` applied to every string in it, keys included."""
+    if isinstance(value, str):
+        return mark(value)
+    if isinstance(value, Mapping):
+        return {
+            (mark(key) if isinstance(key, str) else key): _marked(item, mark)
+            for key, item in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [_marked(item, mark) for item in value]
+    return value
+
+
+def _markers(text: str) -> tuple[str, str]:
+    """Two marker characters that ``text`` does not hold."""
+    free = [char for char in _MARKER_CHOICES if char not in text]
+    if len(free) < 2:
+        raise TemplateError("the conversation holds too many private-use characters to render")
+    return free[0], free[1]
+
+
+def _unmarked(marked: str, opening: str, closing: str, specials: set[str]) -> PromptText | None:
+    """The prompt ``marked`` renders without its markers, each marked stretch (a special
+    token's text) kept as text; None when the markers are not in pairs around one."""
+    pieces, spans = [], []
+    length = at = 0
+    while (begin := marked.find(opening, at)) >= 0:
+        end = marked.find(closing, begin + 1)
+        inside = marked[begin + 1 : end]
+        if end < 0 or inside not in specials or closing in marked[at:begin]:
+            return None
+        pieces += [marked[at:begin], inside]
+        length += begin - at
+        spans.append((length, length + len(inside)))
+        length += len(inside)
+        at = end + 1
+    if closing in marked[at:]:
+        return None
+    pieces.append(marked[at:])
+    return PromptText("".join(pieces), tuple(spans))
 
 
 # --- Reading the model directory --------------------------------------------------------------
