@@ -156,7 +156,10 @@ class ServerSettings(BaseSettings):
         "to half of what it leaves past 64 (a connection in use may hold one to an engine).",
     )
     max_requests_admin: int = Field(
-        64, ge=1, description="Requests in flight with the admin key; past it: 503, Retry-After."
+        512,
+        ge=1,
+        description="Requests in flight with the admin key (a script posting a batch's rewards "
+        "at once: 40 sessions rewarded and ended together are 80); past it: 503, Retry-After.",
     )
     max_requests_run: int = Field(
         512, ge=1, description="Requests in flight with run keys; past it: 503, Retry-After."

@@ -282,7 +282,7 @@ class SessionRegistry:
         state.next_turn = int(top_turn) + 1
         state.next_row = int(top_row or 0) + 1
         known = [ends.conversation + 1 for ends in recent]
-        state.next_conversation = max(int(session.conversations or 0), *known)
+        state.next_conversation = max([int(session.conversations or 0), *known])
         conversations = []
         for ends in recent:  # least recently active first
             turns = [self._from_turn(turn) for turn in kept_turns(ends.last, ends.earlier)]
