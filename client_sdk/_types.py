@@ -178,6 +178,10 @@ class SessionDetail(TypedDict):
     """By target: "session" or a completion_id."""
     turns: list[Turn]
     rows: list[Row]
+    withheld: dict[str, str]
+    """Stored values the server could not send back (a string UTF-8 cannot encode, nesting
+    too deep, as older versions stored them), by where they are ("metadata",
+    "turns[2].messages"), with why; each is shown empty. Empty when nothing is withheld."""
 
 
 class RewardResult(TypedDict):

@@ -389,7 +389,7 @@ def test_a_completed_forced_call_is_served_as_a_call_on_every_surface(
     a ``tool_calls`` entry, the Responses API a ``custom_tool_call`` item for a custom tool (raw
     input) and Anthropic a ``tool_use`` block; streamed or not, the same call, parsed from the
     start + the sampled text alone (the start was never sampled)."""
-    ctx = SimpleNamespace(tokenizer=tokenizer, model_name="tiny", metrics=None)  # none counted
+    ctx = SimpleNamespace(tokenizer=tokenizer, model_name="tiny", metrics=None, context_length=2048)
     named = forced_start(tokenizer, CALC, "function", "tool_choice")
 
     chat_plan = _plan("chat", {CALC, "clock"}, named)
