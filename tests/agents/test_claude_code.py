@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_claude_code_runs_a_tool_round_trip_and_every_turn_is_recorded(agent_lane):
-    session, run = agent_lane.run(CLAUDE_CODE)
+    session, run = agent_lane.run_warm(CLAUDE_CODE)
     stored = agent_lane.session(session["session_id"])
     figures = check_agent_run(CLAUDE_CODE, run, stored)
 
@@ -24,4 +24,4 @@ def test_claude_code_runs_a_tool_round_trip_and_every_turn_is_recorded(agent_lan
     # Its first request: its system prompt, the task, then its environment as a system message
     # inside the request's messages (where the chat template renders it, not refused).
     assert [m["role"] for m in stored["turns"][0]["messages"]] == ["system", "user", "system"]
-    print({"warm_up": agent_lane.warm_up, **figures})
+    print({"warm_up": agent_lane.warm_up[CLAUDE_CODE.name], **figures})

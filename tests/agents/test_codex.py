@@ -22,7 +22,7 @@ RESULT = (
 
 
 def test_codex_runs_a_tool_round_trip_and_every_turn_is_recorded(agent_lane):
-    session, run = agent_lane.run(CODEX)
+    session, run = agent_lane.run_warm(CODEX)
     stored = agent_lane.session(session["session_id"])
     figures = check_agent_run(CODEX, run, stored)
 
@@ -42,4 +42,4 @@ def test_codex_runs_a_tool_round_trip_and_every_turn_is_recorded(agent_lane):
         assert sent["custom"] == "apply_patch", sent
         assert "apply_patch" in [tool["function"]["name"] for tool in turn["tools"]]
         assert turn["sampling"]["omitted_tools"] == ["tool_search", "web_search"]
-    print({"warm_up": agent_lane.warm_up, **figures, "usages": usages})
+    print({"warm_up": agent_lane.warm_up[CODEX.name], **figures, "usages": usages})

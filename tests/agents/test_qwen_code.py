@@ -12,6 +12,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_qwen_code_runs_a_tool_round_trip_and_every_turn_is_recorded(agent_lane):
-    session, run = agent_lane.run(QWEN_CODE)
+    session, run = agent_lane.run_warm(QWEN_CODE)
     figures = check_agent_run(QWEN_CODE, run, agent_lane.session(session["session_id"]))
-    print({"warm_up": agent_lane.warm_up, **figures})
+    print({"warm_up": agent_lane.warm_up[QWEN_CODE.name], **figures})

@@ -46,13 +46,12 @@ class Example:
 
 
 def tool_call_text(name: str, arguments: dict) -> str:
-    """A tool call as the tiny model's chat template renders it (and its parser reads it).
-
-    The arguments are written without spaces, as JavaScript's ``JSON.stringify`` writes them:
-    an agent in JavaScript sends the call back so on its next request, and the rendered call
-    must equal the sampled one token for token for that request to extend the row."""
-    arguments_json = json.dumps(arguments, separators=(",", ":"))
-    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments_json}}}\n</tool_call>'
+    """A tool call as the tiny model's chat template renders it (and its parser reads it), with
+    Python's JSON spacing. An agent in JavaScript sends the call back compact
+    (``JSON.stringify``), Claude Code as an object the template dumps again: the splice reads
+    either as the same call (``server.proxy.prompts``), so the row goes on with the tokens the
+    model sampled, and the lane shows it on every agent."""
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
 
 
 def examples_for(
