@@ -93,8 +93,10 @@ test: venv system-deps
 	$(PY) -m pytest -q -m "not slow" -n 2 --durations=15 tests/unit tests/api
 	$(PY) -m pytest -q -m "not slow" --durations=15 --ignore=tests/unit --ignore=tests/api
 
+# On 2 workers, a file's tests together and the training tests on one worker
+# (tests/conftest.py: xdist_group).
 test-slow: venv system-deps
-	$(PY) -m pytest -q -m slow --durations=15
+	$(PY) -m pytest -q -m slow -n 2 --dist loadgroup --durations=15
 
 test-fast: venv
 	$(PY) -m pytest -q --durations=10 $(FAST_TESTS)

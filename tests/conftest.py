@@ -40,7 +40,34 @@ def postgres():
     server.stop()
 
 
+# `make test-slow` runs on 2 workers with `--dist loadgroup`, each test in the group
+# ``xdist_group`` names: a file's tests stay together (its module fixtures, a wheel and four
+# venvs or a browser, are built once), the real-agent lane's files share one group (one server,
+# one fixed folder for the agents' prompts), and every test that trains shares another, so two
+# training runs never split the two cores between them (their timeouts were set on one core
+# each) while the other worker takes the drills, the lane and the installs.
+TRAINING = (
+    "tests/e2e/",
+    "tests/integration/test_architectures_train.py",
+    "tests/integration/test_process_cleanup.py",
+    "tests/integration/test_ray_",
+    "tests/integration/test_trainer_",
+    "tests/reliability/test_trainer_kills.py",
+)
+
+
+def xdist_group(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    if path.startswith("tests/agents/"):
+        return "agents"
+    if path.startswith(TRAINING):
+        return "training"
+    return path
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item.nodeid)))
     try:
         import torch
 
