@@ -97,11 +97,19 @@ def test_every_surface_answers_503_with_retry_after_while_the_store_is_locked(ap
 
     # recovered without a restart (told once the store has been quiet for settle_s); nothing
     # answered lost, nothing refused kept
-    time.sleep(api.http.app.state.ctx.store_health.settle_s)  # type: ignore[attr-defined]
+    ctx = api.http.app.state.ctx  # type: ignore[attr-defined]
+    time.sleep(ctx.store_health.settle_s)
+    # The engine is shared with the other tests of this worker: on a loaded machine a health
+    # probe can time out and take it out of rotation for a moment, which is not the store's
+    # doing; the store's recovery is what this checks.
+    deadline = time.monotonic() + 30
+    while not ctx.pool.healthy and time.monotonic() < deadline:
+        time.sleep(0.2)
     api.chat(session)
     assert stored_turns(api, session) == 2
     assert api.session(session["session_id"])["reward"] is None
-    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("server")]
+    store = [r for r in caplog.records if r.name.startswith("server.store")]
+    lines = [(r.levelname, r.getMessage()) for r in store]
     assert [message.split(":")[0].split(" after")[0] for _, message in lines] == [
         "store unavailable",
         "store available again",
