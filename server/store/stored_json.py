@@ -1,6 +1,8 @@
 """Whether a JSON value can be stored and served back: every string encodable as UTF-8 (Python's
-``json`` turns the escape ``"\\ud800"`` into a lone surrogate, which no UTF-8 writer takes) and
-nesting no deeper than a bound (the answer's serializer stops at about 255 levels).
+``json`` turns the escape ``"\\ud800"`` into a lone surrogate, which no UTF-8 writer takes), every
+number finite (Python's ``json`` reads ``NaN`` and ``Infinity``, which no JSON writer may write
+and Postgres refuses) and nesting no deeper than a bound (the answer's serializer stops at about
+255 levels).
 
 The door (``server.limits``) refuses request bodies that fail it; the readers (claims, session
 views, exports) check what an older version may have stored before they serve it. Pure: this
@@ -9,6 +11,7 @@ module knows nothing about HTTP or SQL.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -27,25 +30,32 @@ def problem(value: Any, max_depth: int = SERVABLE_DEPTH) -> str | None:
     while stack:
         entry = stack.pop()
         item, depth = entry[0], entry[1]
-        if isinstance(item, str):
-            if not item.isascii() and _SURROGATE.search(item):
-                return f"a string UTF-8 cannot encode (a lone surrogate){_at(entry)}"
-        elif not isinstance(item, dict | list):
-            continue
+        if not isinstance(item, dict | list):
+            wrong = _leaf_problem(item)
+            if wrong:
+                return wrong + _at(entry)
         elif depth >= max_depth:
             return f"nesting deeper than {max_depth} levels{_at(entry)}"
         elif isinstance(item, dict):
             for key, inner in item.items():
                 if not key.isascii() and _SURROGATE.search(key):
                     return f"a key UTF-8 cannot encode (a lone surrogate){_at(entry)}"
-                if isinstance(inner, str | dict | list):
+                if isinstance(inner, str | dict | list | float):
                     stack.append((inner, depth + 1, entry, key))
         else:
             stack.extend(
                 (inner, depth + 1, entry, i)
                 for i, inner in enumerate(item)
-                if isinstance(inner, str | dict | list)
+                if isinstance(inner, str | dict | list | float)
             )
+    return None
+
+
+def _leaf_problem(item: Any) -> str | None:
+    if isinstance(item, str) and not item.isascii() and _SURROGATE.search(item):
+        return "a string UTF-8 cannot encode (a lone surrogate)"
+    if isinstance(item, float) and not math.isfinite(item):
+        return "a number JSON cannot hold (NaN or Infinity)"
     return None
 
 
