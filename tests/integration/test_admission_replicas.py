@@ -17,6 +17,7 @@ import pytest
 from server.errors import StalenessBound
 from server.rl.admission import Admission
 from server.rl.sessions import create_session
+from server.settings import ServerSettings
 from server.store import database, runs
 from server.store import sessions as store
 
@@ -31,7 +32,10 @@ def replica(url: str) -> SimpleNamespace:
     return SimpleNamespace(
         admission=Admission(),
         sessionmaker=database.sessionmaker(engine),
-        settings=SimpleNamespace(base_url="http://replica"),
+        settings=SimpleNamespace(
+            base_url="http://replica",
+            max_metadata_bytes=ServerSettings.model_fields["max_metadata_bytes"].default,
+        ),
         engine=engine,
     )
 
