@@ -47,6 +47,9 @@ _CHECK_IN_THREAD_BYTES = 256 * 1024
 # (restarting at each quote of an unclosed string took 19 s for 80 KB).
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\Z)', re.S)
 _NOT_FINITE = re.compile(rb"NaN|Infinity")
+# A trainer's step metrics may be NaN or Infinity (a loss that diverged): that route stores them
+# as null, so only there are they let through.
+_STEPS = re.compile(r"^/rl/runs/[^/]+/steps$")
 _BIG_EXPONENT = re.compile(rb"[eE]\+?\d{3}")  # 1e309 and past read as Infinity
 _NOT_FINITE_HINT = re.compile(rb"NaN|Infinity|[eE]\+?\d{3}")
 _INNERMOST = re.compile(rb"\[\]|\{\}")
@@ -78,7 +81,7 @@ class RequestLimits:
             if body is None:  # the client left while sending
                 return
             if body and _is_json(request):
-                await self._check(body)
+                await self._check(body, finite=not _STEPS.match(request.url.path))
         except ProxrlError as exc:
             await errors.render(request, exc)(scope, receive, send)
             return
@@ -108,23 +111,23 @@ class RequestLimits:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _check(self, body: bytes) -> None:
+    async def _check(self, body: bytes, finite: bool) -> None:
         depth = self.settings.max_json_depth
         if len(body) > _CHECK_IN_THREAD_BYTES:
-            problem = await anyio.to_thread.run_sync(json_problem, body, depth)
+            problem = await anyio.to_thread.run_sync(json_problem, body, depth, finite)
         else:
-            problem = json_problem(body, depth)
+            problem = json_problem(body, depth, finite)
         if problem is not None:
             raise InvalidRequest(f"The request body holds {problem}.", code="unservable_json")
 
 
-def json_problem(body: bytes, max_depth: int) -> str | None:
+def json_problem(body: bytes, max_depth: int, finite: bool = True) -> str | None:
     """What in a JSON ``body`` no reader could serve back (None: nothing, or not JSON at all,
     which the route answers). Cheap scans of the bytes first; the body is parsed only where an
     escaped surrogate may be lone."""
     if _nesting_exceeds(body, max_depth):
         return f"nesting deeper than {max_depth} levels (max_json_depth)"
-    if _NOT_FINITE_HINT.search(body):
+    if finite and _NOT_FINITE_HINT.search(body):
         bare = _STRING.sub(b"", body)  # what is outside strings
         if _NOT_FINITE.search(bare) or (_BIG_EXPONENT.search(bare) and _overflows(body)):
             return "a number JSON cannot hold (NaN, Infinity, or past a double's range)"
