@@ -116,3 +116,18 @@ def sse_events(reply: httpx.Response) -> list[dict | str]:
         payload = block[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+def app_settings(model_dir: Path, engine_url: str, data_dir: Path, **extra):
+    """The settings of an in-process app on ``model_dir`` served by the engine at
+    ``engine_url``, with the tier's admin key and quiet logs; ``extra``: the test's own."""
+    from server.settings import ServerSettings
+
+    return ServerSettings(
+        model=str(model_dir),
+        engines=engine_url,
+        data_dir=data_dir,
+        admin_key=ADMIN_KEY,
+        log_level="warning",
+        **extra,
+    )

@@ -17,7 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from server.store.database import sqlite_file
-from tests.api.api_support import ADMIN_KEY, Api, assert_error, sse_events
+from tests.api.api_support import Api, app_settings, assert_error, sse_events
 from tests.api.conftest import ThreadedEngine
 
 BUSY_TIMEOUT_S = 0.2
@@ -29,15 +29,12 @@ def api(tiny_model_dir: Path, tmp_path_factory) -> Iterator[Api]:
     module's app published, which this app's fresh store does not expect (its health check
     would take the engine out of rotation mid-test)."""
     from server.main import create_app
-    from server.settings import ServerSettings
 
     engine = ThreadedEngine(tiny_model_dir).start()
-    settings = ServerSettings(
-        model=str(tiny_model_dir),
-        engines=engine.url,
-        data_dir=tmp_path_factory.mktemp("store-unavailable"),
-        admin_key=ADMIN_KEY,
-        log_level="warning",
+    settings = app_settings(
+        tiny_model_dir,
+        engine.url,
+        tmp_path_factory.mktemp("store-unavailable"),
         store_busy_timeout_s=BUSY_TIMEOUT_S,
     )
     try:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import uvicorn
 
-from tests.api.api_support import ADMIN_KEY
+from tests.api.api_support import ADMIN_KEY, app_settings
 
 REST_LIMIT = 1024 * 1024
 MODEL_LIMIT = 2 * 1024 * 1024
@@ -60,14 +60,11 @@ class ServedProxy:
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir: Path, engine, tmp_path_factory) -> Iterator[ServedProxy]:
     from server.main import create_app
-    from server.settings import ServerSettings
 
-    settings = ServerSettings(
-        model=str(tiny_model_dir),
-        engines=engine.url,
-        data_dir=tmp_path_factory.mktemp("limits"),
-        admin_key=ADMIN_KEY,
-        log_level="warning",
+    settings = app_settings(
+        tiny_model_dir,
+        engine.url,
+        tmp_path_factory.mktemp("limits"),
         max_rest_body_bytes=REST_LIMIT,
         max_body_bytes=MODEL_LIMIT,
     )
