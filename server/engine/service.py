@@ -9,6 +9,7 @@ knows nothing about HTTP status codes or JSON shapes beyond SGLang's result dict
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -35,6 +36,14 @@ from server.engine.sequence import GenerationParams, LogprobRequest, Sequence
 from server.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """Run ``callback(*args)`` on ``loop`` from the scheduler thread; nothing if the loop has
+    closed (a shutdown's last aborts reach listeners whose callers are gone)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback, *args)
+
 
 HEALTH_TIMEOUT_S = 20.0
 ENGINE_VERSION = "proxrl-embedded-0.1 (SGLang 0.5.23 protocol)"
@@ -116,7 +125,7 @@ class EngineService:
         for item in items:
 
             def listener(tokens: int, finished: bool, index: int = item.index) -> None:
-                loop.call_soon_threadsafe(events.put_nowait, Event(index, tokens, finished))
+                _post(loop, events.put_nowait, Event(index, tokens, finished))
 
             seq = Sequence(
                 rid=item.rid,
@@ -199,7 +208,7 @@ class EngineService:
 
         def listener(tokens: int, finished: bool) -> None:
             if finished:
-                loop.call_soon_threadsafe(done.set)
+                _post(loop, done.set)
 
         seq = Sequence(
             rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",

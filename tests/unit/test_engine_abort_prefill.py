@@ -109,3 +109,26 @@ def test_an_abort_for_another_request_leaves_the_prefill_alone(service):
     assert result["meta_info"]["finish_reason"]["type"] == "length"
     assert result["meta_info"]["completion_tokens"] == 4
     assert service.scheduler._aborting == []  # nothing asked for is left behind
+
+
+def test_a_shutdown_after_the_callers_loop_closed_raises_nothing_in_the_scheduler(
+    service, monkeypatch
+):
+    """The scheduler's last act on shutdown aborts what waits or runs and tells each listener;
+    a caller's event loop may be closed by then (a server stopping, a test's loop ending). The
+    scheduler thread used to die there with ``RuntimeError: Event loop is closed`` (a CI run's
+    unhandled thread exception in test_api_engine_failures)."""
+    crashes: list = []
+    monkeypatch.setattr(threading, "excepthook", crashes.append)
+    service.scheduler.call(lambda: service.scheduler.pause("in_place")).result(timeout=30)
+    loop = asyncio.new_event_loop()
+    body = request("orphan-1", 40)
+    items, _ = service.parse(body)
+    task = loop.create_task(service.generate(body, items))
+    loop.run_until_complete(asyncio.sleep(0.05))  # submitted and held: the engine is paused
+    assert [seq.rid for seq in service.scheduler.waiting] == [items[0].rid]
+    task.cancel()  # the caller's loop ends without waiting for the engine
+    loop.close()
+    service.close()  # the scheduler aborts the orphan and tells its closed loop
+    assert not service.scheduler._looping
+    assert crashes == []
