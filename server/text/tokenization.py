@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
@@ -73,9 +73,9 @@ class TooManyTokens(ValueError):
 @dataclass(frozen=True)
 class PromptText:
     """A prompt's text and the stretches of it (``[start, end)`` character ranges, in order)
-    that hold a special token's text written by the client: tokenized as text, never as the
-    special token (``Tokenizer.render_prompt``). The rest is the chat template's own text, whose
-    special tokens are the prompt's structure."""
+    that hold an added token's text written by the client: tokenized as text, never as the
+    token (``Tokenizer.render_prompt``). The rest is the chat template's own text, whose added
+    tokens (roles, turn ends, tool and reasoning markup) are the prompt's structure."""
 
     text: str
     as_text: tuple[tuple[int, int], ...] = ()
@@ -105,19 +105,12 @@ class Tokenizer:
         self.pad_token_id: int | None = (
             None if pad_token is None else backend.token_to_id(pad_token)
         )
-        # The same tokenizer with special tokens read as text (transformers'
-        # split_special_tokens), for client text: a copy, as the flag is the backend's state.
-        self._text_backend = tokenizers.Tokenizer.from_str(backend.to_str())
-        self._text_backend.encode_special_tokens = True
-        added = backend.get_added_tokens_decoder()
-        self.special_texts = tuple(
-            sorted({token.content for token in added.values() if token.special}, key=len)
-        )[::-1]  # longest first: a regex alternation takes the first that matches
-        self._special = (
-            re.compile("|".join(re.escape(text) for text in self.special_texts))
-            if self.special_texts
-            else None
-        )
+        self._text_backend = _text_backend(backend)
+        added = backend.get_added_tokens_decoder().values()
+        self.special_texts = _longest_first(token.content for token in added if token.special)
+        self.added_texts = _longest_first(token.content for token in added)
+        self._special = _alternation(self.special_texts)
+        self._added = _alternation(self.added_texts)
         # No token stands for more characters than its vocabulary entry has (byte-level entries
         # spell one character per byte, SentencePiece's one per character, byte fallback's
         # <0xNN> more): a text of more characters than context * this is over the context.
@@ -162,9 +155,9 @@ class Tokenizer:
         self, prompt: PromptText, start: int = 0, limit: int | None = None
     ) -> list[int]:
         """The ids of ``prompt.text[start:]``: its ``as_text`` stretches tokenized as text
-        (a special token's text there becomes ordinary tokens), the rest as ``encode`` does.
-        The tokenizer splits text at special tokens anyway, so this is ``encode`` of the text
-        but for the client's special-token texts. More than ``limit`` ids raise
+        (an added token's text there becomes ordinary tokens), the rest as ``encode`` does.
+        The tokenizer splits text at added tokens anyway, so this is ``encode`` of the text
+        but for the client's added-token texts. More than ``limit`` ids raise
         ``TooManyTokens`` before they are made Python ints (a million take 0.1 s, the GIL
         held)."""
         parsed, plain = self._encodings(prompt, start)
@@ -186,7 +179,7 @@ class Tokenizer:
         self, prompt: PromptText, start: int
     ) -> tuple[list[tokenizers.Encoding], list[tokenizers.Encoding]]:
         """The encodings of the template's pieces of ``prompt.text[start:]`` (one more than
-        the client's) and of the client's special-token texts between them."""
+        the client's) and of the client's added-token texts between them."""
         cuts = [(max(begin, start), end) for begin, end in prompt.as_text if end > start]
         parsed, plain = [], []
         at = start
@@ -206,11 +199,18 @@ class Tokenizer:
         """Whether ``text`` holds a special token's text."""
         return self._special is not None and self._special.search(text) is not None
 
+    def holds_added(self, text: str) -> bool:
+        """Whether ``text`` holds an added token's text (special or not)."""
+        return self._added is not None and self._added.search(text) is not None
+
     def client_text(
         self, prompt: PromptText, text: str, client_special_tokens: str = "text"
     ) -> PromptText:
-        """``prompt`` followed by the client's ``text`` (a prefill, a forced call's start),
-        whose special tokens' texts stay text (``client_special_tokens`` "parse": count)."""
+        """``prompt`` followed by ``text`` (a prefill, a forced call's start), whose special
+        tokens' texts stay text (``client_special_tokens`` "parse": count). Its non-special
+        added tokens' texts stay tokens, a prefill's too: the callers pass either one as
+        ``text``, and a forced call's start is the proxy's ``<tool_call>`` markup (only the
+        tool's name in it is the client's)."""
         offset = len(prompt.text)
         found = (
             self._special.finditer(text)
@@ -228,42 +228,85 @@ class Tokenizer:
         client_special_tokens: str = "text",
         **template_kwargs: Any,
     ) -> PromptText:
-        """``render``'s prompt, with the special tokens' texts that the client wrote in
-        ``messages`` and ``tools`` marked to be tokenized as text (``client_special_tokens``
-        "text"; "parse": none are, as ``render`` + ``encode``). The prompt's structure (roles,
-        turn ends) is then the template's alone.
+        """``render``'s prompt, with the added tokens' texts (special or not: ``<|im_end|>``,
+        ``<tool_call>``) that the client wrote in ``messages`` and ``tools`` marked to be
+        tokenized as text (``client_special_tokens`` "text"; "parse": none are, as ``render`` +
+        ``encode``). The prompt's structure (roles, turn ends, tool and reasoning markup) is
+        then the template's alone.
 
         The stretches are found by rendering again with each such text wrapped in two marker
         characters that appear nowhere in the prompt; the render without the markers must be
-        the prompt exactly. A template that cuts into a special token's text, or renders other
-        text because of the markers, is refused with ``TemplateError``.
+        the prompt exactly. A template may cut client text at a non-special token (Qwen3's
+        splits an answer at ``</think>``): each text whose marking breaks the render is then
+        tokenized as rendered, as "parse" would, everywhere in the conversation. A template that
+        cuts into a special token's text is refused with ``TemplateError``.
         """
         text = self.render(messages, tools, add_generation_prompt, **template_kwargs)
         if client_special_tokens == "parse" or not any(
-            self.holds_special(value) for value in _strings([messages, tools])
+            self.holds_added(value) for value in _strings([messages, tools])
         ):
             return PromptText(text)
-        opening, closing = _markers(text)
-        pattern = self._special
-        assert pattern is not None
-
-        def mark(value: str) -> str:
-            return pattern.sub(lambda match: opening + match.group() + closing, value)
-
-        marked = self.render(
-            _marked(messages, mark),
-            None if tools is None else _marked(tools, mark),
-            add_generation_prompt,
-            **template_kwargs,
+        assert self._added is not None
+        written = frozenset(
+            found for value in _strings([messages, tools]) for found in self._added.findall(value)
         )
-        prompt = _unmarked(marked, opening, closing, set(self.special_texts))
-        if prompt is None or prompt.text != text:
+        specials = written & frozenset(self.special_texts)
+
+        def marking(texts: frozenset[str]) -> PromptText | None:
+            return self._marked_render(
+                text, texts, messages, tools, add_generation_prompt, template_kwargs
+            )
+
+        prompt = marking(written)
+        if prompt is None:
+            # The template cuts some client text: keep as text the non-special texts whose
+            # marking alone keeps the render, and the special ones (all or refused).
+            kept = specials | {
+                found for found in written - specials if marking(specials | {found}) is not None
+            }
+            prompt = marking(kept)
+            if prompt is None and kept != specials:
+                prompt = marking(specials)
+        if prompt is None:
             raise TemplateError(
                 "the conversation holds a special token's text where the chat template changes "
                 "it, so it cannot be kept apart from the template's own special tokens; send it "
                 "without that text (or run with client_special_tokens 'parse')"
             )
         return prompt
+
+    def _marked_render(
+        self,
+        text: str,
+        texts: frozenset[str],
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any],
+    ) -> PromptText | None:
+        """``text`` (the conversation's render) with each of ``texts`` the client wrote marked
+        as text; None when the render with them marked is not ``text`` with marks around them
+        (or fails: the template refuses the marks, having taken the conversation)."""
+        if not texts:
+            return PromptText(text)
+        opening, closing = _markers(text)
+        pattern = _alternation(_longest_first(texts))
+        assert pattern is not None
+
+        def mark(value: str) -> str:
+            return pattern.sub(lambda match: opening + match.group() + closing, value)
+
+        try:
+            marked = self.render(
+                _marked(messages, mark),
+                None if tools is None else _marked(tools, mark),
+                add_generation_prompt,
+                **template_kwargs,
+            )
+        except TemplateError:
+            return None
+        prompt = _unmarked(marked, opening, closing, texts)
+        return prompt if prompt is not None and prompt.text == text else None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids``, without special tokens unless ``skip_special_tokens`` is off."""
@@ -313,8 +356,32 @@ class Tokenizer:
 
 # --- Client text in a prompt ------------------------------------------------------------------
 
-# Marker characters (Unicode's supplementary private use area) for client special-token texts.
+# Marker characters (Unicode's supplementary private use area) for client added-token texts.
 _MARKER_CHOICES = [chr(0xF0000 + i) for i in range(64)]
+
+
+def _longest_first(texts: Iterable[str]) -> tuple[str, ...]:
+    """``texts`` without repeats, longest first: a regex alternation takes the first that
+    matches, so a token's text is found whole, not as a shorter token inside it."""
+    return tuple(sorted(set(texts), key=len))[::-1]
+
+
+def _alternation(texts: Sequence[str]) -> re.Pattern[str] | None:
+    """A pattern matching any of ``texts`` (None for none)."""
+    return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
+def _text_backend(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """A copy of ``backend`` that reads every added token's text as text, for client text:
+    its added tokens are all marked special and special tokens are split (transformers'
+    ``split_special_tokens``), which a tokenizer does to special tokens only. The pieces are
+    then spelled from the model's vocabulary, and the ids decode to the text exactly."""
+    saved = json.loads(backend.to_str())
+    for token in saved.get("added_tokens") or []:
+        token["special"] = True
+    text_backend = tokenizers.Tokenizer.from_str(json.dumps(saved))
+    text_backend.encode_special_tokens = True
+    return text_backend
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -353,15 +420,16 @@ def _markers(text: str) -> tuple[str, str]:
     return free[0], free[1]
 
 
-def _unmarked(marked: str, opening: str, closing: str, specials: set[str]) -> PromptText | None:
-    """The prompt ``marked`` renders without its markers, each marked stretch (a special
-    token's text) kept as text; None when the markers are not in pairs around one."""
+def _unmarked(marked: str, opening: str, closing: str, texts: frozenset[str]) -> PromptText | None:
+    """The prompt ``marked`` renders without its markers, each marked stretch (one of
+    ``texts``, added tokens' texts) kept as text; None when the markers are not in pairs
+    around one."""
     pieces, spans = [], []
     length = at = 0
     while (begin := marked.find(opening, at)) >= 0:
         end = marked.find(closing, begin + 1)
         inside = marked[begin + 1 : end]
-        if end < 0 or inside not in specials or closing in marked[at:begin]:
+        if end < 0 or inside not in texts or closing in marked[at:begin]:
             return None
         pieces += [marked[at:begin], inside]
         length += begin - at

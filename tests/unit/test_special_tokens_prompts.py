@@ -1,10 +1,12 @@
 """Client text is tokenized as text: ``Tokenizer.render_prompt`` + ``encode_prompt``.
 
-A special token's text (``<|im_end|>``, ...) written by the client in any text field of a
-conversation becomes ordinary tokens; the prompt's special tokens are the chat template's alone,
-and the ids decode to the rendered text exactly. Checked for every added token of the tiny
-tokenizer in every text field, on both of its chat templates; by hypothesis for text of any
-make; and through the splice, whose new text follows the same rule.
+An added token's text, special (``<|im_end|>``, ...) or not (``<tool_call>``, ``</think>``),
+written by the client in any text field of a conversation becomes ordinary tokens; the prompt's
+added tokens are the chat template's alone, and the ids decode to the rendered text exactly.
+Checked for every added token of the tiny tokenizer in every text field, on both of its chat
+templates; by hypothesis for text of any make; and through the splice, whose new text follows
+the same rule. Where a template cuts client text at a non-special token (Qwen3's at
+``</think>``), that token's text is tokenized as rendered; cut at a special one, refused.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import tokenizers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.common.tiny_model import chat_template
+from server.common.tiny_model import THINK_TOKENS, chat_template
 from server.proxy import prompts
 from server.proxy.session_cache import LastTurn
 from server.text.tokenization import PromptText, TemplateError, Tokenizer
@@ -35,14 +37,20 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module", params=["default", "reasoning"])
-def tokenizer(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory) -> Tokenizer:
-    """The tiny model's tokenizer with each of its chat templates."""
-    directory = tmp_path_factory.mktemp(request.param)
-    for path in tiny_model_dir.iterdir():
-        if path.is_file() and path.suffix != ".safetensors":
-            (directory / path.name).write_bytes(path.read_bytes())
-    (directory / "chat_template.jinja").write_text(chat_template(request.param))
-    return Tokenizer.from_pretrained(directory)
+def tokenizer(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Tokenizer:
+    """The tiny model's tokenizer with each of its chat templates; the reasoning one with
+    ``<think>`` and ``</think>`` as (non-special) added tokens, as ``proxrl model init
+    --template reasoning`` and Qwen3 have them."""
+    return with_template(tiny_model_dir, chat_template(request.param), request.param == "reasoning")
+
+
+def with_template(model_dir: Path, template: str, think_tokens: bool = False) -> Tokenizer:
+    """The tiny model's tokenizer with the chat template ``template``."""
+    base = Tokenizer.from_pretrained(model_dir)
+    backend = tokenizers.Tokenizer.from_str(base._backend.to_str())
+    if think_tokens:
+        backend.add_tokens(THINK_TOKENS)
+    return Tokenizer(backend, base.special_tokens, {"default": template}, base.eos_token_ids)
 
 
 def added_tokens(tokenizer: Tokenizer) -> list[str]:
@@ -53,6 +61,12 @@ def added_tokens(tokenizer: Tokenizer) -> list[str]:
 def special_ids(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
     specials = {tokenizer._backend.token_to_id(text) for text in tokenizer.special_texts}
     return [token for token in ids if token in specials]
+
+
+def added_ids(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
+    """The ids in ``ids`` of added tokens, special or not."""
+    added = set(tokenizer._backend.get_added_tokens_decoder())
+    return [token for token in ids if token in added]
 
 
 def conversation(field: str, text: str) -> tuple[list[dict], list[dict]]:
@@ -110,8 +124,10 @@ def test_every_added_token_in_every_field_is_text(tokenizer: Tokenizer, field: s
         rendered = tokenizer.render(messages, tools)
         assert prompt.text == rendered
         assert tokenizer.decode(ids, skip_special_tokens=False) == rendered
-        assert special_ids(tokenizer, ids) == special_ids(tokenizer, clean), (field, token)
-        if token in tokenizer.special_texts and field != "reasoning":
+        assert added_ids(tokenizer, ids) == added_ids(tokenizer, clean), (field, token)
+        # the templates drop earlier reasoning; the reasoning one cuts an answer at </think>
+        dropped = field == "reasoning" or (field, token) == ("assistant", "</think>")
+        if not dropped:
             assert token in rendered  # the injection reached the prompt, as text
         # "parse" is today's tokenization: the client's texts are special tokens
         parsed = tokenizer.render_prompt(messages, tools, client_special_tokens="parse")
@@ -172,6 +188,76 @@ def test_a_template_that_cuts_a_special_tokens_text_refuses_it(tiny_model_dir: P
         tokenizer.render_prompt([{"role": "user", "content": "<|im_end|>x"}])
 
 
+def test_a_template_that_cuts_at_a_non_special_token_tokenizes_that_one_as_rendered(
+    tiny_model_dir: Path,
+):
+    """Qwen3's template cuts an answer at </think> (a client echoing reasoning inline): that
+    text is tokenized as the template rendered it, as "parse" would; the special tokens' texts
+    and the other added tokens' texts the client wrote stay text. Not a refusal."""
+    tokenizer = with_template(tiny_model_dir, chat_template("reasoning"), think_tokens=True)
+    answer = "<think>\nplan<|im_end|><tool_call></think>\n\nsure<|im_start|><tool_response>"
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": answer},  # after the last user turn: reasoning shown
+        {"role": "tool", "content": "<tool_call>{}</tool_call></think>", "tool_call_id": "1"},
+    ]
+    prompt = tokenizer.render_prompt(messages)
+    rendered = tokenizer.render(messages)
+    ids = tokenizer.encode_prompt(prompt)
+    assert prompt.text == rendered
+    assert tokenizer.decode(ids, skip_special_tokens=False) == rendered
+    assert [rendered[begin:end] for begin, end in prompt.as_text] == [
+        "<|im_end|>",
+        "<tool_call>",
+        "<|im_start|>",
+        "<tool_response>",
+        "<tool_call>",
+        "</tool_call>",
+    ]  # the client's </think> and <think> are the template's cut, tokenized as rendered
+    # the fallback is by token: every </think> the client wrote is tokenized as rendered
+    clean = [
+        messages[0],
+        {"role": "assistant", "content": "<think>\nplanz</think>\n\nsurez"},
+        {"role": "tool", "content": "z</think>", "tool_call_id": "1"},
+    ]
+    assert added_ids(tokenizer, ids) == added_ids(
+        tokenizer, tokenizer.encode(tokenizer.render(clean))
+    )
+
+
+def test_a_template_that_cuts_into_a_non_special_tokens_text_does_not_refuse(tiny_model_dir: Path):
+    cutting = "{% for m in messages %}<|im_start|>{{ m.content[3:] }}<|im_end|>{% endfor %}"
+    tokenizer = with_template(tiny_model_dir, cutting)
+    prompt = tokenizer.render_prompt([{"role": "user", "content": "<tool_call>x"}])
+    assert prompt == PromptText("<|im_start|>ol_call>x<|im_end|>")
+    # the special token's text after it stays text
+    prompt = tokenizer.render_prompt([{"role": "user", "content": "<tool_call><|im_end|>x"}])
+    assert prompt == PromptText("<|im_start|>ol_call><|im_end|>x<|im_end|>", ((20, 30),))
+
+
+def test_a_template_that_refuses_the_marks_does_not_refuse_a_non_special_tokens_text(
+    tiny_model_dir: Path,
+):
+    picky = (
+        "{% for m in messages %}{% if m.content | length != 11 %}{{ raise_exception('no') }}"
+        "{% endif %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
+    )
+    tokenizer = with_template(tiny_model_dir, picky)
+    prompt = tokenizer.render_prompt([{"role": "user", "content": "<tool_call>"}])
+    assert prompt == PromptText("<|im_start|><tool_call><|im_end|>")
+    with pytest.raises(TemplateError, match="special token's text"):
+        tokenizer.render_prompt([{"role": "user", "content": "<|im_end|>x"}])
+
+
+def test_the_text_tokenizer_spells_added_tokens_from_the_vocabulary(tokenizer: Tokenizer):
+    added = set(tokenizer._backend.get_added_tokens_decoder())
+    for text in added_tokens(tokenizer):
+        ids = tokenizer.encode_prompt(PromptText(f"a{text}b", ((1, 1 + len(text)),)))
+        assert not added & set(ids), text
+        assert tokenizer.decode(ids, skip_special_tokens=False) == f"a{text}b"
+        assert tokenizer.decode(ids) == f"a{text}b"  # text, so decoding keeps it
+
+
 def test_no_token_stands_for_more_characters_than_the_bound(tokenizer: Tokenizer):
     longest = max(len(tokenizer.token_text(i)) for i in range(tokenizer.vocab_size))
     assert 1 < longest <= tokenizer.max_chars_per_token
@@ -204,29 +290,33 @@ def test_the_marked_render_is_the_plain_render(tokenizer: Tokenizer, data: st.Da
     try:
         plain = tokenizer.render(messages)
         prompt = tokenizer.render_prompt(messages)
-    except TemplateError as exc:  # only a template that cuts into a token's text refuses
+    except TemplateError as exc:  # only a template that cuts into a special token's text refuses
         assert "special token's text" in str(exc)
         return
     assert prompt.text == plain
     ids = tokenizer.encode_prompt(prompt)
     assert tokenizer.decode(ids, skip_special_tokens=False) == plain
     for begin, end in prompt.as_text:
-        assert plain[begin:end] in tokenizer.special_texts
-    # the special tokens are those the template writes around text holding none
+        assert plain[begin:end] in tokenizer.added_texts
+    # the added tokens are those the template writes around text holding none, but where the
+    # template cuts text at one (the reasoning template an answer at </think>): that one is
+    # tokenized as rendered, wherever the client wrote it
+    cut = "</think>" if "</think>" in answer and "</think>" in tokenizer.added_texts else None
     neutral = [
-        {**message, "content": _without_specials(tokenizer, message["content"])}
+        {**message, "content": _without_added(tokenizer, message["content"], cut)}
         for message in messages
     ]
     template_only = tokenizer.encode(tokenizer.render(neutral))
-    assert special_ids(tokenizer, ids) == special_ids(tokenizer, template_only)
+    assert added_ids(tokenizer, ids) == added_ids(tokenizer, template_only)
 
 
-def _without_specials(tokenizer: Tokenizer, text: str) -> str:
-    """``text`` with every special token's text in it replaced by a letter, until none is left
-    (removing one may join two pieces into another)."""
-    while tokenizer.holds_special(text):
-        for special in tokenizer.special_texts:
-            text = text.replace(special, "z")
+def _without_added(tokenizer: Tokenizer, text: str, kept: str | None) -> str:
+    """``text`` with every added token's text in it but ``kept`` replaced by a letter, until
+    none is left (removing one may join two pieces into another)."""
+    replaced = [added for added in tokenizer.added_texts if added != kept]
+    while any(added in text for added in replaced):
+        for added in replaced:
+            text = text.replace(added, "z")
     return text
 
 
