@@ -195,10 +195,6 @@ class Tokenizer:
             plain, add_special_tokens=False
         )
 
-    def holds_special(self, text: str) -> bool:
-        """Whether ``text`` holds a special token's text."""
-        return self._special is not None and self._special.search(text) is not None
-
     def holds_added(self, text: str) -> bool:
         """Whether ``text`` holds an added token's text (special or not)."""
         return self._added is not None and self._added.search(text) is not None
