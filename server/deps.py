@@ -3,13 +3,86 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any
 
-from fastapi import Depends, Header, Request
+import anyio
+from fastapi import Depends, Header, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 
 from server import auth
 from server.context import ServerContext
 from server.errors import AuthenticationRequired, InvalidKey
+
+# A JSON body past this is parsed and validated on a worker thread (``BodyOffLoop``).
+OFF_LOOP_BYTES = 256 * 1024
+
+
+class BodyOffLoop(APIRoute):
+    """A route whose JSON body, past ``OFF_LOOP_BYTES``, is parsed and validated on a worker
+    thread. FastAPI does both on the event loop: a body of many messages took seconds of
+    Python validators there, during which no other request (``/health`` included) was
+    answered. The thread's validators let the loop run between them; FastAPI then meets an
+    instance of its own model, which it takes as it is, or the errors it would have found."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        field = self.body_field
+        if field is None or self._embed_body_fields:
+            return handler
+
+        async def route(request: Request) -> Response:
+            body = await request.body()
+            if len(body) <= OFF_LOOP_BYTES or not is_json(request):
+                return await handler(request)
+            value = await anyio.to_thread.run_sync(_validated, field, body)
+            return await handler(_Parsed(request, body, value))
+
+        return route
+
+
+def _validated(field: Any, body: bytes) -> Any:
+    """``body`` parsed and validated as FastAPI would; not JSON: the bytes (FastAPI answers)."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return body
+    validated, errors = field.validate(value, {}, loc=("body",))
+    if errors:
+        raise RequestValidationError(errors, body=value)
+    return validated
+
+
+class _Parsed(Request):
+    """The request as the route handler reads it: the body already read, its JSON already
+    made."""
+
+    def __init__(self, request: Request, body: bytes, value: Any) -> None:
+        super().__init__(request.scope, request.receive)
+        self._given_body = body
+        self._given_value = value
+
+    async def body(self) -> bytes:
+        return self._given_body
+
+    async def json(self) -> Any:
+        if self._given_value is self._given_body:  # not JSON: FastAPI's own error
+            return json.loads(self._given_body)
+        return self._given_value
+
+
+def is_json(request: Request) -> bool:
+    """As FastAPI decides to parse a body as JSON: no content type, or application/json or
+    application/*+json."""
+    kind = request.headers.get("content-type")
+    if not kind:
+        return True
+    media = kind.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
 
 
 async def get_context(request: Request) -> ServerContext:

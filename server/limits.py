@@ -7,9 +7,15 @@
 2. **How big** (413): a declared ``Content-Length`` over the route's limit is refused unread; a
    body without one (chunked) is counted as it arrives and refused once past the limit. The
    model routes (OpenAI, Anthropic) take ``max_body_bytes``, the rest ``max_rest_body_bytes``.
-3. **What every reader can serve back** (400): a JSON body with a string UTF-8 cannot encode (a
-   lone surrogate, from an escape like ``"\\ud800"``) or nested deeper than ``max_json_depth``
+3. **How much** (413): a JSON body of more than ``max_json_containers`` arrays and objects
+   (parsing and validating them would hold the event loop for seconds).
+4. **What every reader can serve back** (400): a JSON body with a string UTF-8 cannot encode (a
+   lone surrogate, from an escape like ``"\\ud800"`` or from a surrogate's own bytes), a
+   number JSON cannot hold (NaN, Infinity, 1e999), or nested deeper than ``max_json_depth``
    is refused, on every route, before the route parses it.
+
+Bodies past 256 KiB are checked on a worker thread, by scans that each hold the interpreter for
+milliseconds (a megabyte, or one string, at a time), so the event loop goes on meanwhile.
 
 Refusals are in the surface's error shape (``server.errors``). It knows surfaces by path, keys
 only through ``server.auth``, and nothing of the routes' schemas or of what they store.
@@ -25,7 +31,7 @@ import anyio
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server import auth, errors
+from server import auth, deps, errors
 from server.errors import (
     AuthenticationRequired,
     BodyTooLarge,
@@ -40,8 +46,6 @@ from server.store import stored_json
 KEYED = ("/v1/", "/rl/", "/admin/weights")
 _PATH_SESSION = re.compile(r"^/sessions/([^/]+)/v1/")
 _MODEL_ROUTES = ("/v1/", "/sessions/")
-# Bodies past this are checked off the event loop: the others wait no longer than for a small one.
-_CHECK_IN_THREAD_BYTES = 256 * 1024
 
 # A string, or one never closed: it then runs to the end, so a scan never restarts inside it
 # (restarting at each quote of an unclosed string took 19 s for 80 KB).
@@ -50,8 +54,15 @@ _NOT_FINITE = re.compile(rb"NaN|Infinity")
 # A trainer's step metrics may be NaN or Infinity (a loss that diverged): that route stores them
 # as null, so only there are they let through.
 _STEPS = re.compile(r"^/rl/runs/[^/]+/steps$")
-_BIG_EXPONENT = re.compile(rb"[eE]\+?\d{3}")  # 1e309 and past read as Infinity
-_NOT_FINITE_HINT = re.compile(rb"NaN|Infinity|[eE]\+?\d{3}")
+_BIG_EXPONENT = re.compile(rb"[0-9][eE]\+?[0-9]{3}")  # 1e309 and past read as Infinity
+# A surrogate's UTF-8-like bytes (ED A0..BF xx), which JSON readers decode with surrogatepass.
+_RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+# An escaped backslash (skipped), a surrogate pair, or half of one: 6 bytes long when alone.
+_ESCAPE = re.compile(
+    rb"\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}(?:\\u[dD][c-fC-F][0-9a-fA-F]{2})?"
+    rb"|\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
+_SCAN_STEP = 1 << 20
 _INNERMOST = re.compile(rb"\[\]|\{\}")
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
@@ -80,7 +91,7 @@ class RequestLimits:
             body = await self._read(request, receive)
             if body is None:  # the client left while sending
                 return
-            if body and _is_json(request):
+            if body and deps.is_json(request):
                 await self._check(body, finite=not _STEPS.match(request.url.path))
         except ProxrlError as exc:
             await errors.render(request, exc)(scope, receive, send)
@@ -112,32 +123,99 @@ class RequestLimits:
                 return b"".join(chunks)
 
     async def _check(self, body: bytes, finite: bool) -> None:
-        depth = self.settings.max_json_depth
-        if len(body) > _CHECK_IN_THREAD_BYTES:
-            problem = await anyio.to_thread.run_sync(json_problem, body, depth, finite)
+        if len(body) > deps.OFF_LOOP_BYTES:
+            refusal = await anyio.to_thread.run_sync(self._refusal, body, finite)
         else:
-            problem = json_problem(body, depth, finite)
-        if problem is not None:
-            raise InvalidRequest(f"The request body holds {problem}.", code="unservable_json")
+            refusal = self._refusal(body, finite)
+        if refusal is not None:
+            raise refusal
+
+    def _refusal(self, body: bytes, finite: bool) -> ProxrlError | None:
+        most = self.settings.max_json_containers
+        count = _containers(body, most)
+        if count is not None:
+            return BodyTooLarge(
+                f"The request body holds {count:,} arrays and objects; this server takes at "
+                f"most {most:,} (max_json_containers)."
+            )
+        problem = json_problem(body, self.settings.max_json_depth, finite)
+        if problem is None:
+            return None
+        return InvalidRequest(f"The request body holds {problem}.", code="unservable_json")
+
+
+def _containers(body: bytes, most: int) -> int | None:
+    """How many arrays and objects ``body`` holds outside its strings, when more than
+    ``most`` (None when not). Parsing and validating a million small objects holds the event
+    loop for seconds, in single calls no thread can share; the bracket count is cheap, and
+    brackets inside strings (code) are taken out only when it is over."""
+    if body.count(b"[") + body.count(b"{") <= most:
+        return None
+    bare = _outside_strings(body)
+    count = bare.count(b"[") + bare.count(b"{")
+    return count if count > most else None
 
 
 def json_problem(body: bytes, max_depth: int, finite: bool = True) -> str | None:
     """What in a JSON ``body`` no reader could serve back (None: nothing, or not JSON at all,
-    which the route answers). Cheap scans of the bytes first; the body is parsed only where an
-    escaped surrogate may be lone."""
+    which the route answers). Scans of the bytes, each a short C call or a match at a time, so
+    that a thread running them (bodies past ``deps.OFF_LOOP_BYTES``) leaves the event loop
+    free; the body is parsed only to say where a lone surrogate is."""
     if _nesting_exceeds(body, max_depth):
         return f"nesting deeper than {max_depth} levels (max_json_depth)"
-    if finite and _NOT_FINITE_HINT.search(body):
-        bare = _STRING.sub(b"", body)  # what is outside strings
-        if _NOT_FINITE.search(bare) or (_BIG_EXPONENT.search(bare) and _overflows(body)):
-            return "a number JSON cannot hold (NaN, Infinity, or past a double's range)"
-    if b"\\ud" not in body and b"\\uD" not in body:
-        return None  # no escaped surrogate, so no lone one (raw bytes of one are not UTF-8)
-    try:
+    if finite and _not_finite(body):
+        return "a number JSON cannot hold (NaN, Infinity, or past a double's range)"
+    lone = "a string UTF-8 cannot encode (a lone surrogate)"
+    # A surrogate's own bytes are not UTF-8, but JSON readers take them (surrogatepass).
+    if _search(_RAW_SURROGATE, body, 2) is not None:
+        return lone
+    if (b"\\ud" not in body and b"\\uD" not in body) or not _lone_escape(body):
+        return None  # every escaped surrogate is half of a pair
+    try:  # where it is, for the answer
         value = json.loads(body)
     except (ValueError, RecursionError):
         return None
-    return stored_json.problem(value, max_depth)
+    return stored_json.problem(value, max_depth) or lone
+
+
+def _search(pattern: re.Pattern[bytes], body: bytes, reach: int) -> re.Match[bytes] | None:
+    """``pattern.search(body)`` a megabyte at a time (a match is at most ``reach`` bytes)."""
+    for start in range(0, len(body), _SCAN_STEP):
+        found = pattern.search(body, start, start + _SCAN_STEP + reach)
+        if found is not None:
+            return found
+    return None
+
+
+def _outside_strings(body: bytes) -> bytes:
+    """``body`` without its strings: one substitution for a small body, else a string at a
+    time (one ``sub`` over a million strings holds the interpreter for a second)."""
+    if len(body) <= deps.OFF_LOOP_BYTES:
+        return _STRING.sub(b"", body)
+    pieces, at = [], 0
+    for match in _STRING.finditer(body):
+        pieces.append(body[at : match.start()])
+        at = match.end()
+    pieces.append(body[at:])
+    return b"".join(pieces)
+
+
+def _not_finite(body: bytes) -> bool:
+    """Whether a number outside the strings of ``body`` is NaN, Infinity or too big for a
+    double (1e309 reads as Infinity)."""
+    named = b"NaN" in body or b"Infinity" in body
+    if not named and _search(_BIG_EXPONENT, body, 6) is None:
+        return False
+    bare = _outside_strings(body)
+    return _NOT_FINITE.search(bare) is not None or (
+        _BIG_EXPONENT.search(bare) is not None and _overflows(body)
+    )
+
+
+def _lone_escape(body: bytes) -> bool:
+    """Whether ``body`` escapes half a surrogate pair alone (``"\\ud800"``): escapes read in
+    order, an escaped backslash taken whole so that ``"\\\\ud800"`` is text."""
+    return any(len(match.group()) == 6 for match in _ESCAPE.finditer(body))
 
 
 def _overflows(body: bytes) -> bool:
@@ -162,7 +240,7 @@ def _nesting_exceeds(body: bytes, max_depth: int) -> bool:
     innermost pairs removed once per level (each pass is one C-speed scan)."""
     if body.count(b"[") + body.count(b"{") <= max_depth:
         return False
-    brackets = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    brackets = _outside_strings(body).translate(None, _NOT_BRACKETS)
     for _ in range(max_depth):
         if not brackets:
             return False
@@ -196,18 +274,6 @@ def _has_body(scope: Scope) -> bool:
     if length is not None:
         return length.strip() not in (b"", b"0")
     return b"transfer-encoding" in headers
-
-
-def _is_json(request: Request) -> bool:
-    """As FastAPI decides to parse a body as JSON: no content type, or application/json or
-    application/*+json."""
-    kind = request.headers.get("content-type")
-    if not kind:
-        return True
-    media = kind.split(";", 1)[0].strip().lower()
-    return media == "application/json" or (
-        media.startswith("application/") and media.endswith("+json")
-    )
 
 
 def _too_large(size: int, limit: int, more: bool = False) -> str:

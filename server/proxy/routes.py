@@ -10,7 +10,14 @@ from starlette.types import Receive, Scope, Send
 
 from server import auth
 from server.bounds import ID_LENGTH
-from server.deps import AnthropicCallerDep, AnthropicPathCallerDep, CallerDep, Ctx, PathCallerDep
+from server.deps import (
+    AnthropicCallerDep,
+    AnthropicPathCallerDep,
+    BodyOffLoop,
+    CallerDep,
+    Ctx,
+    PathCallerDep,
+)
 from server.errors import AuthenticationRequired, SessionNotOpen, documented
 from server.proxy import answer, anthropic, chat, completions, responses, responses_render
 from server.proxy.anthropic_schemas import (
@@ -25,7 +32,7 @@ from server.proxy.schemas import ChatCompletionRequest, CompletionRequest
 from server.proxy.session_cache import SessionState
 from server.proxy.streaming import GuardedStream
 
-router = APIRouter(tags=["OpenAI-compatible"])
+router = APIRouter(tags=["OpenAI-compatible"], route_class=BodyOffLoop)
 # The error shapes of routes that answer in another API's (server.errors.ErrorShape).
 ERROR_SHAPES = [ERROR_SHAPE]
 SessionHeader = Annotated[str | None, Header(alias="X-Session-Id", max_length=ID_LENGTH)]

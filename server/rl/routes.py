@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from server import auth
 from server.bounds import Limit, Name, Offset, PathId, QueryId, QueryName
-from server.deps import AdminDep, CallerDep, Ctx, KeyedDep
+from server.deps import AdminDep, BodyOffLoop, CallerDep, Ctx, KeyedDep
 from server.errors import AuthenticationRequired, KeyOutOfScope, documented
 from server.export.options import SINCE_HELP, STATUS_HELP, ExportFormat, ExportStatus, Since
 from server.export.writers import FORMATS
@@ -47,7 +47,7 @@ from server.rl.schemas import (
 )
 from server.store import runs as store_runs
 
-sessions_router = APIRouter(prefix="/rl/sessions", tags=["sessions"])
+sessions_router = APIRouter(prefix="/rl/sessions", tags=["sessions"], route_class=BodyOffLoop)
 
 
 def _ref(path: str, method: str) -> str:
@@ -154,7 +154,7 @@ async def end(session_id: PathId, ctx: Ctx, caller: KeyedDep) -> SessionEnded:
     return SessionEnded(session_id=session_id, status=ended.status)
 
 
-runs_router = APIRouter(prefix="/rl", tags=["runs"])
+runs_router = APIRouter(prefix="/rl", tags=["runs"], route_class=BodyOffLoop)
 
 
 @runs_router.post(
@@ -314,7 +314,9 @@ async def release_claim(claim_id: PathId, ctx: Ctx, _: AdminDep) -> ReleaseOut:
     return await claims.release(ctx, claim_id)
 
 
-admin_router = APIRouter(prefix="/admin", tags=["admin"], responses=documented(401, 403))
+admin_router = APIRouter(
+    prefix="/admin", tags=["admin"], responses=documented(401, 403), route_class=BodyOffLoop
+)
 
 
 @admin_router.post(

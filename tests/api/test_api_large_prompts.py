@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -145,3 +146,94 @@ def test_health_answers_while_a_long_prompt_is_tokenized(api: Api, long_context:
     )
     assert lag.longest < 0.5, (lag.longest, calm.longest, took)
     assert max(latencies) < 0.5, (max(latencies), calm.longest, took)
+
+
+def _lag_while(
+    api: Api, path: str, content: bytes, key: str
+) -> tuple[float, float, httpx.Response]:
+    """The longest the event loop was held and the slowest ``/health`` while ``content`` (a
+    JSON body already made: making it in this process would hold the interpreter too) was
+    posted to ``path``, and the answer."""
+    answered: list[httpx.Response] = []
+    headers = {**ANTHROPIC_HEADERS, "Content-Type": "application/json"}
+
+    def post() -> None:
+        answered.append(api.call("POST", path, key=key, content=content, headers=headers))
+
+    latencies = []
+    with LoopLag(api) as lag:
+        worker = threading.Thread(target=post)
+        worker.start()
+        while worker.is_alive():
+            started = time.monotonic()
+            assert api.call("GET", "/health", key=NO_KEY).status_code == 200
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.01)
+        worker.join()
+    return lag.longest, max(latencies, default=0.0), answered[0]
+
+
+def test_no_body_under_the_limits_holds_the_others(api: Api):
+    """The issue's freeze: one 49.7 MB request held every other client for 58 s. Each body
+    here is as large or as many-objected as the door lets through, or just past it: the door's
+    scans and FastAPI's parse and validation run on worker threads a piece at a time.
+
+    Measured on 2 cores with a CI run beside it: the loop held 33-44 ms at worst (9 ms for the
+    413s; 3.5 ms with no request), where it held 350 ms (28 MB) and 1.7-2.0 s (95,000 and
+    190,000 messages) with the scans and the validation on the loop. The bound leaves room for
+    a machine busier still."""
+    session = api.new_session()
+    key = session["api_key"]
+
+    def chat(messages: list[dict], **more: object) -> bytes:
+        return json.dumps({"model": "tiny", "messages": messages, "max_tokens": 1, **more}).encode()
+
+    one = [{"role": "user", "content": "x"}]
+    huge = chat([{"role": "user", "content": text} for text in HUGE])
+    over = "context_length_exceeded"
+    cases = [
+        ("50 MB", "/v1/chat/completions", chat(one, pad="y" * 50_000_000), 413, None),
+        ("28 MB", "/v1/chat/completions", huge, 400, over),
+        ("28 MB", "/v1/messages", huge, 400, None),
+        ("45,000 messages", "/v1/chat/completions", chat(one * 45_000), 400, over),
+        ("95,000 messages", "/v1/chat/completions", chat(one * 95_000), 413, "request_too_large"),
+    ]
+    for name, path, content, status, code in cases:
+        held, health, reply = _lag_while(api, path, content, key)
+        print(f"{name} on {path}: {reply.status_code}; loop held {held * 1000:.0f} ms, "
+              f"/health up to {health * 1000:.0f} ms")  # fmt: skip
+        assert reply.status_code == status, reply.text[:300]
+        if code is not None:
+            assert reply.json()["error"]["code"] == code, reply.text[:300]
+        assert held < 0.25, (name, path, held)
+        assert health < 0.25, (name, path, health)
+    assert api.session(session["session_id"])["turns"] == []
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/v1/chat/completions", {"model": "tiny", "messages": [], "temperature": "hot"}, 400),
+        ("/v1/responses", {"model": "tiny", "input": [], "max_output_tokens": -1}, 400),
+        ("/v1/messages", {"model": "tiny", "messages": [], "max_tokens": "many"}, 400),
+        ("/rl/sessions", {"metadata": {"a": 1}, "ttl_s": "long"}, 422),
+    ],
+)
+def test_a_large_body_is_validated_off_the_loop_with_the_same_answer(
+    api: Api, path: str, body: dict, status: int
+):
+    """Past 256 KiB a body is parsed and validated on a worker thread (``BodyOffLoop``): its
+    answer, errors included, is what FastAPI gives a small one."""
+    session = api.new_session()
+    headers = {**ANTHROPIC_HEADERS, "Content-Type": "application/json"}
+    answers = []
+    for pad in ("", "p" * 300_000):
+        content = json.dumps({**body, "zz_pad": pad} if pad else body).encode()
+        reply = api.call("POST", path, key=session["api_key"], content=content, headers=headers)
+        assert reply.status_code == status, reply.text[:300]
+        answers.append(reply.json())
+    assert answers[0] == answers[1]
+    broken = b'{"model": "tiny", "messages": [' + b'"x", ' * 60_000 + b"}"
+    reply = api.call("POST", path, key=session["api_key"], content=broken, headers=headers)
+    assert reply.status_code == 400, reply.text[:300]
+    assert "not valid JSON" in reply.text, reply.text[:300]

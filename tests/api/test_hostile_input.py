@@ -176,3 +176,27 @@ def test_a_string_never_closed_is_read_in_linear_time_at_the_door(api: Api):
         "/admin/runs", content=b"[" * 65 + b'"' + b'\\"' * 40_000, headers={"X": "y"}
     )
     assert reply.status_code < 500, reply.text
+
+
+def test_a_surrogate_sent_as_its_own_bytes_is_refused_like_its_escape(api: Api):
+    """JSON readers decode a body with surrogatepass, so the bytes ED A0 80 read as a lone
+    U+D800 just as the escape does. The door looked for escapes only: such metadata was stored
+    (201) and every reader of the session then failed on it."""
+    run = api.new_run()
+    raw = f'{{"run_id": "{run["id"]}", "metadata": {{"a": "\ud800"}}}}'
+    reply = api.http.post(
+        "/rl/sessions",
+        content=raw.encode("utf-8", "surrogatepass"),
+        headers={"Authorization": f"Bearer {run['api_key']}", "Content-Type": "application/json"},
+    )
+    error = assert_error(reply, 400, code="unservable_json")
+    assert "lone surrogate" in error["message"], error
+    session = api.new_session()
+    chat = '{"model": "tiny", "messages": [{"role": "user", "content": "\udfff"}]}'
+    reply = api.http.post(
+        "/v1/chat/completions",
+        content=chat.encode("utf-8", "surrogatepass"),
+        headers={"Authorization": f"Bearer {session['api_key']}"},
+    )
+    assert_error(reply, 400, code="unservable_json")
+    assert api.session(session["session_id"])["turns"] == []
