@@ -43,6 +43,12 @@ def bearer(authorization: str | None) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+def presented_key(authorization: str | None, x_api_key: str | None) -> str | None:
+    """The key a request presents: ``Authorization: Bearer <key>``, else ``x-api-key`` (as
+    Anthropic's clients send it); None for neither. Every reader of keys asks this."""
+    return bearer(authorization) or (x_api_key or "").strip() or None
+
+
 async def identify(ctx: ServerContext, authorization: str | None) -> Caller:
     """The caller behind an Authorization header (anonymous without one; 401 if unknown)."""
     return await identify_key(ctx, bearer(authorization))

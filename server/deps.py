@@ -131,7 +131,7 @@ ApiKey = Annotated[
 async def get_anthropic_caller(
     ctx: Ctx, authorization: Authorization = None, x_api_key: ApiKey = None
 ) -> auth.Caller:
-    return await auth.identify_key(ctx, auth.bearer(authorization) or x_api_key or None)
+    return await auth.identify_key(ctx, auth.presented_key(authorization, x_api_key))
 
 
 AnthropicCallerDep = Annotated[auth.Caller, Depends(get_anthropic_caller)]

@@ -251,7 +251,9 @@ def _nesting_exceeds(body: bytes, max_depth: int) -> bool:
 async def _authenticate(request: Request) -> None:
     path = request.url.path
     ctx = request.app.state.ctx
-    token = auth.bearer(request.headers.get("authorization")) or request.headers.get("x-api-key")
+    token = auth.presented_key(
+        request.headers.get("authorization"), request.headers.get("x-api-key")
+    )
     path_session = _PATH_SESSION.match(path)
     if path_session is not None:
         # The id in the path is the credential: a key proxrl did not issue counts as none.

@@ -222,8 +222,10 @@ async def caller_kind(scope: Scope) -> str:
     ``x-api-key``) or its path (``/sessions/{id}/...``: the id is the credential). A key that
     is not one counts as none: the route refuses it, once admitted."""
     headers = dict(scope["headers"])
-    token = auth.bearer(headers.get(b"authorization", b"").decode("latin-1"))
-    token = token or headers.get(b"x-api-key", b"").decode("latin-1").strip() or None
+    token = auth.presented_key(
+        headers.get(b"authorization", b"").decode("latin-1"),
+        headers.get(b"x-api-key", b"").decode("latin-1"),
+    )
     ctx = getattr(scope["app"].state, "ctx", None)
     if token is not None and ctx is not None:
         try:

@@ -10,10 +10,10 @@ no temporary file. Parquet needs pyarrow (the ``export`` extra); JSONL needs not
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from server.common import one_line_json
 from server.errors import InvalidRequest
 from server.export.schema import arrow_schema
 
@@ -31,11 +31,6 @@ class Writer(Protocol):
     def close(self) -> bytes: ...
 
 
-# Line ends other than "\n" that readers splitting on Unicode line ends (str.splitlines, some
-# editors) would break a line at: escaped, as only strings can hold them.
-_LINE_ENDS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
-
-
 class JsonlWriter:
     """A line of JSON per record (JSON Lines; UTF-8, with U+2028, U+2029 and U+0085 escaped so
     that no reader sees a line end inside a record)."""
@@ -44,10 +39,7 @@ class JsonlWriter:
 
     def page(self, records: list[dict[str, Any]]) -> bytes:
         return b"".join(
-            json.dumps(record, ensure_ascii=False, separators=(",", ":"))
-            .translate(_LINE_ENDS)
-            .encode()
-            + b"\n"
+            one_line_json.dumps(record, separators=(",", ":")).encode() + b"\n"
             for record in records
         )
 

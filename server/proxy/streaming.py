@@ -5,11 +5,11 @@ a status code, and in it, as an error event)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from server.common import one_line_json
 from server.errors import INTERNAL_MESSAGE, ProxrlError
 
 log = logging.getLogger(__name__)
@@ -25,18 +25,10 @@ def api_error(exc: Exception) -> ProxrlError:
     return ProxrlError(INTERNAL_MESSAGE)
 
 
-# Line ends by Unicode's count that JSON leaves raw: a client splitting lines with JavaScript's
-# or Python's str.splitlines would cut a ``data:`` line there. Escaped, the JSON is the same.
-_UNICODE_LINE_ENDS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
 def sse(payload: dict | str, event: str | None = None) -> str:
     """One SSE event: ``data:`` (JSON, or a bare string like ``[DONE]``), named by an ``event:``
     line where the surface names its events. The JSON holds no raw line end of any kind."""
-    if isinstance(payload, str):
-        data = payload
-    else:
-        data = json.dumps(payload, ensure_ascii=False).translate(_UNICODE_LINE_ENDS)
+    data = payload if isinstance(payload, str) else one_line_json.dumps(payload)
     return f"data: {data}\n\n" if event is None else f"event: {event}\ndata: {data}\n\n"
 
 

@@ -67,7 +67,7 @@ LAYERS: dict[str, set[str]] = {
     "server.text": {"server.errors"},
     "server.store": {"server.errors"},
     # Export files (schema, JSONL and Parquet writers): plain records in, bytes out.
-    "server.export": {"server.errors"},
+    "server.export": {"server.errors", "server.common"},
     "server.engine": {"server.text", "server.common", "server.errors"},
     "server.engine_client": {"server.common", "server.errors"},
     "server.proxy": {
