@@ -55,6 +55,7 @@ from server.proxy.plan import (
     check_model,
     new_plan,
     refuse_oversize,
+    rendered,
     run_config,
     sampling_request,
 )
@@ -147,17 +148,8 @@ def prompt_text(ctx: ServerContext, body: Conversation, client: str = "text") ->
             param="tool_choice",
         )
     return ctx.tokenizer.client_text(
-        _render(ctx, messages, tools, client), prefill + forced, client
+        rendered(ctx, messages, tools, client, "messages"), prefill + forced, client
     )
-
-
-def _render(
-    ctx: ServerContext, messages: list[dict], tools: list[dict] | None, client: str
-) -> PromptText:
-    try:
-        return ctx.tokenizer.render_prompt(messages, tools, True, client)
-    except TemplateError as exc:
-        raise InvalidRequest(f"The chat template refused the messages: {exc}", "messages") from exc
 
 
 def _as_received(body: MessagesRequest) -> list[dict]:

@@ -16,7 +16,6 @@ from typing import Any
 
 from server.context import ServerContext
 from server.engine_client.client import Piece
-from server.errors import InvalidRequest
 from server.proxy import forced_calls, outputs
 from server.proxy.generation import Completion
 from server.proxy.plan import (
@@ -24,6 +23,7 @@ from server.proxy.plan import (
     build_prompt,
     check_model,
     new_plan,
+    rendered,
     run_config,
     sampling_request,
     structured_output,
@@ -33,7 +33,7 @@ from server.proxy.recording import Served
 from server.proxy.schemas import ChatCompletionRequest
 from server.proxy.session_cache import SessionState
 from server.proxy.tool_calls import ContentDelta, ReasoningDelta, StreamEvent, parse_tool_calls
-from server.text.tokenization import PromptText, TemplateError
+from server.text.tokenization import PromptText
 
 
 async def plan_chat(ctx: ServerContext, state: SessionState, body: ChatCompletionRequest) -> Plan:
@@ -48,12 +48,7 @@ async def plan_chat(ctx: ServerContext, state: SessionState, body: ChatCompletio
     client = config.client_special_tokens
 
     def render() -> PromptText:
-        try:
-            text = ctx.tokenizer.render_prompt(messages, tools, True, client)
-        except TemplateError as exc:
-            raise InvalidRequest(
-                f"The chat template refused the messages: {exc}", "messages"
-            ) from exc
+        text = rendered(ctx, messages, tools, client, "messages")
         return ctx.tokenizer.client_text(text, start, client)
 
     prompt = await build_prompt(ctx, state, render, "messages")

@@ -29,7 +29,7 @@ from server.proxy.prompts import Prompt
 from server.proxy.recording import RequestLog
 from server.proxy.session_cache import SessionState
 from server.store.run_config import RunConfig
-from server.text.tokenization import PromptText, TooManyTokens
+from server.text.tokenization import PromptText, TemplateError, TooManyTokens
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,18 @@ async def build_prompt(
         return spliced(ctx, text, last, param)
 
     return await prompts.off_loop(work)
+
+
+def rendered(
+    ctx: ServerContext, messages: list[dict], tools: list[dict] | None, client: str, param: str
+) -> PromptText:
+    """The conversation as the chat template renders it for an answer, the client's added
+    tokens' texts kept as text unless ``client`` (the run's ``client_special_tokens``) is
+    "parse"; the template's refusal is a 400 at ``param``."""
+    try:
+        return ctx.tokenizer.render_prompt(messages, tools, True, client)
+    except TemplateError as exc:
+        raise InvalidRequest(f"The chat template refused the {param}: {exc}", param) from exc
 
 
 def spliced(ctx: ServerContext, text: PromptText | str, last: list[Any], param: str) -> Prompt:

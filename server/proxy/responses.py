@@ -33,6 +33,7 @@ from server.proxy.plan import (
     build_prompt,
     check_model,
     new_plan,
+    rendered,
     run_config,
     sampling_request,
     structured_output,
@@ -41,7 +42,7 @@ from server.proxy.responses_schema import ResponseRequest, to_messages
 from server.proxy.session_cache import SessionState
 from server.store import turns as store_turns
 from server.store.tables import Turn
-from server.text.tokenization import PromptText, TemplateError
+from server.text.tokenization import PromptText
 
 MAX_CHAIN = 10_000  # responses one previous_response_id chain may reach back through
 
@@ -63,10 +64,7 @@ async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseR
     client = config.client_special_tokens
 
     def render() -> PromptText:
-        try:
-            text = ctx.tokenizer.render_prompt(messages, tools, True, client)
-        except TemplateError as exc:
-            raise InvalidRequest(f"The chat template refused the input: {exc}", "input") from exc
+        text = rendered(ctx, messages, tools, client, "input")
         return ctx.tokenizer.client_text(text, start, client)
 
     prompt = await build_prompt(ctx, state, render, "input")
