@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -138,29 +139,34 @@ class StoreHealth:
         self.last_fault = 0.0
         self.reason = ""
         self.faults = 0  # failures in the episode
+        # Told from the event loop and from the turn writer's thread: one episode, logged once.
+        self._lock = threading.Lock()
 
     @property
     def available(self) -> bool:
         return self.down_since is None
 
     def failed(self, reason: str) -> None:
-        self.faults += 1
-        self.last_fault = time.time()
-        if self.down_since is None:
+        with self._lock:
+            self.faults += 1
+            self.last_fault = time.time()
+            if self.down_since is not None:
+                return
             self.down_since, self.reason, self.faults = self.last_fault, reason, 1
-            log.warning("store unavailable: %s; requests that need it answer 503", reason)
+        log.warning("store unavailable: %s; requests that need it answer 503", reason)
 
     def recovered(self) -> None:
         """A write committed."""
-        if self.down_since is None or time.time() - self.last_fault < self.settle_s:
-            return
+        with self._lock:
+            if self.down_since is None or time.time() - self.last_fault < self.settle_s:
+                return
+            took, self.down_since = self.last_fault - self.down_since, None
         log.warning(
             "store available again after %.1f s (%s; %d failures meanwhile)",
-            self.last_fault - self.down_since,
+            took,
             self.reason,
             self.faults,
         )
-        self.down_since = None
 
     def raise_faults(self, context: ExceptionContext) -> None:
         """SQLAlchemy's ``handle_error``: a fault raised as ``StoreUnavailable``, the rest as

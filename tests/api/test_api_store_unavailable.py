@@ -135,3 +135,37 @@ def test_a_store_fault_is_told_from_a_bug() -> None:
             "SELECT i + 1 FROM n LIMIT 10000) SELECT i, hex(randomblob(64)) FROM n"
         )
     assert store_fault(full.value) == "full (no space left on its disk)"
+
+
+def test_an_episode_told_from_two_threads_at_once_is_logged_once(caplog) -> None:
+    """The event loop's sessions and the turn writer's thread both tell ``StoreHealth`` of
+    faults and commits: however they interleave, an episode begins once and ends once."""
+    import threading
+
+    from server.store.database import StoreHealth
+
+    health = StoreHealth(settle_s=0.0)
+    start = threading.Barrier(8)
+
+    def tell(index: int) -> None:
+        start.wait()
+        for _ in range(2_000):
+            health.failed(f"disk full ({index})")
+
+    with caplog.at_level(logging.WARNING, logger="server.store.database"):
+        threads = [threading.Thread(target=tell, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert health.faults == 16_000
+        ends = [threading.Thread(target=health.recovered) for _ in range(8)]
+        for thread in ends:
+            thread.start()
+        for thread in ends:
+            thread.join()
+    began = [r for r in caplog.records if "store unavailable" in r.getMessage()]
+    ended = [r for r in caplog.records if "available again" in r.getMessage()]
+    assert len(began) == 1 and len(ended) == 1, [r.getMessage() for r in caplog.records]
+    assert "16000 failures" in ended[0].getMessage()
+    assert health.available
