@@ -70,6 +70,9 @@ class EngineState:
     tp_size: int = 1  # its tensor-parallel ranks (a weight group gives it this many)
     refused: str | None = None  # why proxrl cannot use it whatever it answers, once learned
     weight_version: str | None = None
+    # Out of rotation only because it serves another version than the run's (a load that was
+    # given up on and finished later): the next publish loads it with the others.
+    off_version: bool = False
     served_tokens: int = 0
     failures: int = 0
     last_error: str | None = None
@@ -135,6 +138,13 @@ class EnginePool:
         return [engine for engine in self.engines if engine.healthy]
 
     @property
+    def loadable(self) -> list[EngineState]:
+        """The engines a publish loads: those in rotation, and those out of it only because
+        they serve another version (without them, a fleet whose abandoned load finished late
+        would have no engine to publish to, and no way back)."""
+        return [engine for engine in self.engines if engine.healthy or engine.off_version]
+
+    @property
     def context_length(self) -> int | None:
         lengths = [e.context_length for e in self.engines if e.context_length]
         return min(lengths) if lengths else None
@@ -172,6 +182,7 @@ class EnginePool:
         if engine.healthy or reason != engine.last_error:
             log.warning("engine %s out of rotation: %s", engine.url, reason)
         engine.healthy = False
+        engine.off_version = False
         engine.failures += failure
         engine.last_error = reason
 
@@ -202,6 +213,7 @@ class EnginePool:
         engine.weight_version = str(info.get("weight_version"))
         if expected is not None and parse_version(engine.weight_version) != expected:
             self.mark_down(engine, f"serves version {engine.weight_version}, not {expected}")
+            engine.off_version = True
             return False
         if not engine.healthy:
             log.info("engine %s in rotation (version %s)", engine.url, engine.weight_version)

@@ -4,9 +4,10 @@ Nothing a publish waits on may stall serving: weight files are read and checked 
 engine pauses (``weight_files``), and the engines stay paused at most ``--weights-pause-limit-s``:
 a load not done by then is abandoned and the engines resume the version they served. (An
 engine whose load still finishes later serves its tokens under that new version's tag, and the
-pool keeps it out while it serves a version other than the run's.) A weight group is joined
-only where a rendezvous store answers: something that merely accepts connections is refused
-within seconds, before any engine waits on it.
+pool keeps it out while it serves a version other than the run's; the next publish loads it
+with the engines in rotation, so a fleet whose every load finished late is not left with
+none.) A weight group is joined only where a rendezvous store answers: something that merely
+accepts connections is refused within seconds, before any engine waits on it.
 
 Pausing in ``abort`` mode returns every in-flight request with its partial tokens; the proxy
 resubmits them at once (see ``generation``), and the paused engine holds them until it has
@@ -116,7 +117,7 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
         await _check_files(str(body.model_path), ctx.settings.weights_check_timeout_s)
     pool = ctx.pool
     async with pool.update_lock:
-        engines = pool.healthy
+        engines = pool.loadable
         if not engines:
             raise NoEngineToUpdate("No engine is in rotation to load the weights.")
         started = time.perf_counter()
@@ -140,8 +141,12 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
         for engine, pause_error, result in zip(engines, paused, results, strict=True):
             if isinstance(pause_error, Exception) or not result["success"]:
                 pool.mark_down(engine, f"weight update failed: {result.get('message')}")
-            else:
-                engine.weight_version = str(version)
+            else:  # in rotation again if it served another version
+                engine.weight_version, engine.healthy, engine.off_version = (
+                    str(version),
+                    True,
+                    False,
+                )
     swap = {"run_id": run.id, "version": version, "pause_seconds": pause_seconds, "at": time.time()}
     pool.swaps.append(swap)
     ctx.metrics.weight_swap_pause_seconds.observe(pause_seconds)
