@@ -1,10 +1,19 @@
-"""What the benchmark scripts share: argument types, new sessions on a proxy."""
+"""What the benchmark scripts share: argument types, new sessions on a proxy, the stub engine
+and the bare forwarder as processes, a process's CPU time."""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import sys
+from pathlib import Path
 
 import httpx
+
+from server.common.processes import ServerProcess, free_port
+
+BENCH = Path(__file__).resolve().parent
 
 
 def positive_int(text: str) -> int:
@@ -25,3 +34,40 @@ async def new_sessions(url: str, admin: dict[str, str], count: int) -> list[dict
     for reply in replies:
         reply.raise_for_status()
     return [reply.json() for reply in replies]
+
+
+class StubEngine(ServerProcess):
+    """bench/stub_engine.py as a process on loopback: the SGLang protocol, no model."""
+
+    name = "stub engine"
+    ready_path = "/model_info"
+    ready_timeout = 60.0
+
+    def __init__(self, model_dir: Path, log_path: Path, tokens: int = 16) -> None:
+        self.port = free_port()
+        command = [
+            sys.executable, str(BENCH / "stub_engine.py"), "--model", str(model_dir),
+            "--port", str(self.port), "--tokens", str(tokens),
+        ]  # fmt: skip
+        super().__init__(command, f"http://127.0.0.1:{self.port}", log_path)
+
+
+class Forwarder(ServerProcess):
+    """bench/forwarder.py as a process on loopback, in front of an engine."""
+
+    name = "bare forwarder"
+    ready_timeout = 60.0
+
+    def __init__(self, engine_url: str, log_path: Path) -> None:
+        self.port = free_port()
+        command = [sys.executable, str(BENCH / "forwarder.py"), engine_url, str(self.port)]
+        super().__init__(command, f"http://127.0.0.1:{self.port}", log_path)
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads; NaN where /proc is missing."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

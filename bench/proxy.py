@@ -53,7 +53,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import os
 import platform
 import random
@@ -77,14 +76,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import httpx  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 
-from bench.common import new_sessions, positive_int  # noqa: E402
+from bench.common import Forwarder, new_sessions, positive_int, process_cpu  # noqa: E402
 from bench.surfaces import SURFACES  # noqa: E402
-from server.common.processes import (  # noqa: E402
-    EngineProcess,
-    ProxyProcess,
-    ServerProcess,
-    free_port,
-)
+from server.common.processes import EngineProcess, ProxyProcess  # noqa: E402
 from server.proxy.generation import SamplingRequest, engine_body  # noqa: E402
 from server.text.tokenization import Tokenizer  # noqa: E402
 
@@ -156,20 +150,11 @@ class CpuMeter:
 
     def read(self) -> dict[str, float]:
         return {
-            "engine": _process_cpu(self.engine_pid),
-            "proxy": _process_cpu(self.proxy_pid),
-            "forwarder": _process_cpu(self.forwarder_pid),
+            "engine": process_cpu(self.engine_pid),
+            "proxy": process_cpu(self.proxy_pid),
+            "forwarder": process_cpu(self.forwarder_pid),
             "client": time.process_time(),
         }
-
-
-def _process_cpu(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads; NaN where /proc is missing."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return math.nan
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def ensure_model() -> Path:
@@ -355,18 +340,6 @@ def check_stored(
 
 
 # --- the run ----------------------------------------------------------------------------------
-
-
-class Forwarder(ServerProcess):
-    """bench/forwarder.py as a process on loopback, in front of the engine."""
-
-    name = "bare forwarder"
-    ready_timeout = 60.0
-
-    def __init__(self, engine_url: str, log_path: Path) -> None:
-        self.port = free_port()
-        command = [sys.executable, str(ROOT / "bench" / "forwarder.py"), engine_url, str(self.port)]
-        super().__init__(command, f"http://127.0.0.1:{self.port}", log_path)
 
 
 def timed(label: str, run: Callable[[], PhaseResult]) -> PhaseResult:
