@@ -43,11 +43,14 @@ class StubEngine(ServerProcess):
     ready_path = "/model_info"
     ready_timeout = 60.0
 
-    def __init__(self, model_dir: Path, log_path: Path, tokens: int = 16) -> None:
+    def __init__(
+        self, model_dir: Path, log_path: Path, tokens: int = 16, chunk_interval_ms: float = 0.0
+    ) -> None:
         self.port = free_port()
         command = [
             sys.executable, str(BENCH / "stub_engine.py"), "--model", str(model_dir),
             "--port", str(self.port), "--tokens", str(tokens),
+            "--chunk-interval-ms", str(chunk_interval_ms),
         ]  # fmt: skip
         super().__init__(command, f"http://127.0.0.1:{self.port}", log_path)
 

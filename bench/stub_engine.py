@@ -5,7 +5,8 @@ that measure the proxy's own cost (bench/proxy_cost.py, bench/replicas.py).
 
 - ``POST /generate``, streamed (incremental chunks, ``stream_interval`` tokens each) or not:
   ``min(--tokens, max_new_tokens)`` tokens, made up from the prompt's length, the rid and the
-  ``sampling_seed`` (the same request always gets the same tokens), with made-up logprobs; an
+  ``sampling_seed`` (the same request always gets the same tokens), with made-up logprobs
+  (``--chunk-interval-ms`` apart when streamed); an
   answer shorter than ``max_new_tokens`` ends with the model's end-of-sequence token
   (``finish_reason`` stop), one of exactly ``max_new_tokens`` with ``length``;
 - ``/model_info``, ``/server_info`` (tp, dp and pp size 1, a context length, incremental
@@ -43,7 +44,7 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-
 class Stub:
     """The stub's state: its weight version, whether it is paused, counters."""
 
-    def __init__(self, model_dir: Path, tokens: int) -> None:
+    def __init__(self, model_dir: Path, tokens: int, chunk_interval_s: float = 0.0) -> None:
         config = json.loads((model_dir / "config.json").read_text())
         eos = config.get("eos_token_id")
         self.eos = int(eos[0] if isinstance(eos, list) else eos)
@@ -51,6 +52,7 @@ class Stub:
         self.model_path = str(model_dir)
         self.name = model_dir.name
         self.tokens = tokens
+        self.chunk_interval_s = chunk_interval_s
         self.version = "0"
         self.started = time.time()
         self.resumed = asyncio.Event()
@@ -177,6 +179,8 @@ async def _generate(stub: Stub, body: dict, send) -> None:
         )
         data = b"data: " + json.dumps(chunk).encode() + b"\n\n"
         await send({"type": "http.response.body", "body": data, "more_body": True})
+        if stub.chunk_interval_s and not last:
+            await asyncio.sleep(stub.chunk_interval_s)
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
 
@@ -222,13 +226,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--tokens", type=int, default=16, help="Tokens per answer, at most (default: 16)."
     )
+    parser.add_argument(
+        "--chunk-interval-ms",
+        type=float,
+        default=0.0,
+        help="Pause between a stream's chunks, so that each reaches the client on its own as "
+        "from a real engine's decode steps (default: 0, none).",
+    )
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     args = parse_args(sys.argv[1:])
     uvicorn.run(
-        create_app(Stub(args.model, args.tokens)),
+        create_app(Stub(args.model, args.tokens, args.chunk_interval_ms / 1000)),
         host="127.0.0.1",
         port=args.port,
         log_level="warning",
