@@ -116,6 +116,8 @@ format: venv
 bench: venv
 	$(PY) bench/engine.py
 	$(PY) bench/proxy.py
+	$(PY) bench/proxy_cost.py --requests 400 --rounds 2
+	$(PY) bench/replicas.py --requests 360 --rounds 2
 	$(PY) bench/trainer.py
 	$(PY) bench/dashboard.py
 	$(PY) bench/export.py

@@ -104,7 +104,7 @@ class Phase:
         }
 
 
-async def _proxy_send(
+async def proxy_send(
     http: aiohttp.ClientSession, session: dict, request: ChatRequest, stream: bool, tokens: int
 ) -> int:
     """One chat through the proxy; the completion tokens it reports."""
@@ -126,7 +126,7 @@ async def _proxy_send(
         return counted
 
 
-async def _forwarder_send(
+async def forwarder_send(
     http: aiohttp.ClientSession, url: str, request: ChatRequest, stream: bool, tokens: int
 ) -> int:
     """The body the proxy would send for the same chat, to the forwarder's /generate."""
@@ -160,10 +160,10 @@ async def run_phase(
             got = 0
             for request in requests[index]:
                 if phase.side == "proxy":
-                    got += await _proxy_send(http, sessions[index], request, phase.stream, tokens)
+                    got += await proxy_send(http, sessions[index], request, phase.stream, tokens)
                 else:
                     url = servers["forwarder"].url
-                    got += await _forwarder_send(http, url, request, phase.stream, tokens)
+                    got += await forwarder_send(http, url, request, phase.stream, tokens)
             return got
 
         before, started = _cpu(servers), time.perf_counter()
