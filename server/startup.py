@@ -139,6 +139,8 @@ async def server_context(
     if settings.admin_key is None:
         raise ValueError("the server needs an admin key (serve() generates one)")
     url = settings.database_url
+    claim = database.SingleServer(url)
+    claim.acquire()  # StoreInUse: a second server on one SQLite file
     await asyncio.to_thread(database.upgrade, url)
     health = database.StoreHealth()
     db_engine = database.connect(url, health, settings.store_busy_timeout_s)
@@ -191,6 +193,7 @@ async def server_context(
             await asyncio.to_thread(engine.stop)
         await db_engine.dispose()
         writer_engine.dispose()
+        claim.release()
 
 
 # ----- before anything is created ----------------------------------------------------------
@@ -205,6 +208,7 @@ def first_problem(settings: ServerSettings) -> str | None:
         data_dir_problem,
         port_problem,
         store_problem,
+        single_server_problem,
     ]
     for check in checks:
         problem = check(settings)
@@ -269,6 +273,12 @@ def store_problem(settings: ServerSettings) -> str | None:
     finally:
         engine.dispose()
     return None
+
+
+def single_server_problem(settings: ServerSettings) -> str | None:
+    """A SQLite store is served by one process (``database.SingleServer``)."""
+    problem = database.SingleServer(settings.database_url).problem()
+    return None if problem is None else f"--db: {problem}"
 
 
 def port_problem(settings: ServerSettings) -> str | None:

@@ -14,7 +14,9 @@ begins and once when a write commits again. Nothing here retries: the client doe
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import sqlite3
 import sys
 import threading
@@ -68,6 +70,66 @@ def sqlite_file(url: str) -> Path | None:
     if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
         return None
     return Path(parsed.database)
+
+
+class StoreInUse(RuntimeError):
+    """Another ``proxrl serve`` serves this SQLite store."""
+
+
+class SingleServer:
+    """The claim of one serving process on a SQLite store: an exclusive ``flock`` on a file
+    beside it (``<store>.serving``), held while the process serves, released by the kernel when
+    it exits however it ends. SQLite is one process's store: admission, retries and the engines'
+    weights are each decided in one process. Replicas share a PostgreSQL store instead, which
+    needs no claim. ``proxrl export`` and other readers do not claim."""
+
+    def __init__(self, url: str) -> None:
+        self.store = sqlite_file(url)
+        self._file: Any = None
+
+    @property
+    def path(self) -> Path | None:
+        return None if self.store is None else self.store.with_name(self.store.name + ".serving")
+
+    def acquire(self) -> None:
+        """Claim the store (nothing for PostgreSQL or SQLite in memory); ``StoreInUse`` when
+        another process holds it."""
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        claim = open(self.path, "a+")  # noqa: SIM115 (held open for the claim's life)
+        try:
+            fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            claim.seek(0)
+            holder = claim.read().strip() or "unknown"
+            claim.close()
+            raise StoreInUse(
+                f"the SQLite store {self.store} is served by another proxrl process (pid "
+                f"{holder}); SQLite is one process's store: run replicas over PostgreSQL "
+                "(--db postgresql://...), or give this server its own --db"
+            ) from None
+        claim.truncate(0)
+        claim.write(str(os.getpid()))
+        claim.flush()
+        self._file = claim
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # the flock goes with it
+            self._file = None
+
+    def problem(self) -> str | None:
+        """Why this process could not claim the store now (None: it could), creating nothing
+        and keeping no claim."""
+        if self.path is None or not self.path.exists():
+            return None  # never served, or by nobody who claimed it
+        try:
+            self.acquire()
+        except StoreInUse as exc:
+            return str(exc)
+        self.release()
+        return None
 
 
 def _with_driver(url: str, sqlite: str, postgres: str) -> str:

@@ -212,3 +212,41 @@ def test_db_upgrade_refuses_a_bad_url_in_one_line_as_serve_does(capsys, url, exp
     err = capsys.readouterr().err
     assert err.startswith("proxrl: invalid db.upgrade.db: ") and expected in err
     assert err.count("\n") == 1 and "secret" not in err
+
+
+def test_a_sqlite_store_another_process_serves_is_refused_naming_it(tmp_path):
+    """SQLite is one process's store: a second `proxrl serve` on the same file used to start
+    and decide admission, retries and weights apart from the first. A real second process
+    holds the claim here (``database.SingleServer``, as server_context takes it)."""
+    import subprocess
+    import sys
+
+    from server.store.database import SingleServer, StoreInUse
+
+    store = tmp_path / "store" / "proxrl.db"
+    url = f"sqlite:///{store}"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time; from server.store.database import SingleServer; "
+            f"claim = SingleServer({url!r}); claim.acquire(); print('held', flush=True); "
+            "time.sleep(60)"
+        )],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        model = model_dir(tmp_path / "m")
+        problem = first_problem(settings(model, db=url, port=free_port()))
+        assert problem is not None and problem.startswith("--db: the SQLite store ")
+        assert f"pid {holder.pid}" in problem and "PostgreSQL" in problem, problem
+        with pytest.raises(StoreInUse):
+            SingleServer(url).acquire()
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    # The claim went with the process: this one may serve the store now.
+    assert first_problem(settings(model_dir(tmp_path / "m2"), db=url, port=free_port())) is None
+    claim = SingleServer(url)
+    claim.acquire()
+    claim.release()
+    assert SingleServer("postgresql://u@127.0.0.1/db").problem() is None  # replicas share it
