@@ -43,6 +43,8 @@ class ServerContext:
     unknown_keys: ByteLRU[str, bool] = field(default_factory=lambda: ByteLRU(8 * MB))
     started_at: float = field(default_factory=time.time)
     model_name: str = ""  # the served model's name, fixed at start
+    # This process among the replicas sharing the store (server.store.leadership).
+    replica_id: str = ""
 
     @property
     def context_length(self) -> int | None:

@@ -34,6 +34,7 @@ document (``documented``) and the error event a stream ends with
     ├── NoEngineAvailable        503  no engine in rotation could serve (Retry-After)
     │   └── ContextLengthUnknown 503  no engine has reported its context length yet
     ├── StoreUnavailable         503  the store is full, read-only, locked or away (Retry-After)
+    ├── NoLeader                 503  no replica leads now to swap the weights (Retry-After)
     ├── EngineError              503  the engine serving the request failed (Retry-After)
     │   ├── EngineUnavailable    503  it timed out, broke off or answered 5xx: another may serve
     │   │   └── EngineTimedOut   503  it took longer than --request-timeout-s: not tried again
@@ -230,6 +231,12 @@ class StoreUnavailable(ProxrlError):
         self.reason = reason
 
 
+class NoLeader(ProxrlError):
+    """A weight swap reached a follower replica while no replica leads (the last leader died
+    and none has taken over yet), or the leader could not be reached: retrying soon may
+    succeed."""
+
+
 class EngineError(ProxrlError):
     pass
 
@@ -330,6 +337,13 @@ RENDERING: dict[type[ProxrlError], Rendering] = {
         "store_unavailable",
         _STORE_RETRY_S,
         lead="The store cannot serve this request now: ",
+    ),
+    NoLeader: Rendering(
+        503,
+        _UNAVAILABLE,
+        "no_leader",
+        _ENGINE_RETRY_S,
+        lead="No replica could swap the weights now: ",
     ),
     EngineError: Rendering(
         503,

@@ -90,6 +90,11 @@ class StateCollector(Collector):
         yield GaugeMetricFamily(
             "proxrl_start_time_seconds", "When the server started (unix time).", ctx.started_at
         )
+        yield GaugeMetricFamily(
+            "proxrl_leader",
+            "1 while this replica leads (swaps weights, judges the engines' versions).",
+            1.0 if ctx.pool.leading else 0.0,
+        )
 
     def _engines(self, ctx: ServerContext) -> Iterator[Metric]:
         def family(kind: type, name: str, doc: str) -> Any:

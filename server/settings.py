@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -119,6 +120,20 @@ class ServerSettings(BaseSettings):
         "and session view carries it whole.",
     )
     health_interval_s: float = Field(2.0, gt=0, description="Seconds between engine checks.")
+    leader_check_s: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="Seconds between leader checks, for replicas sharing a PostgreSQL store: a "
+        "follower tries to take the lead (the one replica that swaps weights and judges the "
+        "engines' versions), the leader checks it still holds it. A dead leader is replaced "
+        "within about this long.",
+    )
+    advertise_url: str | None = Field(
+        None,
+        description="URL the other replicas reach this one at, for the weight swaps they forward "
+        "to the leader (default: http://host:port, the machine's name for 0.0.0.0 or ::).",
+    )
     sweep_interval_s: float = Field(
         5.0, gt=0, description="Seconds between applying session and reward deadlines."
     )
@@ -229,6 +244,13 @@ class ServerSettings(BaseSettings):
             raise PydanticCustomError("admin_key", problem)  # the message alone, no prefix
         return self
 
+    @field_validator("advertise_url")
+    @classmethod
+    def _advertise_url_is_http(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL (e.g. http://10.0.0.5:8000)")
+        return value
+
     @field_validator("sglang_args")
     @classmethod
     def _sglang_args_split(cls, value: str) -> str:
@@ -279,6 +301,14 @@ class ServerSettings(BaseSettings):
     @property
     def binds_loopback(self) -> bool:
         return admin_keys.is_loopback(self.host)
+
+    @property
+    def leader_url(self) -> str:
+        """Where the other replicas reach this one (--advertise-url)."""
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host = socket.getfqdn() if self.host in ("", "0.0.0.0", "::") else self.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
     @property
     def base_url(self) -> str:

@@ -19,6 +19,7 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import socket
 import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -41,6 +42,7 @@ from server.store import secrets as store_secrets
 from server.store import sessions as store_sessions
 from server.store.byte_lru import MB, ByteLRU
 from server.store.keys import hash_key
+from server.store.leadership import Election
 from server.store.run_config import RunConfig, RunConfigs
 from server.store.tables import Run
 from server.store.writer import TurnWriter
@@ -114,6 +116,47 @@ async def serve_current_version(ctx: ServerContext, run: Run) -> None:
         engine.weight_version = wanted
 
 
+def replica_id() -> str:
+    """This process's name among the replicas: host, pid, and a few random bytes (a pid is
+    reused across restarts)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+async def store_version(ctx: ServerContext) -> int | None:
+    """The default run's policy version, as the store has it (what a follower's engines serve)."""
+    async with ctx.sessionmaker() as db:
+        run = await runs.get_run(db, ctx.default_run_id)
+    return None if run is None else run.policy_version
+
+
+async def take_part(ctx: ServerContext, election: Election) -> None:
+    """Take or keep the lead (``Election.check``); the pool leads or follows with it. A replica
+    that takes over from a dead leader resumes every engine first: one that died mid-swap left
+    them paused (resuming an engine that is not paused does nothing)."""
+    pool = ctx.pool
+    leading = await election.check()
+    if leading and not pool.leading:
+        version = await store_version(ctx)
+        if version is not None:
+            pool.expected_version = version
+        async with asyncio.timeout(ctx.settings.leader_check_s + 5.0):
+            await asyncio.gather(*(e.client.resume() for e in pool.engines), return_exceptions=True)
+        log.info("took the lead: the engines are expected at version %s", version)
+    elif pool.leading and not leading:
+        log.warning("now following: the engines' versions are read from the store")
+    pool.leading = leading
+
+
+async def lead(ctx: ServerContext, election: Election) -> None:
+    """Every --leader-check-s: take or keep the lead (replicas sharing a PostgreSQL store)."""
+    while True:
+        await asyncio.sleep(ctx.settings.leader_check_s)
+        try:
+            await take_part(ctx, election)
+        except Exception:
+            log.exception("the leader check failed")
+
+
 async def sweep(ctx: ServerContext) -> None:
     """Apply session and reward deadlines every --sweep-interval-s seconds."""
     while True:
@@ -155,6 +198,8 @@ async def server_context(
     writer = TurnWriter(writer_engine, on_commit=metrics.store_write_seconds.observe, health=health)
     lookups = int(settings.lookup_cache_mb * MB)
     sweeper: asyncio.Task | None = None
+    leader: asyncio.Task | None = None
+    election = Election(url, replica_id(), settings.leader_url)
     try:
         await pool.start()
         writer.start()
@@ -176,17 +221,27 @@ async def server_context(
             store_health=health,
             key_cache=ByteLRU(lookups // 2),
             unknown_keys=ByteLRU(lookups // 4),
+            replica_id=election.replica_id,
         )
         metrics.state.ctx = ctx
         run = await ensure_default_run(ctx)
         ctx.default_run_id = run.id
-        await serve_current_version(ctx, run)
         pool.expected_version = run.policy_version
+        pool.read_version = lambda: store_version(ctx)
+        # A first leader over Postgres may find engines a dead one left paused (take_part);
+        # a SQLite store's one process starts as it always did.
+        pool.leading = not election.postgres
+        await take_part(ctx, election)
+        if pool.leading:  # a follower loads nothing: the leader does
+            await serve_current_version(ctx, run)
+        leader = asyncio.create_task(lead(ctx, election), name="proxrl-leader")
         sweeper = asyncio.create_task(sweep(ctx), name="proxrl-sweeper")
         yield ctx
     finally:
-        if sweeper is not None:
-            sweeper.cancel()
+        for task in (sweeper, leader):
+            if task is not None:
+                task.cancel()
+        await election.close()  # the lead goes at once, not when the connection times out
         await writer.stop()
         await pool.stop()
         for engine in launched:

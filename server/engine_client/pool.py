@@ -3,7 +3,14 @@
 Routing: the least-loaded healthy engine (requests in flight through this proxy), except that a
 session stays on the engine that served its last turn (prefix caches) while that engine is
 healthy and not clearly busier than the rest. An engine that fails a request or a health check
-leaves the rotation until a health check succeeds again. An engine enters the rotation only once
+leaves the rotation until a health check succeeds again.
+
+Versions: the proxy that leads (the only one, or the leader of replicas sharing a store) keeps an
+engine in rotation only while it serves ``expected_version``, which its own weight swaps set. A
+follower swaps nothing: each health round it reads the version from the store (``read_version``)
+and keeps an engine in rotation while it serves that version or a newer one (the leader's swap
+loads the engines before it records the new version), and it never pauses, loads or resumes an
+engine. An engine enters the rotation only once
 its context length is known (SGLang 0.5.23 reports it in ``/v1/models``, not ``/server_info``:
 docs/architecture/sglang-protocol.md, "Context length"): requests are sized against it. This module
 knows nothing about sessions, chat or the store.
@@ -16,6 +23,7 @@ import itertools
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -120,8 +128,12 @@ class EnginePool:
         self._round_robin = itertools.count()
         self.update_lock = asyncio.Lock()  # one weight swap at a time
         self.swaps: list[dict] = []  # run_id, version, pause_seconds, at: one per swap
-        # The version every engine must serve to be in rotation (None: any).
+        # The version every engine must serve to be in rotation (None: any); a follower's is
+        # the least it may serve.
         self.expected_version: int | None = None
+        self.leading = True  # False: a follower of the replica that drives the engines
+        # A follower's source of the expected version (the store's), read each health round.
+        self.read_version: Callable[[], Awaitable[int | None]] | None = None
 
     async def start(self) -> None:
         await asyncio.gather(*(self.check(engine) for engine in self.engines))
@@ -211,8 +223,11 @@ class EnginePool:
             # of the swap, so it says nothing; the swap judges the engines it loaded
             return engine.healthy
         engine.weight_version = str(info.get("weight_version"))
-        if expected is not None and parse_version(engine.weight_version) != expected:
-            self.mark_down(engine, f"serves version {engine.weight_version}, not {expected}")
+        if expected is not None and not self._serves(
+            parse_version(engine.weight_version), expected
+        ):
+            wanted = expected if self.leading else f"{expected} or newer"
+            self.mark_down(engine, f"serves version {engine.weight_version}, not {wanted}")
             engine.off_version = True
             return False
         if not engine.healthy:
@@ -242,7 +257,25 @@ class EnginePool:
                 models = None
         engine.context_length = reported_context(server, models, model_info)
 
+    def _serves(self, version: int, expected: int) -> bool:
+        return version == expected if self.leading else version >= expected
+
+    async def follow(self) -> None:
+        """A follower takes the expected version from the store (kept as it was when the store
+        does not answer within a health interval)."""
+        if self.leading or self.read_version is None:
+            return
+        try:
+            async with asyncio.timeout(max(self._health_interval, 1.0)):
+                version = await self.read_version()
+        except Exception as exc:  # the store away: judge by the last version read
+            log.warning("could not read the run's version from the store: %s", exc)
+            return
+        if version is not None:
+            self.expected_version = version
+
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self._health_interval)
+            await self.follow()
             await asyncio.gather(*(self.check(engine) for engine in self.engines))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Query
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Body, Query, Request
+from fastapi.responses import Response, StreamingResponse
 
 from server import auth
 from server.bounds import Limit, Name, Offset, PathId, QueryId, QueryName
@@ -23,6 +23,8 @@ from server.rl.schemas import (
     ConfirmOut,
     DropIn,
     DropOut,
+    LeaderOut,
+    LeaderView,
     ReleaseOut,
     RenewIn,
     RenewOut,
@@ -45,6 +47,7 @@ from server.rl.schemas import (
     WeightsIn,
     WeightsOut,
 )
+from server.store import leadership
 from server.store import runs as store_runs
 
 sessions_router = APIRouter(prefix="/rl/sessions", tags=["sessions"], route_class=BodyOffLoop)
@@ -325,17 +328,42 @@ admin_router = APIRouter(
     summary="Swap new weights into every engine",
     responses=documented(400, 404, 422, 502, 503),
 )
-async def publish_weights(body: WeightsIn, ctx: Ctx, _: AdminDep) -> WeightsOut:
+async def publish_weights(body: WeightsIn, ctx: Ctx, _: AdminDep, request: Request) -> Any:
+    if not ctx.pool.leading:  # a follower: the leader swaps
+        return leaders_answer(await weights.forward(ctx, request.url.path, body, request.headers))
     return await weights.publish(ctx, body)
 
 
 @admin_router.post(
     "/weights/group",
+    response_model=dict[str, Any],
     summary="Have every engine join the trainer's weight group",
     responses=documented(400, 409, 422, 502, 503),
 )
-async def weight_group(body: WeightGroupIn, ctx: Ctx, _: AdminDep) -> dict:
+async def weight_group(body: WeightGroupIn, ctx: Ctx, _: AdminDep, request: Request) -> Any:
+    if not ctx.pool.leading:
+        return leaders_answer(await weights.forward(ctx, request.url.path, body, request.headers))
     return await weights.form_group(ctx, body)
+
+
+def leaders_answer(forwarded: weights.Forwarded) -> Response:
+    return Response(forwarded.content, forwarded.status, headers=forwarded.headers)
+
+
+@admin_router.get(
+    "/leader",
+    response_model=LeaderOut,
+    summary="Which replica leads (swaps weights, judges the engines' versions), and this one",
+    responses=documented(503),
+)
+async def leader(ctx: Ctx, _: AdminDep) -> LeaderOut:
+    async with ctx.sessionmaker() as db:
+        current = await leadership.current_leader(db)
+    return LeaderOut(
+        replica_id=ctx.replica_id,
+        leading=ctx.pool.leading,
+        leader=None if current is None else LeaderView(**vars(current)),
+    )
 
 
 @admin_router.get("/engines", summary="Each engine's URL, health, load and served version")

@@ -510,6 +510,23 @@ class WeightsOut(BaseModel):
     pause_seconds: float = Field(description="How long generation was paused for the swap.")
 
 
+class LeaderView(BaseModel):
+    replica_id: str
+    url: str = Field(
+        description="Where the other replicas forward weight swaps (its --advertise-url)."
+    )
+    since: datetime = Field(description="When it took the lead.")
+
+
+class LeaderOut(BaseModel):
+    replica_id: str = Field(description="This replica's id.")
+    leading: bool = Field(description="Whether this replica leads.")
+    leader: LeaderView | None = Field(
+        description="The replica that leads now; null while none does (a leader died and "
+        "none has taken over yet)."
+    )
+
+
 class Health(BaseModel):
     status: Literal["ok", "no engine"]
     engines_healthy: int = Field(description="Engines in rotation now.")

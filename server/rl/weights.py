@@ -14,6 +14,9 @@ resubmits them at once (see ``generation``), and the paused engine holds them un
 loaded the new weights, so clients see one uninterrupted answer. An engine that fails to load
 while others succeed leaves the rotation, and the pool keeps it out until it serves the new
 version, so no request is served by stale weights under the new version.
+
+Of replicas sharing a store, only the leader (``server.store.leadership``) swaps: a follower
+forwards the caller's request to it (``forward``) and answers with the leader's answer as is.
 """
 
 from __future__ import annotations
@@ -24,14 +27,19 @@ import secrets
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import httpx
+from pydantic import BaseModel
 
 from server.context import ServerContext
 from server.engine_client.client import EngineError, EngineRejected
 from server.engine_client.pool import EngineState
 from server.errors import (
     NoEngineToUpdate,
+    NoLeader,
     RendezvousUnreachable,
     RunNotFound,
     WeightGroupRefused,
@@ -46,7 +54,7 @@ from server.rl.schemas import (
     WeightsIn,
     WeightsOut,
 )
-from server.store import runs
+from server.store import leadership, runs
 
 log = logging.getLogger(__name__)
 
@@ -260,3 +268,76 @@ async def form_group(ctx: ServerContext, body: WeightGroupIn) -> dict[str, Any]:
     if failed:
         raise WeightUpdateFailed(f"Not every engine joined {body.group_name!r}: {failed}")
     return {"group_name": body.group_name, "world_size": world_size, "engines": results}
+
+
+# Set on a request a follower forwards: the replica it reaches answers it or refuses it (503),
+# never forwards it again (a lead that moved meanwhile would otherwise bounce it around).
+FORWARDED_HEADER = "x-proxrl-forwarded-by"
+FORWARDED_HEADERS = ("authorization", "x-api-key")  # the caller's key, which the leader checks
+LEADER_CONNECT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """The leader's answer, to be returned as is."""
+
+    status: int
+    content: bytes
+    headers: dict[str, str]
+
+
+def forward_limit(ctx: ServerContext) -> float:
+    """How long a forwarded swap may take: the leader's own bounds on checking the files and
+    on the pause, and a margin for recording the version."""
+    settings = ctx.settings
+    return settings.weights_check_timeout_s + settings.weights_pause_limit_s + 30.0
+
+
+async def forward(
+    ctx: ServerContext, path: str, body: BaseModel, headers: Mapping[str, str]
+) -> Forwarded:
+    """Send a weights request that reached a follower to the leader, with the caller's key.
+    ``NoLeader`` (503, Retry-After) when no replica leads, or the leader cannot be reached;
+    502 ``leader_timeout`` when it took the request and did not answer in time (its swap may
+    have been done: read the run's policy_version before retrying)."""
+    if headers.get(FORWARDED_HEADER):
+        raise NoLeader(
+            "this replica received a forwarded swap but does not lead (the lead moved); "
+            "retry in a moment.",
+            code="no_leader",
+        )
+    async with ctx.sessionmaker() as db:
+        leader = await leadership.current_leader(db)
+    if leader is None or leader.replica_id == ctx.replica_id:
+        raise NoLeader(
+            "no replica leads right now (the last leader stopped; another takes over within "
+            "about --leader-check-s); retry in a moment.",
+            code="no_leader",
+        )
+    limit = forward_limit(ctx)
+    sent = {name: headers[name] for name in FORWARDED_HEADERS if name in headers}
+    sent |= {FORWARDED_HEADER: ctx.replica_id, "content-type": "application/json"}
+    url = f"{leader.url}{path}"
+    try:
+        async with (
+            asyncio.timeout(limit + LEADER_CONNECT_S),
+            httpx.AsyncClient(timeout=httpx.Timeout(limit, connect=LEADER_CONNECT_S)) as http,
+        ):
+            answer = await http.post(
+                url, content=body.model_dump_json(exclude_unset=True), headers=sent
+            )
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise NoLeader(
+            f"the leader {leader.replica_id} at {leader.url} could not be reached ({exc!r}); "
+            "if it is gone another replica takes over: retry in a moment.",
+            code="leader_unreachable",
+        ) from None
+    except (httpx.HTTPError, TimeoutError) as exc:
+        raise WeightUpdateFailed(
+            f"The leader {leader.replica_id} at {leader.url} did not answer within {limit:g} s "
+            f"({exc!r}); the swap may have been done: read the run's policy_version before "
+            "retrying.",
+            code="leader_timeout",
+        ) from None
+    kept = {k: v for k, v in answer.headers.items() if k.lower() in ("content-type", "retry-after")}
+    return Forwarded(answer.status_code, answer.content, kept)

@@ -181,3 +181,18 @@ class ServerSecret(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Leader(Base):
+    """The replica that leads (one row, id 1): it drives engine health and weight swaps while it
+    holds the store's leader lock (``store.leadership``), and is reached at ``url``. Written by
+    each replica as it takes the lock; the row of one that died stays until the next takes it,
+    so readers check the lock's holder (``backend_pid``) before trusting it."""
+
+    __tablename__ = "leader"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    replica_id: Mapped[str] = mapped_column(String(200))
+    url: Mapped[str] = mapped_column(String(2000))
+    backend_pid: Mapped[int | None] = mapped_column(Integer)  # its lock's connection (Postgres)
+    since: Mapped[datetime] = mapped_column(default=utcnow)

@@ -49,7 +49,7 @@ def give_stand_in_state(collector: StateCollector) -> None:
     collector.ctx = SimpleNamespace(  # type: ignore[assignment]
         writer=SimpleNamespace(stats=WriterStats()),
         admission=SimpleNamespace(waits=0, refusals=0),
-        pool=SimpleNamespace(engines=[engine]),
+        pool=SimpleNamespace(engines=[engine], leading=True),
         started_at=0.0,
     )
     collector.sessions, collector.versions = [("RUN", "STATUS", 0)], [("RUN", 0)]

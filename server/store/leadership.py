@@ -1,0 +1,173 @@
+"""Which replica leads: the one ``proxrl serve`` process, of those sharing a store, that drives
+the engines' health and weight swaps.
+
+On PostgreSQL the leader is the holder of a session-level advisory lock (``LOCK_KEY``, the same
+for every replica of a store: advisory locks are per database) on a connection of its own that
+it keeps open while it leads. ``Election.check`` runs every ``--leader-check-s``: a follower
+tries to take the lock (``pg_try_advisory_lock``: never waits); the leader checks that its
+connection still holds it, and stops leading at once when it does not answer within the
+timeout. A leader that dies closes its connection (the kernel does, for a killed process) and
+Postgres frees the lock; a leader cut off from the store stops leading at its next check, and
+Postgres drops its connection by TCP keep-alive (set short on that connection, about 11 s),
+later than the cut-off leader has stepped down, so two never lead at once.
+
+The leader records where it is reached (``leader`` row: replica id, URL, its lock's backend
+pid); a reader trusts the row only while that backend holds the lock (``current_leader``).
+
+A SQLite store has one serving process: it always leads, and takes no lock.
+
+This module knows nothing of engines or HTTP: it says whether this replica leads, and who does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import insert, text, update
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, create_async_engine
+from sqlalchemy.pool import NullPool
+
+from server.store.database import async_url
+from server.store.tables import Leader, utcnow
+
+log = logging.getLogger(__name__)
+
+# pg_advisory_lock's bigint key; below 2**31, so pg_locks shows it as classid 0, objid LOCK_KEY.
+LOCK_KEY = 0x70726C31  # "prl1"
+LEADER_ROW = 1
+QUERY_TIMEOUT_S = 5.0
+# Postgres drops a lock connection whose peer is gone after idle + interval * count seconds.
+KEEPALIVE = {"tcp_keepalives_idle": 5, "tcp_keepalives_interval": 2, "tcp_keepalives_count": 3}
+
+_HOLDER = text(
+    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1"
+    f" AND classid = 0 AND objid = {LOCK_KEY}"
+    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+
+
+@dataclass(frozen=True)
+class LeaderRecord:
+    replica_id: str
+    url: str
+    since: datetime
+
+
+class Election:
+    """This replica's side of the election (``check`` it every --leader-check-s; ``close`` at
+    stop, which gives the lock up at once)."""
+
+    def __init__(
+        self, url: str, replica_id: str, advertise_url: str, timeout_s: float = QUERY_TIMEOUT_S
+    ) -> None:
+        self.replica_id, self.advertise_url, self.timeout_s = replica_id, advertise_url, timeout_s
+        self.postgres = make_url(url).get_backend_name() != "sqlite"
+        self._engine = create_async_engine(
+            async_url(url),
+            poolclass=NullPool,
+            connect_args={"connect_timeout": max(1, int(timeout_s))} if self.postgres else {},
+        )
+        self._connection: AsyncConnection | None = None
+        self.leading = False
+
+    async def check(self) -> bool:
+        """Whether this replica leads now (a follower tries to take the lead; a leader checks it
+        still holds it). Any failure to reach the store within the timeout: not leading."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                if self.leading:
+                    held = await self._still_held()
+                else:
+                    held = await self._take()
+        except Exception as exc:  # the store away, slow, or the connection broken: step down
+            if self.leading:
+                log.warning("stopped leading: the store did not answer (%s)", _first_line(exc))
+            await self._drop()
+            return False
+        if held and not self.leading:
+            log.info("leading the replicas (%s at %s)", self.replica_id, self.advertise_url)
+        elif self.leading and not held:
+            log.warning("stopped leading: the leader lock is no longer held")
+            await self._drop()
+        self.leading = held
+        return held
+
+    async def close(self) -> None:
+        await self._drop()
+        await self._engine.dispose()
+
+    async def _take(self) -> bool:
+        if not self.postgres:  # one serving process: it leads
+            async with self._engine.begin() as connection:
+                await _record(connection, self.replica_id, self.advertise_url, None)
+            return True
+        if self._connection is None:
+            connection = await self._engine.connect()
+            self._connection = await connection.execution_options(isolation_level="AUTOCOMMIT")
+            for name, value in KEEPALIVE.items():
+                await self._connection.execute(text(f"SET {name} = {int(value)}"))
+        connection = self._connection
+        locked = (
+            await connection.execute(text(f"SELECT pg_try_advisory_lock({LOCK_KEY})"))
+        ).scalar()
+        if not locked:
+            return False
+        pid = (await connection.execute(text("SELECT pg_backend_pid()"))).scalar()
+        await _record(connection, self.replica_id, self.advertise_url, pid)
+        return True
+
+    async def _still_held(self) -> bool:
+        if not self.postgres:
+            return True
+        if self._connection is None:
+            return False
+        holders = (await self._connection.execute(_HOLDER)).scalars().all()
+        pid = (await self._connection.execute(text("SELECT pg_backend_pid()"))).scalar()
+        return pid in holders
+
+    async def _drop(self) -> None:
+        """Close the lock's connection (Postgres frees the lock with it)."""
+        self.leading = False
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await connection.close()
+        except Exception:  # a connection that cannot even close is gone: Postgres drops it
+            await asyncio.shield(_invalidate(connection))
+
+
+async def _invalidate(connection: AsyncConnection) -> None:
+    try:
+        await connection.invalidate()
+    except Exception as exc:
+        log.debug("leader connection already gone: %s", exc)
+
+
+async def _record(connection: AsyncConnection, replica_id: str, url: str, pid: int | None) -> None:
+    values = {"replica_id": replica_id, "url": url, "backend_pid": pid, "since": utcnow()}
+    moved = await connection.execute(update(Leader).where(Leader.id == LEADER_ROW).values(values))
+    if moved.rowcount == 0:
+        await connection.execute(insert(Leader).values(id=LEADER_ROW, **values))
+
+
+async def current_leader(db: AsyncSession) -> LeaderRecord | None:
+    """The replica that leads now, or None (none has taken the lead since the last one died, or
+    none ever did)."""
+    row = await db.get(Leader, LEADER_ROW, populate_existing=True)
+    if row is None:
+        return None
+    if db.get_bind().dialect.name == "postgresql":
+        holders = set((await db.execute(_HOLDER)).scalars().all())
+        if row.backend_pid not in holders:
+            return None
+    return LeaderRecord(row.replica_id, row.url, row.since)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
