@@ -2,8 +2,9 @@
 Messages, every added token's text of the tiny tokenizer (``<|im_end|>``, ``<|im_start|>``,
 ``<|endoftext|>``, the tool and think markup) written into each text field a client sends
 (user text, system text, instructions, tool results, tool calls' arguments, tool definitions, a
-prefill) is stored as text: the turn's ``prompt_ids`` hold exactly the special tokens of the same
-request with plain text there, and decode to the text with the injection in it. A run with
+prefill) is stored as text: the turn's ``prompt_ids`` hold exactly the added tokens of the same
+request with plain text there (a prefill, the start of the model's own answer, keeps its tool and
+think markup as markup), and decode to the text with the injection in it. A run with
 ``client_special_tokens: parse`` tokenizes them as special tokens (the old behaviour); a text
 completion's prompt, formatted by the client, always does.
 """
@@ -145,10 +146,16 @@ def stored_prompt(api: Api, surface: Surface, field: str, text: str, **config) -
     return turn["prompt_ids"]
 
 
-def special_ids(api: Api, ids: list[int]) -> list[int]:
+def special_ids(api: Api, ids: list[int], texts: list[str] = SPECIAL_TOKENS) -> list[int]:
+    """The ids among ``ids`` of the tokens ``texts`` (the special ones unless told)."""
     tokenizer = api.http.app.state.ctx.tokenizer
-    specials = {tokenizer._backend.token_to_id(text) for text in SPECIAL_TOKENS}
+    specials = {tokenizer._backend.token_to_id(text) for text in texts}
     return [token for token in ids if token in specials]
+
+
+# A prefill is the start of the model's own answer: its tool and think markup stays markup (its
+# special tokens' texts are text all the same).
+ADDED = SPECIAL_TOKENS + MARKUP_TOKENS + THINK_TOKENS
 
 
 @pytest.mark.parametrize(("surface", "field"), CASES, ids=[f"{s.__name__}-{f}" for s, f in CASES])
@@ -157,6 +164,8 @@ def test_special_token_text_in_any_field_is_stored_as_text(api: Api, surface: Su
     plain = stored_prompt(api, surface, field, PLAIN)
     injected = stored_prompt(api, surface, field, INJECTION)
     assert special_ids(api, injected) == special_ids(api, plain)
+    if field != "prefill":  # no markup token the template did not write either
+        assert special_ids(api, injected, ADDED) == special_ids(api, plain, ADDED)
     text = tokenizer.decode(injected, skip_special_tokens=False)
     expected = tokenizer.decode(plain, skip_special_tokens=False)
     # the injection, JSON-escaped where it went into a JSON string (arguments, descriptions)
