@@ -4,12 +4,13 @@
 
 The proxy app in this process (as in tests/api; ~40 s here, so slow), on a stub engine
 (bench/stub_engine.py: the SGLang protocol with made-up tokens, no model, in a thread of its
-own) so that the engine's time does not blur the proxy's; one session, 1,000 identical chat requests (each one a retry of the one before). What
-is counted is work, not time (on a shared machine a request's CPU time varied by 60 % between
-batches of 100 with no trend): the Python function calls the app's event loop thread makes for
-each request, and after each batch of 100 what the session keeps in memory (its turns, rows and
-conversations). The kept state must be the same after every batch, and the median calls per
-request of the last 100 within 10 % of the first 100's.
+own) so that the engine's time does not blur the proxy's; one session, 1,000 identical chat
+requests (each one a retry of the one before). What is counted is work, not time (on a shared
+machine a request's CPU time varied by 60 % between batches of 100 with no trend): the Python
+function calls the app's event loop thread makes for each request, and after each batch of 100
+what the session keeps in memory (its turns, rows and conversations). The kept state must be the
+same after every batch, and the median calls per request of the last 100 within 10 % of the
+first 100's.
 """
 
 from __future__ import annotations
