@@ -64,7 +64,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
     # Added first, so innermost: a body is read (or refused) once the outer layers let it in.
     app.add_middleware(RequestLimits, settings=settings)
     errors.install(app, proxy_routes.ERROR_SHAPES)
-    app.add_middleware(overload.InFlight, caps=request_caps(settings))
+    app.add_middleware(
+        overload.InFlight,
+        caps=request_caps(settings),
+        per_session=settings.max_requests_per_session,
+    )
     app.add_middleware(RequestMetrics, metrics=figures)
     for router in (proxy_routes.router, *rl_routes.ROUTERS):
         app.include_router(router)

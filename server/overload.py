@@ -189,12 +189,16 @@ class GuardedProtocol(HttpToolsProtocol):
 
 
 class InFlight:
-    """ASGI middleware: at most ``caps[kind]`` requests in flight per caller class."""
+    """ASGI middleware: at most ``caps[kind]`` requests in flight per caller class, and at most
+    ``per_session`` of any one session (by its key or the id in its path), so that one agent
+    cannot take its class's whole bound from the others."""
 
-    def __init__(self, app: ASGIApp, caps: Mapping[str, int]) -> None:
+    def __init__(self, app: ASGIApp, caps: Mapping[str, int], per_session: int) -> None:
         self.app = app
         self.caps = dict(caps)
+        self.per_session = per_session
         self.in_flight = dict.fromkeys(self.caps, 0)
+        self.sessions: dict[str, int] = {}  # a session's requests in flight (only while any)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in HEALTH_PROBES:
@@ -204,23 +208,39 @@ class InFlight:
             detail = "The server holds as many connections as it can; retry shortly."
             await _refuse(scope, receive, send, detail, close=True)
             return
-        kind = await caller_kind(scope)
+        kind, who = await caller(scope)
         if self.in_flight[kind] >= self.caps[kind]:
             WARNINGS.note(kind, f"{kind} requests at their bound ({self.caps[kind]}): refused")
             detail = f"{self.caps[kind]} {kind} requests are in flight, the most it takes."
             await _refuse(scope, receive, send, detail)
             return
+        session = who if kind == "session" else None
+        if session is not None and self.sessions.get(session, 0) >= self.per_session:
+            WARNINGS.note("one session", f"a session at its bound ({self.per_session}): refused")
+            detail = (
+                f"{self.per_session} requests of this session are in flight, the most one "
+                "session may have (--max-requests-per-session)."
+            )
+            await _refuse(scope, receive, send, detail)
+            return
         self.in_flight[kind] += 1
+        if session is not None:
+            self.sessions[session] = self.sessions.get(session, 0) + 1
         try:
             await self.app(scope, receive, send)
         finally:
             self.in_flight[kind] -= 1
+            if session is not None:
+                left = self.sessions.pop(session) - 1
+                if left:
+                    self.sessions[session] = left
 
 
-async def caller_kind(scope: Scope) -> str:
+async def caller(scope: Scope) -> tuple[str, str | None]:
     """The class of the request's caller, by its key (``Authorization: Bearer`` or
-    ``x-api-key``) or its path (``/sessions/{id}/...``: the id is the credential). A key that
-    is not one counts as none: the route refuses it, once admitted."""
+    ``x-api-key``) or its path (``/sessions/{id}/...``: the id is the credential), and for a
+    session which one (its id). A key that is not one counts as none: the route refuses it,
+    once admitted."""
     headers = dict(scope["headers"])
     token = auth.presented_key(
         headers.get(b"authorization", b"").decode("latin-1"),
@@ -229,12 +249,15 @@ async def caller_kind(scope: Scope) -> str:
     ctx = getattr(scope["app"].state, "ctx", None)
     if token is not None and ctx is not None:
         try:
-            caller = await auth.identify_key(ctx, token)
+            found = await auth.identify_key(ctx, token)
         except Exception:  # an unknown key, or a store that fails: the route says
-            caller = auth.Caller("anonymous")
-        if caller.kind != "anonymous":
-            return caller.kind
-    return "session" if scope["path"].startswith("/sessions/") else "anonymous"
+            found = auth.Caller("anonymous")
+        if found.kind != "anonymous":
+            return found.kind, found.session_id
+    path = scope["path"]
+    if path.startswith("/sessions/"):
+        return "session", path.split("/", 3)[2]
+    return "anonymous", None
 
 
 async def _refuse(

@@ -192,6 +192,13 @@ class ServerSettings(BaseSettings):
         description="Requests in flight with session keys or session paths (agents' traffic, "
         "streams until they end); past it: 503, Retry-After.",
     )
+    max_requests_per_session: int = Field(
+        64,
+        ge=1,
+        description="Requests in flight of any one session (by its key or its path); past it: "
+        "503, Retry-After. An agent sends one at a time, or a few in parallel: this keeps one "
+        "session from taking the whole --max-requests-session.",
+    )
     max_requests_anonymous: int = Field(
         128,
         ge=1,

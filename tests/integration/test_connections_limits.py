@@ -109,7 +109,7 @@ def test_idle_connections_do_not_shut_out_new_requests(tiny_model_dir, tmp_path)
 @pytest.fixture(scope="module")
 def guarded(tiny_model_dir, tmp_path_factory):
     extra = (
-        "--max-requests-session", "2",
+        "--max-requests-session", "3", "--max-requests-per-session", "2",
         "--header-timeout-s", str(TIMEOUT_S), "--body-timeout-s", str(TIMEOUT_S),
     )  # fmt: skip
     with ProxyProcess(tiny_model_dir, tmp_path_factory.mktemp("guarded"), *extra) as proxy:
@@ -129,11 +129,13 @@ def held_request(url: str, path: str, key: str) -> socket.socket:
 
 
 def test_past_the_session_bound_a_fast_503_in_each_surface_shape(guarded):
-    session = guarded.session()
+    session, other = guarded.session(), guarded.session()
     key, path = session["api_key"], "/v1/chat/completions"
     held = [held_request(guarded.url, path, key) for _ in range(2)]
+    held.append(held_request(guarded.url, path, other["api_key"]))
     try:
-        time.sleep(0.3)  # both are in flight
+        time.sleep(0.3)  # all three are in flight: the class's bound
+        key = guarded.session()["api_key"]  # a third session, with nothing in flight
         chat = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key=key, max_retries=0)
         started = time.perf_counter()
         with pytest.raises(openai.InternalServerError) as refused:
@@ -158,6 +160,34 @@ def test_past_the_session_bound_a_fast_503_in_each_surface_shape(guarded):
     time.sleep(0.3)
     answer = chat.chat.completions.create(**CHAT)
     assert answer.choices[0].message is not None
+
+
+def test_one_session_cannot_take_its_class_bound(guarded):
+    """Before, one agent holding 2,048 requests took every session's place; now a session has
+    --max-requests-per-session (2 here) and the others are served."""
+    busy, other = guarded.session(), guarded.session()
+    path = "/v1/chat/completions"
+    held = [held_request(guarded.url, path, busy["api_key"]) for _ in range(2)]
+    try:
+        time.sleep(0.3)
+        chat = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key=busy["api_key"], max_retries=0)
+        with pytest.raises(openai.InternalServerError) as refused:
+            chat.chat.completions.create(**CHAT)
+        assert refused.value.status_code == 503
+        assert refused.value.response.headers["retry-after"] == "1"
+        assert "requests of this session are in flight" in str(refused.value.body)
+        # The path form counts the same session, by the id in its path.
+        by_path = httpx.post(
+            f"{guarded.url}/sessions/{busy['session_id']}/v1/chat/completions", json=CHAT
+        )
+        assert by_path.status_code == 503, by_path.text
+        served = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key=other["api_key"])
+        assert served.chat.completions.create(**CHAT).choices[0].message is not None
+    finally:
+        for connection in held:
+            connection.close()
+    time.sleep(0.3)
+    assert chat.chat.completions.create(**CHAT).choices[0].message is not None
 
 
 def cut_after(connection: socket.socket, dribble: bytes) -> float:
