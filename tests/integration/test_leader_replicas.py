@@ -26,6 +26,7 @@ from server.store.database import upgrade
 from server.store.leadership import LOCK_KEY
 from tests.api.api_support import ADMIN_KEY, app_settings
 from tests.api.conftest import ThreadedEngine
+from tests.support import ProxyProcess
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 START_TIMEOUT_S = 60.0
@@ -328,3 +329,63 @@ def test_streams_on_a_follower_live_through_the_leaders_swap(start_replicas, tin
             spanning += 1
             assert turn["resubmits"] >= 1
     assert spanning >= 1, "no stream on the follower was in flight through the swap"
+    # After the swap the follower keeps the engine (at the store's new version) in rotation
+    # and serves the next request.
+    time.sleep(0.6)
+    assert [e["healthy"] for e in follower.get("/admin/engines").json()] == [True]
+    session = sessions[0]
+    reply = httpx.post(
+        f"{session['base_url']}/chat/completions",
+        headers={"Authorization": f"Bearer {session['api_key']}"},
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "and now?"}],
+            "max_tokens": 4,
+        },
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    assert (
+        follower.get(f"/rl/sessions/{session['session_id']}").json()["turns"][-1]["versions"][0]
+        == 1
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_killed_leader_process_is_replaced_within_3_s(engine, postgres, tiny_model_dir, tmp_path):
+    """Two real ``proxrl serve`` processes: SIGKILL the leader (no clean-up of its own: the
+    kernel closes its lock's connection) and the other leads, and swaps, within 3 s."""
+    url = postgres.new_database()
+    upgrade(url)
+    extra = ("--db", url, "--engines", engine.url, "--health-interval-s", "0.5")
+    with (
+        ProxyProcess(tiny_model_dir, tmp_path / "a", *extra) as first,
+        ProxyProcess(tiny_model_dir, tmp_path / "b", *extra) as second,
+    ):
+        views = [
+            httpx.get(f"{p.url}/admin/leader", headers=p.admin).json() for p in (first, second)
+        ]
+        assert [v["leading"] for v in views] == [True, False]
+        (holder,) = lock_holders(url)
+        killed = time.monotonic()
+        first.process.kill()
+        first.process.wait(timeout=10)
+
+        def second_leads() -> bool:
+            view = httpx.get(f"{second.url}/admin/leader", headers=second.admin, timeout=5)
+            return view.json()["leading"]
+
+        wait_for(second_leads, FAILOVER_BOUND_S, "the second process to lead")
+        took = time.monotonic() - killed
+        print(f"failover after SIGKILL of the leader process: {took:.2f} s")
+        assert took < FAILOVER_BOUND_S
+        assert lock_holders(url) not in ([], [holder])
+        swap = httpx.post(
+            f"{second.url}/admin/weights",
+            json={"model_path": str(tiny_model_dir)},
+            headers=second.admin,
+            timeout=120,
+        )
+        assert swap.status_code == 200, swap.text
+        assert swap.json()["policy_version"] == 1
