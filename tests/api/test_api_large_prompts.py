@@ -173,6 +173,20 @@ def _lag_while(
     return lag.longest, max(latencies, default=0.0), answered[0]
 
 
+def _calm(api: Api, seconds: float = 1.5) -> tuple[float, float]:
+    """What the machine's load alone holds the loop and ``/health`` for, measured as
+    ``_lag_while`` does, with no request beside the probes."""
+    latencies = []
+    with LoopLag(api) as lag:
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            started = time.monotonic()
+            assert api.call("GET", "/health", key=NO_KEY).status_code == 200
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.01)
+    return lag.longest, max(latencies)
+
+
 def test_no_body_under_the_limits_holds_the_others(api: Api):
     """The issue's freeze: one 49.7 MB request held every other client for 58 s. Each body
     here is as large or as many-objected as the door lets through, or just past it: the door's
@@ -184,6 +198,8 @@ def test_no_body_under_the_limits_holds_the_others(api: Api):
     a machine busier still."""
     session = api.new_session()
     key = session["api_key"]
+    calm_held, calm_health = _calm(api)
+    print(f"calm: loop held {calm_held * 1000:.0f} ms, /health up to {calm_health * 1000:.0f} ms")
 
     def chat(messages: list[dict], **more: object) -> bytes:
         return json.dumps({"model": "tiny", "messages": messages, "max_tokens": 1, **more}).encode()
@@ -205,8 +221,11 @@ def test_no_body_under_the_limits_holds_the_others(api: Api):
         assert reply.status_code == status, reply.text[:300]
         if code is not None:
             assert reply.json()["error"]["code"] == code, reply.text[:300]
-        assert held < 0.25, (name, path, held)
-        assert health < 0.25, (name, path, health)
+        # On top of what the machine's load alone holds the loop and /health (measured the
+        # same way with no request: 3.5 ms and 20 ms on a calm machine, 100 ms and more at a
+        # load of 15, where the fixed bound alone failed on old and new code alike).
+        assert held < 0.25 + calm_held, (name, path, held, calm_held)
+        assert health < 0.25 + calm_health, (name, path, health, calm_health)
     assert api.session(session["session_id"])["turns"] == []
 
 
