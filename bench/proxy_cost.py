@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -78,7 +79,7 @@ class Measured:
 
 @dataclass
 class Phase:
-    side: str  # "proxy" or "forwarder"
+    side: str  # "proxy", "forwarder", or "baseline" (a proxy from another tree)
     stream: bool
     rounds: list[Measured] = field(default_factory=list)
 
@@ -151,15 +152,16 @@ async def run_phase(
     tokens: int,
 ) -> Measured:
     """Every client's requests, all clients at once, through the phase's side."""
-    proxy = servers["proxy"]
-    sessions = await new_sessions(proxy.url, admin, len(requests)) if phase.side == "proxy" else []
+    through = servers.get(phase.side)
+    proxied = phase.side != "forwarder"
+    sessions = await new_sessions(through.url, admin, len(requests)) if proxied else []
     connector = aiohttp.TCPConnector(limit=len(requests) + 1)
     async with aiohttp.ClientSession(connector=connector, timeout=TIMEOUT) as http:
 
         async def client(index: int) -> int:
             got = 0
             for request in requests[index]:
-                if phase.side == "proxy":
+                if proxied:
                     got += await proxy_send(http, sessions[index], request, phase.stream, tokens)
                 else:
                     url = servers["forwarder"].url
@@ -197,11 +199,17 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
     def cpu(key: str) -> float:
         return rows[key]["cpu_ms_per_request"]
 
-    return {
-        "proxy_vs_forwarder_plain": cpu("proxy_plain") / cpu("forwarder_plain"),
-        "proxy_vs_forwarder_streamed": cpu("proxy_streamed") / cpu("forwarder_streamed"),
-        "proxy_streamed_vs_plain": cpu("proxy_streamed") / cpu("proxy_plain"),
-        "forwarder_streamed_vs_plain": cpu("forwarder_streamed") / cpu("forwarder_plain"),
+    found = {}
+    for side in ("proxy", "baseline"):
+        if f"{side}_plain" not in rows:
+            continue
+        found |= {
+            f"{side}_vs_forwarder_plain": cpu(f"{side}_plain") / cpu("forwarder_plain"),
+            f"{side}_vs_forwarder_streamed": cpu(f"{side}_streamed") / cpu("forwarder_streamed"),
+            f"{side}_streamed_vs_plain": cpu(f"{side}_streamed") / cpu(f"{side}_plain"),
+        }
+    return found | {
+        "forwarder_streamed_vs_plain": cpu("forwarder_streamed") / cpu("forwarder_plain")
     }
 
 
@@ -211,6 +219,8 @@ def verdicts(found: dict[str, float]) -> list[str]:
         ("proxy_vs_forwarder_plain", TARGET_VS_FORWARDER),
         ("proxy_streamed_vs_plain", TARGET_STREAMED),
     ):
+        if key not in found:
+            continue
         ok = found[key] <= target
         out.append(f"{key}: {found[key]:.2f}x {'meets' if ok else 'MISSES'} <= {target}x")
     return out
@@ -246,6 +256,12 @@ def parse_args() -> argparse.Namespace:
         help="The stub's pause between a stream's chunks, so each chunk arrives on its own as "
         "from a real engine (default: 1).",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="A checkout of proxrl (git worktree add --detach DIR COMMIT) whose proxy runs beside "
+        "this one's, phases interleaved: before and after a change, in one run.",
+    )
     return parser.parse_args()
 
 
@@ -260,19 +276,28 @@ def main() -> None:
     chats = make_requests(tokenizer, random.Random(SEED), per_client * args.clients)
     clients = [chats[i * per_client : (i + 1) * per_client] for i in range(args.clients)]
     warm = [c[: max(per_client // 10, 2)] for c in clients]
-    phases = [Phase(side, stream) for stream in (False, True) for side in ("forwarder", "proxy")]
+    sides = ("forwarder", "proxy", *(("baseline",) if args.baseline else ()))
+    phases = [Phase(side, stream) for stream in (False, True) for side in sides]
     LOG_DIR.mkdir(parents=True, exist_ok=True)
+    admin_key = secrets.token_hex(16)
     with (
         tempfile.TemporaryDirectory(prefix="proxrl-bench-") as data_dir,
         StubEngine(
             model_dir, LOG_DIR / "proxy-cost-stub.log", args.tokens, args.chunk_interval_ms
         ) as stub,
         ProxyProcess(
-            model_dir, Path(data_dir), secrets.token_hex(16), "--engines", stub.url
+            model_dir, Path(data_dir) / "proxy", admin_key, "--engines", stub.url
         ) as proxy,
         Forwarder(stub.url, LOG_DIR / "proxy-cost-forwarder.log") as forwarder,
+        contextlib.ExitStack() as stack,
     ):
-        servers = {"proxy": proxy, "forwarder": forwarder, "engine": stub}
+        servers: dict[str, ServerProcess] = {"proxy": proxy, "forwarder": forwarder, "engine": stub}
+        if args.baseline:
+            baseline = ProxyProcess(
+                model_dir, Path(data_dir) / "baseline", admin_key, "--engines", stub.url,
+                cwd=args.baseline,
+            )  # fmt: skip
+            servers["baseline"] = stack.enter_context(baseline)
         for round_ in range(args.rounds + 1):
             print("warm-up" if round_ == 0 else f"round {round_}/{args.rounds}", flush=True)
             for phase in phases:
@@ -301,7 +326,10 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version()},
-        "args": vars(args),
+        "args": {
+            key: str(value) if isinstance(value, Path) else value
+            for key, value in vars(args).items()
+        },
         "rows": rows,
         "ratios": found,
         "table": table,

@@ -73,6 +73,29 @@ class Renderer(Protocol):
 
 OnPiece = Callable[[int, Piece], Awaitable[None]]
 
+# How long a streamed token may wait for others to go out with it, in one event: the latency a
+# stream adds to a token, at most, beyond its first (which goes out at once). Tokens that come
+# faster than this share events and writes, which is most of a streamed token's cost.
+STREAM_LINGER_S = 0.02
+
+
+def joined(pieces: list[Piece]) -> Piece:
+    """Consecutive pieces of one choice as one: their tokens, logprobs and versions in order
+    (top logprobs where every piece has them), the last one's end."""
+    if len(pieces) == 1:
+        return pieces[0]
+    ids = [token for piece in pieces for token in piece.ids]
+    top_everywhere = all(len(piece.top) == len(piece.ids) for piece in pieces)
+    return Piece(
+        ids=ids,
+        logprobs=[value for piece in pieces for value in piece.logprobs],
+        top=[entry for piece in pieces for entry in piece.top] if top_everywhere else [],
+        versions=[version for piece in pieces for version in piece.versions],
+        finish_reason=pieces[-1].finish_reason,
+        prompt_tokens=pieces[0].prompt_tokens,
+        all_versions=pieces[-1].all_versions,
+    )
+
 
 async def sample_all(
     ctx: ServerContext,
@@ -146,14 +169,12 @@ async def stream(
         )
         for _ in plan.completion_ids
     ]
-    queue: asyncio.Queue[Sequence[Event]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Piece]] = asyncio.Queue()
     produced = asyncio.Event()
 
     async def on_piece(index: int, piece: Piece) -> None:
         produced.set()
-        events = renderer.delta(index, choices[index].push(piece.ids), piece)
-        if events:
-            await queue.put(events)
+        queue.put_nowait((index, piece))  # rendered by the stream, many pieces at once
 
     sampling = asyncio.create_task(sample_all(ctx, state, plan, True, on_piece))
     await first_output(sampling, produced)
@@ -173,14 +194,26 @@ async def _events(
     renderer: Renderer,
     choices: list[outputs.ChoiceText],
     sampling: asyncio.Task[list[Completion]],
-    queue: asyncio.Queue[Sequence[Event]],
+    queue: asyncio.Queue[tuple[int, Piece]],
 ) -> AsyncIterator[str]:
-    """The stream: start, the deltas as they come (whatever is waiting goes out in one write),
-    then, once every choice is recorded, their finishes and the end."""
-    for event in renderer.start():
-        yield frame(renderer, [event])
-    async for batch in drain(sampling, queue):
-        yield "".join(frame(renderer, events) for events in batch)
+    """The stream: start, the deltas as they come (the first at once, then whatever came within
+    ``STREAM_LINGER_S`` in one write, each choice's tokens in one delta), then, once every
+    choice is recorded, their finishes and the end (one write)."""
+    opening = frame(renderer, renderer.start())
+    if opening:
+        yield opening
+    async for batch in drain(sampling, queue, STREAM_LINGER_S):
+        pieces: dict[int, list[Piece]] = {}
+        for index, piece in batch:
+            pieces.setdefault(index, []).append(piece)
+        out = []
+        for index, waiting in pieces.items():
+            piece = joined(waiting)
+            out.append(
+                frame(renderer, renderer.delta(index, choices[index].push(piece.ids), piece))
+            )
+        if any(out):
+            yield "".join(out)
     completions = sampling.result()
     served: list[Served] = []
     tail: list[Event] = []
@@ -192,7 +225,4 @@ async def _events(
         tail += renderer.finish(index, deltas, reason)
     count_malformed_calls(ctx, plan, completions)
     await record(ctx.writer, ctx.tokenizer, state, plan.prompt, served, plan.log)
-    for event in tail:
-        yield frame(renderer, [event])
-    for event in renderer.end(outputs.usage(len(plan.prompt.ids), completions)):
-        yield frame(renderer, [event])
+    yield frame(renderer, [*tail, *renderer.end(outputs.usage(len(plan.prompt.ids), completions))])

@@ -35,12 +35,20 @@ def sse(payload: dict | str, event: str | None = None) -> str:
 _DONE = object()
 
 
-async def drain(work: asyncio.Task, queue: asyncio.Queue) -> AsyncIterator[list[Any]]:
-    """What ``work`` puts on ``queue``, in batches of whatever is already waiting (one write
-    each), until ``work`` is done."""
+async def drain(
+    work: asyncio.Task, queue: asyncio.Queue, linger_s: float = 0.0
+) -> AsyncIterator[list[Any]]:
+    """What ``work`` puts on ``queue``, in batches (one write each), until ``work`` is done. The
+    first batch is what is waiting when the first item comes; each later one what comes within
+    ``linger_s`` of its first item (less if ``work`` ends sooner): no item waits longer than
+    that to go out, and a stream of many small items makes few writes."""
     work.add_done_callback(lambda _: queue.put_nowait(_DONE))
+    first = True
     while True:
         batch = [await queue.get()]
+        if not first and linger_s > 0 and batch[0] is not _DONE and not work.done():
+            await asyncio.wait({work}, timeout=linger_s)
+        first = False
         while not queue.empty():
             batch.append(queue.get_nowait())
         done = batch[-1] is _DONE
