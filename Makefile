@@ -75,11 +75,13 @@ upgrade: $(LOCK_TOOLS)/bin/pip-compile
 	rm -rf $(UPGRADE_DIR)
 
 # PostgreSQL for the tests that run the store on Postgres, Chromium for the dashboard's browser
-# tests (Debian's packages; needs root).
+# tests, HAProxy for the replica drills (tests/reliability/multihost.py) (Debian's packages;
+# needs root).
 system-deps:
 	@missing=""; \
 	command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="postgresql"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v haproxy >/dev/null 2>&1 || missing="$$missing haproxy"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing$$missing (apt-get) for the tests"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \

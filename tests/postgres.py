@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import tempfile
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.support import free_port
@@ -35,29 +36,39 @@ def _as_server_user(command: list[str]) -> list[str]:
 
 
 class PostgresServer:
-    def __init__(self) -> None:
+    """``host``: the address it listens on (loopback by default; another one also trusts its
+    subnet, for the multi-host drills); ``wrap``: a prefix for its commands, e.g. ``ip netns
+    exec NAME`` to run it in a network namespace."""
+
+    def __init__(self, host: str = "127.0.0.1", wrap: Sequence[str] = ()) -> None:
         self.bin = _binaries()
         # Not under pytest's tmp_path: its parents are private to root, and as root the server
         # runs as the postgres user, which must reach its directory.
         self.root = Path(tempfile.mkdtemp(prefix="proxrl-postgres-"))
         self.data = self.root / "data"
+        self.host = host
+        self.wrap = list(wrap)
         self.port = free_port()
-        self.url = f"postgresql://postgres@127.0.0.1:{self.port}"
+        self.url = f"postgresql://postgres@{host}:{self.port}"
 
     def _run(self, *args: str) -> None:
-        subprocess.run(_as_server_user(list(args)), check=True, capture_output=True, timeout=120)
+        command = [*self.wrap, *_as_server_user(list(args))]
+        subprocess.run(command, check=True, capture_output=True, timeout=120)
 
     def start(self) -> PostgresServer:
         if os.geteuid() == 0:
             shutil.chown(self.root, "postgres", "postgres")
             os.chmod(self.root, 0o700)
         self._run(str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust")
+        if self.host != "127.0.0.1":
+            with open(self.data / "pg_hba.conf", "a") as hba:
+                hba.write("host all all samenet trust\n")
         self.resume()
         return self
 
     def resume(self) -> None:
         """Start the server again (after ``halt``), on the same port and data."""
-        options = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off"
+        options = f"-p {self.port} -k {self.root} -c listen_addresses={self.host} -c fsync=off"
         self._run(
             str(self.bin / "pg_ctl"), "-D", str(self.data), "-o", options,
             "-l", str(self.root / "server.log"), "-w", "start",
