@@ -74,11 +74,11 @@ class _Parsed(Request):
 
 
 def is_json(request: Request) -> bool:
-    """As FastAPI decides to parse a body as JSON: no content type, or application/json or
-    application/*+json."""
+    """As FastAPI decides to parse a body as JSON (its routes' ``strict_content_type``, the
+    default): application/json or application/*+json; without a content type, not."""
     kind = request.headers.get("content-type")
     if not kind:
-        return True
+        return False
     media = kind.split(";", 1)[0].strip().lower()
     return media == "application/json" or (
         media.startswith("application/") and media.endswith("+json")

@@ -8,10 +8,12 @@
    body without one (chunked) is counted as it arrives and refused once past the limit. The
    model routes (OpenAI, Anthropic) take ``max_body_bytes``, the rest ``max_rest_body_bytes``.
 3. **How much** (413): a JSON body of more than ``max_json_containers`` arrays and objects
-   (parsing and validating them would hold the event loop for seconds).
-4. **What every reader can serve back** (400): a JSON body with a string UTF-8 cannot encode (a
-   lone surrogate, from an escape like ``"\\ud800"`` or from a surrogate's own bytes), a
-   number JSON cannot hold (NaN, Infinity, 1e999), or nested deeper than ``max_json_depth``
+   (parsing and validating them would hold the event loop for seconds), except on the admin's
+   ``/admin/weights...`` (a distributed publish lists every tensor).
+4. **What every reader can serve back** (400): a JSON body not in UTF-8 (UTF-16 and UTF-32
+   read as JSON too, and hide what the scans look for), or with a string UTF-8 cannot encode
+   (a lone surrogate, from an escape like ``"\\ud800"`` or from a surrogate's own bytes), a
+   number JSON cannot hold (NaN, Infinity, 1e999), or nesting deeper than ``max_json_depth``
    is refused, on every route, before the route parses it.
 
 Bodies past 256 KiB are checked on a worker thread, by scans that each hold the interpreter for
@@ -54,6 +56,9 @@ _NOT_FINITE = re.compile(rb"NaN|Infinity")
 # A trainer's step metrics may be NaN or Infinity (a loss that diverged): that route stores them
 # as null, so only there are they let through.
 _STEPS = re.compile(r"^/rl/runs/[^/]+/steps$")
+# A distributed publish names every tensor of the model (a large MoE: far past
+# max_json_containers); the admin's own call, not counted.
+_WEIGHTS = "/admin/weights"
 _BIG_EXPONENT = re.compile(rb"[0-9][eE]\+?[0-9]{3}")  # 1e309 and past read as Infinity
 # A surrogate's UTF-8-like bytes (ED A0..BF xx), which JSON readers decode with surrogatepass.
 _RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
@@ -92,7 +97,8 @@ class RequestLimits:
             if body is None:  # the client left while sending
                 return
             if body and deps.is_json(request):
-                await self._check(body, finite=not _STEPS.match(request.url.path))
+                path = request.url.path
+                await self._check(body, not _STEPS.match(path), not path.startswith(_WEIGHTS))
         except ProxrlError as exc:
             await errors.render(request, exc)(scope, receive, send)
             return
@@ -122,17 +128,23 @@ class RequestLimits:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _check(self, body: bytes, finite: bool) -> None:
+    async def _check(self, body: bytes, finite: bool, counted: bool) -> None:
         if len(body) > deps.OFF_LOOP_BYTES:
-            refusal = await anyio.to_thread.run_sync(self._refusal, body, finite)
+            refusal = await anyio.to_thread.run_sync(self._refusal, body, finite, counted)
         else:
-            refusal = self._refusal(body, finite)
+            refusal = self._refusal(body, finite, counted)
         if refusal is not None:
             raise refusal
 
-    def _refusal(self, body: bytes, finite: bool) -> ProxrlError | None:
+    def _refusal(self, body: bytes, finite: bool, counted: bool) -> ProxrlError | None:
+        if json.detect_encoding(body) not in ("utf-8", "utf-8-sig"):
+            # JSON readers take UTF-16 and UTF-32 too, where the scans below see no escape.
+            return InvalidRequest(
+                "The request body is JSON in UTF-16 or UTF-32; send it as UTF-8 (RFC 8259).",
+                code="unservable_json",
+            )
         most = self.settings.max_json_containers
-        count = _containers(body, most)
+        count = _containers(body, most) if counted else None
         if count is not None:
             return BodyTooLarge(
                 f"The request body holds {count:,} arrays and objects; this server takes at "

@@ -256,3 +256,17 @@ def test_a_large_body_is_validated_off_the_loop_with_the_same_answer(
     reply = api.call("POST", path, key=session["api_key"], content=broken, headers=headers)
     assert reply.status_code == 400, reply.text[:300]
     assert "not valid JSON" in reply.text, reply.text[:300]
+
+
+def test_a_body_without_a_content_type_is_answered_as_fastapi_does_whatever_its_size(api: Api):
+    """FastAPI reads no JSON from a body without a content type (strict_content_type): a small
+    one is refused. A large one was parsed and validated on a thread all the same and served."""
+    session = api.new_session()
+    answers = []
+    for pad in ("", "p" * 300_000):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        content = json.dumps({**body, "user": pad} if pad else body).encode()
+        headers = {"Authorization": f"Bearer {session['api_key']}"}
+        reply = api.http.post("/v1/chat/completions", content=content, headers=headers)
+        answers.append((reply.status_code, reply.json()["error"]["message"]))
+    assert answers[0] == answers[1] and answers[0][0] == 400, answers

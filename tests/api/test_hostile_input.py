@@ -196,7 +196,46 @@ def test_a_surrogate_sent_as_its_own_bytes_is_refused_like_its_escape(api: Api):
     reply = api.http.post(
         "/v1/chat/completions",
         content=chat.encode("utf-8", "surrogatepass"),
-        headers={"Authorization": f"Bearer {session['api_key']}"},
+        headers={
+            "Authorization": f"Bearer {session['api_key']}",
+            "Content-Type": "application/json",
+        },
     )
     assert_error(reply, 400, code="unservable_json")
     assert api.session(session["session_id"])["turns"] == []
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16", "utf-32-be"])
+def test_json_in_utf16_or_utf32_is_refused_at_the_door(api: Api, encoding: str):
+    """JSON readers take UTF-16 and UTF-32 bodies too (json.loads detects them), where the
+    door's scans see no ``\\ud800`` escape: a lone surrogate in such metadata was stored (201)
+    and broke every reader of the session. JSON on the wire is UTF-8 (RFC 8259)."""
+    run = api.new_run()
+    body = json.dumps({"run_id": run["id"], "metadata": {"a": "\ud800"}}).encode(encoding)
+    reply = api.http.post(
+        "/rl/sessions",
+        content=body,
+        headers={"Authorization": f"Bearer {run['api_key']}", "Content-Type": "application/json"},
+    )
+    error = assert_error(reply, 400, code="unservable_json")
+    assert "UTF-8" in error["message"], error
+    fine = json.dumps({"run_id": run["id"], "metadata": {"a": "b"}}).encode("utf-8-sig")
+    reply = api.http.post(
+        "/rl/sessions",
+        content=fine,
+        headers={"Authorization": f"Bearer {run['api_key']}", "Content-Type": "application/json"},
+    )
+    assert reply.status_code == 201, reply.text  # UTF-8 with a byte order mark is UTF-8
+
+
+def test_a_distributed_publish_naming_many_tensors_is_not_held_to_the_container_bound(api: Api):
+    """A large MoE's distributed publish lists one shape per tensor, past max_json_containers
+    (50,000): /admin/weights is the admin's, and is not counted; the model routes are."""
+    shapes = [[4, 4]] * 60_000
+    body = {"distributed": {"names": [f"t{i}" for i in range(60_000)], "shapes": shapes}}
+    reply = api.call("POST", "/admin/weights", json=body)
+    assert reply.status_code != 413, reply.text[:300]
+    session = api.new_session()
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}] * 60_000}
+    reply = api.call("POST", "/v1/chat/completions", key=session["api_key"], json=chat)
+    assert_error(reply, 413)
