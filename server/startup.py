@@ -136,11 +136,15 @@ async def take_part(ctx: ServerContext, election: Election) -> None:
     pool = ctx.pool
     leading = await election.check()
     if leading and not pool.leading:
+        pool.leading = True  # whatever the engines answer: one that hangs is the pool's to judge
         version = await store_version(ctx)
         if version is not None:
             pool.expected_version = version
-        async with asyncio.timeout(ctx.settings.leader_check_s + 5.0):
-            await asyncio.gather(*(e.client.resume() for e in pool.engines), return_exceptions=True)
+        wait = ctx.settings.leader_check_s + 5.0
+        await asyncio.gather(
+            *(asyncio.wait_for(e.client.resume(), wait) for e in pool.engines),
+            return_exceptions=True,
+        )
         log.info("took the lead: the engines are expected at version %s", version)
     elif pool.leading and not leading:
         log.warning("now following: the engines' versions are read from the store")

@@ -261,9 +261,11 @@ class EnginePool:
         return version == expected if self.leading else version >= expected
 
     async def follow(self) -> None:
-        """A follower takes the expected version from the store (kept as it was when the store
-        does not answer within a health interval)."""
-        if self.leading or self.read_version is None:
+        """The expected version from the store (kept as it was when the store does not answer
+        within a health interval): a follower takes it; the leader only a newer one, which a
+        leader before it recorded after this one took over (it lost the lead mid-swap, and
+        finished)."""
+        if self.read_version is None or (self.leading and self.update_lock.locked()):
             return
         try:
             async with asyncio.timeout(max(self._health_interval, 1.0)):
@@ -271,7 +273,12 @@ class EnginePool:
         except Exception as exc:  # the store away: judge by the last version read
             log.warning("could not read the run's version from the store: %s", exc)
             return
-        if version is not None:
+        if version is None:
+            return
+        if not self.leading:
+            self.expected_version = version
+        elif self.expected_version is None or version > self.expected_version:
+            log.warning("the store records version %s, newer than this leader's: taken", version)
             self.expected_version = version
 
     async def _health_loop(self) -> None:

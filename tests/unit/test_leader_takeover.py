@@ -1,0 +1,81 @@
+"""What a replica does with the engines when it takes the lead, and which version it expects.
+
+- An engine that accepts connections and never answers (a hung GPU behind a live HTTP server)
+  held the whole take-over: the resume of every engine was one wait, whose timeout escaped, so
+  the replica held the lock but never led (every publish then answered 503 ``no_leader``) and
+  a server starting that way did not start. Each engine's resume now has its own bound.
+- A leader that lost the lead mid-swap and finished it records a newer version after another
+  took over; the new leader expected its own (older) one and took every engine out of
+  rotation. A leader now takes a newer version from the store (never an older one, and never
+  during its own swap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from types import SimpleNamespace
+
+from server import startup
+from server.engine_client.pool import EnginePool
+
+
+def test_a_hung_engine_does_not_keep_a_replica_from_leading(monkeypatch):
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)  # accepts, never answers
+    url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+
+    async def scenario() -> tuple[bool, int | None, float]:
+        pool = EnginePool([url], generate_timeout=5.0, health_interval=60.0)
+        pool.leading = False
+
+        async def version(_ctx) -> int:
+            return 3
+
+        monkeypatch.setattr(startup, "store_version", version)
+        election = SimpleNamespace(check=lambda: asyncio.sleep(0, result=True))
+        ctx = SimpleNamespace(pool=pool, settings=SimpleNamespace(leader_check_s=0.2))
+        started = time.monotonic()
+        try:
+            await startup.take_part(ctx, election)  # type: ignore[arg-type]
+        finally:
+            await pool.stop()
+        return pool.leading, pool.expected_version, time.monotonic() - started
+
+    try:
+        leading, expected, took = asyncio.run(scenario())
+    finally:
+        hung.close()
+    assert leading and expected == 3
+    assert took < 10.0, took  # the engine's own bound (0.2 + 5 s), not its 60 s timeout
+
+
+def test_a_leader_takes_a_newer_version_from_the_store_and_never_an_older_one():
+    async def scenario() -> list[int | None]:
+        pool = EnginePool([], health_interval=1.0)
+        stored = {"version": 0}
+
+        async def read() -> int:
+            return stored["version"]
+
+        pool.read_version = read
+        pool.leading, pool.expected_version = True, 2
+        seen = []
+        for version in (1, 2, 5):  # older, the same, newer (recorded by a leader before it)
+            stored["version"] = version
+            await pool.follow()
+            seen.append(pool.expected_version)
+        stored["version"] = 7
+        async with pool.update_lock:  # its own swap: it sets the version itself
+            await pool.follow()
+            seen.append(pool.expected_version)
+        pool.leading = False  # a follower takes the store's, older or not
+        stored["version"] = 4
+        await pool.follow()
+        seen.append(pool.expected_version)
+        await pool.stop()
+        return seen
+
+    assert asyncio.run(scenario()) == [2, 2, 5, 5, 4]
