@@ -144,16 +144,16 @@ class RunConfig(BaseModel):
     )
     client_special_tokens: Literal["text", "parse"] = Field(
         "text",
-        description="How an added token's text (<|im_end|>, <|im_start|>, <tool_call>, "
-        "<think>, ...) written by the client in messages, system text, instructions, tool "
-        "results, tool calls' arguments or tool definitions is tokenized, on Chat Completions, "
-        "Responses and Anthropic Messages: text (as ordinary text tokens, so the prompt's roles, "
-        "turn ends and tool markup are only the chat template's) or parse (as the token itself: "
-        "for clients that write them on purpose, who can then also write the prompt's "
-        "structure). An Anthropic prefill (a final assistant message the answer continues) is "
-        "the start of the model's own answer: its tool and reasoning markup stays markup, its "
-        "special tokens' texts stay text. /v1/completions' text prompt, which the client "
-        "formats itself, always parses them.",
+        description="How a special token's or the chat template's markup token's text "
+        "(<|im_end|>, <|im_start|>, <tool_call>, <think>, ...) written by the client in "
+        "messages, system text, instructions, tool results, tool calls' arguments or tool "
+        "definitions is tokenized, on Chat Completions, Responses and Anthropic Messages: text "
+        "(as ordinary text tokens, so the prompt's roles, turn ends and tool markup are only the "
+        "chat template's) or parse (as the token itself: for clients that write them on "
+        "purpose, who can then also write the prompt's structure). An Anthropic prefill (a "
+        "final assistant message the answer continues) is the start of the model's own answer: "
+        "its tool and reasoning markup stays markup, its special tokens' texts stay text. "
+        "/v1/completions' text prompt, which the client formats itself, always parses them.",
     )
     hosted_tools: Literal["omit", "refuse"] = Field(
         "omit",

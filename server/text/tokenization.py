@@ -105,10 +105,20 @@ class Tokenizer:
         self.pad_token_id: int | None = (
             None if pad_token is None else backend.token_to_id(pad_token)
         )
-        self._text_backend = _text_backend(backend)
         added = backend.get_added_tokens_decoder().values()
         self.special_texts = _longest_first(token.content for token in added if token.special)
-        self.added_texts = _longest_first(token.content for token in added)
+        # The client's text is text where it would write the prompt's structure: the special
+        # tokens, and the others the chat template writes (tool and reasoning markup). Other
+        # added tokens are vocabulary (some tokenizers add runs of spaces for code): a client's
+        # text holds them as the model was trained to read them.
+        sources = list(chat_templates.values())
+        self.added_texts = _longest_first(
+            token.content
+            for token in added
+            if token.special
+            or (token.content.strip() and any(token.content in source for source in sources))
+        )
+        self._text_backend = _text_backend(backend, set(self.added_texts))
         self._special = _alternation(self.special_texts)
         self._added = _alternation(self.added_texts)
         # No token stands for more characters than its vocabulary entry has (byte-level entries
@@ -367,14 +377,15 @@ def _alternation(texts: Sequence[str]) -> re.Pattern[str] | None:
     return re.compile("|".join(map(re.escape, texts))) if texts else None
 
 
-def _text_backend(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
-    """A copy of ``backend`` that reads every added token's text as text, for client text:
-    its added tokens are all marked special and special tokens are split (transformers'
+def _text_backend(backend: tokenizers.Tokenizer, texts: set[str]) -> tokenizers.Tokenizer:
+    """A copy of ``backend`` that reads the added tokens ``texts`` as text, for client text:
+    they are marked special and special tokens are split (transformers'
     ``split_special_tokens``), which a tokenizer does to special tokens only. The pieces are
     then spelled from the model's vocabulary, and the ids decode to the text exactly."""
     saved = json.loads(backend.to_str())
     for token in saved.get("added_tokens") or []:
-        token["special"] = True
+        if token.get("content") in texts:
+            token["special"] = True
     text_backend = tokenizers.Tokenizer.from_str(json.dumps(saved))
     text_backend.encode_special_tokens = True
     return text_backend

@@ -324,3 +324,25 @@ def test_prompt_text_of_a_string_is_all_template_text(tokenizer: Tokenizer):
     text = "<|im_start|>user\nhi<|im_end|>\n"
     assert tokenizer.encode_prompt(PromptText(text)) == tokenizer.encode(text)
     assert prompts.splice(tokenizer, text, []).ids == tokenizer.encode(text)
+
+
+def test_added_tokens_the_template_does_not_write_are_vocabulary(tiny_model_dir: Path, tmp_path):
+    """Some tokenizers add ordinary vocabulary as tokens (runs of spaces for code, in CodeGen
+    and Phi; placeholders): a client's text holds them as the model was trained to read them.
+    Only the special tokens and the markup the chat template writes are read as text."""
+    for path in tiny_model_dir.iterdir():
+        if path.is_file() and path.suffix != ".safetensors":
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    backend = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    backend.add_tokens(["    ", "<extra_0>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer.from_pretrained(tmp_path)
+    vocabulary = [backend.token_to_id("    "), backend.token_to_id("<extra_0>")]
+    assert "    " not in tokenizer.added_texts and "<extra_0>" not in tokenizer.added_texts
+    assert "<tool_call>" in tokenizer.added_texts  # the template writes it
+    text = "def f():\n    return <extra_0>  # <tool_call>{}</tool_call>"
+    messages = [{"role": "user", "content": text}]
+    ids = tokenizer.encode_prompt(tokenizer.render_prompt(messages))
+    assert all(token in ids for token in vocabulary), ids
+    assert backend.token_to_id("<tool_call>") not in ids  # markup written by the client: text
+    assert tokenizer.decode(ids, skip_special_tokens=False) == tokenizer.render(messages)
