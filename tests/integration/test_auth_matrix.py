@@ -97,6 +97,7 @@ ACCESS: dict[tuple[str, str], str] = {
     ("POST", "/admin/weights"): "admin",
     ("POST", "/admin/weights/group"): "admin",
     ("GET", "/admin/engines"): "admin",
+    ("GET", "/admin/leader"): "admin",
     # dashboard JSON
     ("GET", "/admin/api/runs"): "admin",
     ("GET", "/admin/api/runs/{run_id}"): "admin",
