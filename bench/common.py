@@ -67,10 +67,26 @@ class Forwarder(ServerProcess):
         super().__init__(command, f"http://127.0.0.1:{self.port}", log_path)
 
 
-def process_cpu(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads; NaN where /proc is missing."""
+def process_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command's name (state first); None when the
+    process is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
+        return None
+
+
+def process_cpu(pid: int, children: bool = False) -> float:
+    """User + system CPU seconds of a process, all its threads (``children``: and of its
+    children that have exited and been waited for); NaN where /proc is missing."""
+    fields = process_stat(pid)
+    if fields is None:
         return math.nan
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    counted = (11, 12, 13, 14) if children else (11, 12)
+    return sum(int(fields[i]) for i in counted) / os.sysconf("SC_CLK_TCK")
+
+
+def per_client(requests: list, clients: int) -> list[list]:
+    """``requests`` dealt to ``clients`` in equal runs (the remainder left out)."""
+    each = max(len(requests) // clients, 1)
+    return [requests[i * each : (i + 1) * each] for i in range(clients)]

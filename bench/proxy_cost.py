@@ -51,6 +51,7 @@ from bench.common import (  # noqa: E402
     Forwarder,
     StubEngine,
     new_sessions,
+    per_client,
     positive_int,
     process_cpu,
 )
@@ -272,10 +273,10 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}")
     model_dir = ensure_model()
     tokenizer = Tokenizer.from_pretrained(model_dir)
-    per_client = max(args.requests // args.clients, 1)
-    chats = make_requests(tokenizer, random.Random(SEED), per_client * args.clients)
-    clients = [chats[i * per_client : (i + 1) * per_client] for i in range(args.clients)]
-    warm = [c[: max(per_client // 10, 2)] for c in clients]
+    each = max(args.requests // args.clients, 1)
+    chats = make_requests(tokenizer, random.Random(SEED), each * args.clients)
+    clients = per_client(chats, args.clients)
+    warm = [c[: max(each // 10, 2)] for c in clients]
     sides = ("forwarder", "proxy", *(("baseline",) if args.baseline else ()))
     phases = [Phase(side, stream) for stream in (False, True) for side in sides]
     LOG_DIR.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import aiohttp  # noqa: E402
 
-from bench.common import StubEngine, new_sessions, positive_int, process_cpu  # noqa: E402
+from bench.common import (  # noqa: E402
+    StubEngine,
+    new_sessions,
+    per_client,
+    positive_int,
+    process_cpu,
+    process_stat,
+)
 from bench.proxy import ChatRequest, ensure_model, make_requests  # noqa: E402
 from bench.proxy_cost import TIMEOUT, proxy_send  # noqa: E402
 from server.common.processes import ProxyProcess, free_port, wait_all  # noqa: E402
@@ -100,20 +107,13 @@ class Postgres:
     def cpu(self) -> float:
         """CPU seconds of the postmaster, its live backends and those that have exited."""
         postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
-        total = _cpu_with_children(postmaster)
+        total = process_cpu(postmaster, children=True)
         for stat in glob.glob("/proc/[0-9]*/stat"):
-            try:
-                fields = Path(stat).read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == postmaster:
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            pid = int(stat.split("/")[2])
+            fields = process_stat(pid)
+            if fields is not None and int(fields[1]) == postmaster:
+                total += process_cpu(pid)
         return total
-
-
-def _cpu_with_children(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(fields[i]) for i in (11, 12, 13, 14)) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
@@ -241,9 +241,9 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}")
     model_dir = ensure_model()
     tokenizer = Tokenizer.from_pretrained(model_dir)
-    per_client = max(args.requests // args.clients, 1)
-    chats = make_requests(tokenizer, random.Random(SEED), per_client * args.clients)
-    clients = [chats[i * per_client : (i + 1) * per_client] for i in range(args.clients)]
+    each = max(args.requests // args.clients, 1)
+    chats = make_requests(tokenizer, random.Random(SEED), each * args.clients)
+    clients = per_client(chats, args.clients)
     warm = [c[:2] for c in clients]
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     admin_key = secrets.token_hex(16)
