@@ -14,7 +14,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -104,6 +104,21 @@ class LoopLag:
         self.future.result(timeout=5)
 
 
+def probe_health(
+    api: Api, busy: Callable[[], bool], pause: float = 0.01
+) -> tuple[LoopLag, list[float]]:
+    """``/health`` asked every ``pause`` seconds while ``busy()``, the loop watched meanwhile:
+    its lag and the answers' latencies."""
+    latencies = []
+    with LoopLag(api) as lag:
+        while busy():
+            started = time.monotonic()
+            assert api.call("GET", "/health", key=NO_KEY).status_code == 200
+            latencies.append(time.monotonic() - started)
+            time.sleep(pause)
+    return lag, latencies
+
+
 def test_health_answers_while_a_long_prompt_is_tokenized(api: Api, long_context: int):
     session = api.new_session()
     text = "hello world this is a prompt " * 100_000  # 2.9 M characters: seconds to tokenize
@@ -121,16 +136,10 @@ def test_health_answers_while_a_long_prompt_is_tokenized(api: Api, long_context:
 
     with LoopLag(api) as calm:  # what this machine's scheduling alone holds the loop
         time.sleep(1.0)
-    latencies = []
-    with LoopLag(api) as lag:
-        worker = threading.Thread(target=long_request)
-        worker.start()
-        while worker.is_alive():
-            started = time.monotonic()
-            assert api.call("GET", "/health", key=NO_KEY).status_code == 200
-            latencies.append(time.monotonic() - started)
-            time.sleep(0.02)
-        worker.join()
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    lag, latencies = probe_health(api, worker.is_alive, pause=0.02)
+    worker.join()
     ((took, reply),) = answered
     assert_error(reply, 400, code="context_length_exceeded")
     assert took > 1.0, took  # the prompt took its time
@@ -160,30 +169,18 @@ def _lag_while(
     def post() -> None:
         answered.append(api.call("POST", path, key=key, content=content, headers=headers))
 
-    latencies = []
-    with LoopLag(api) as lag:
-        worker = threading.Thread(target=post)
-        worker.start()
-        while worker.is_alive():
-            started = time.monotonic()
-            assert api.call("GET", "/health", key=NO_KEY).status_code == 200
-            latencies.append(time.monotonic() - started)
-            time.sleep(0.01)
-        worker.join()
+    worker = threading.Thread(target=post)
+    worker.start()
+    lag, latencies = probe_health(api, worker.is_alive)
+    worker.join()
     return lag.longest, max(latencies, default=0.0), answered[0]
 
 
 def _calm(api: Api, seconds: float = 1.5) -> tuple[float, float]:
     """What the machine's load alone holds the loop and ``/health`` for, measured as
     ``_lag_while`` does, with no request beside the probes."""
-    latencies = []
-    with LoopLag(api) as lag:
-        until = time.monotonic() + seconds
-        while time.monotonic() < until:
-            started = time.monotonic()
-            assert api.call("GET", "/health", key=NO_KEY).status_code == 200
-            latencies.append(time.monotonic() - started)
-            time.sleep(0.01)
+    until = time.monotonic() + seconds
+    lag, latencies = probe_health(api, lambda: time.monotonic() < until)
     return lag.longest, max(latencies)
 
 
