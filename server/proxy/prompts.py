@@ -109,8 +109,7 @@ def splice(
     for turn in last:
         end = len(turn.text) if text.startswith(turn.text) else None
         if end is None:
-            units = units_of(tokenizer, turn.prompt_ids + turn.completion_ids)
-            end = aligned_end(units, text, _end_texts(tokenizer))
+            end = aligned_end(turn_units(tokenizer, turn), text, _end_texts(tokenizer))
         if end is not None and end < len(text):
             prefix = turn.prompt_ids + turn.completion_ids
             rest = None if limit is None else limit - len(prefix)
@@ -299,6 +298,15 @@ def _block_end(units: Sequence[Unit], index: int) -> int:
         if units[at].kind is Kind.END:
             return at
     return len(units)
+
+
+def turn_units(tokenizer: Tokenizer, turn: LastTurn) -> list[Unit]:
+    """``units_of`` the turn's prompt + completion, made once per turn: a session's every
+    later prompt that does not begin with the turn's text reads it again."""
+    units = turn.units.get(tokenizer)
+    if units is None:
+        units = turn.units[tokenizer] = units_of(tokenizer, turn.prompt_ids + turn.completion_ids)
+    return units
 
 
 def units_of(tokenizer: Tokenizer, ids: Sequence[int]) -> list[Unit]:

@@ -58,12 +58,16 @@ class LastTurn:
     surface: str = "chat"
     messages: list[Any] | None = None
     tools: list[Any] | None = None
+    # its text as the splice rule reads it, made once by the first prompt that needs it
+    # (``prompts.units_of``): tokenizer -> units
+    units: dict[Any, list[Any]] = field(default_factory=dict, compare=False, repr=False)
 
     @cached_property
     def nbytes(self) -> int:
-        """What it takes in memory (its token ids dominate: ``byte_lru.INT_IN_LIST`` each)."""
+        """What it takes in memory (its token ids dominate: ``byte_lru.INT_IN_LIST`` each),
+        its splice units counted as its text again whether made yet or not."""
         parts = (self.prompt_ids, self.completion_ids, self.text, self.messages, self.tools)
-        return 160 + sum(nbytes(part) for part in parts)
+        return 160 + nbytes(self.text) + sum(nbytes(part) for part in parts)
 
 
 @dataclass(eq=False)
