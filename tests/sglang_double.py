@@ -85,6 +85,7 @@ class Double:
         app.router.add_route("POST", "/generate", self.generate)
         app.router.add_route("PUT", "/generate", self.generate)
         app.router.add_post("/init_weights_update_group", self.join_group)
+        app.router.add_post("/weights_probe", self.not_sglangs)  # the embedded engine's own
         app.router.add_route("*", "/{tail:.*}", self.forward)
         return app
 
@@ -163,6 +164,10 @@ class Double:
                     return in_band_error(str(error.get("message")))
                 return web.Response(status=400, text=text, content_type="application/json")
             return await self._relay(request, reply)
+
+    async def not_sglangs(self, request: web.Request) -> web.Response:
+        """A route the embedded engine has and SGLang has not: FastAPI's 404, as SGLang's."""
+        return web.json_response({"detail": "Not Found"}, status=404)
 
     async def join_group(self, request: web.Request) -> web.Response:
         body = await request.json()

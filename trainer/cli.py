@@ -55,13 +55,14 @@ def main(argv: list[str]) -> None:
     from trainer.checkpoint import WrongCheckpoint
     from trainer.claims import ClaimLost
     from trainer.model import UnsupportedModel
+    from trainer.publish import WeightsUnreadable
     from trainer.run import train
     from trainer.server_api import ServerError
 
     try:
         with ExitStack() as stack:
             train(config, stack)
-    except (WrongCheckpoint, ClaimLost, ServerError, UnsupportedModel) as exc:
+    except (WrongCheckpoint, ClaimLost, ServerError, UnsupportedModel, WeightsUnreadable) as exc:
         logging.getLogger("proxrl.trainer").error("%s", exc)
         print(f"proxrl train: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

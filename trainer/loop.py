@@ -194,6 +194,7 @@ class Trainer:
             **run_held(self.config.algorithm),
         }
         self.follow(self.server.configure_run(self.run_id, settings)["config"])
+        self.publisher.check_readable()  # before anything trains: a publish must land
         found = self.checkpoints.latest()
         if found is not None:
             path, state = found

@@ -11,6 +11,7 @@ run's ``policy_version``; this module knows nothing about training.
 from __future__ import annotations
 
 import logging
+import secrets
 import shutil
 import socket
 import time
@@ -59,6 +60,30 @@ class Publisher:
         for old in versions[: -self.config.keep_versions]:
             shutil.rmtree(old, ignore_errors=True)
 
+    def check_readable(self) -> None:
+        """``disk``: the server and every engine must read what rank 0 writes under
+        ``output_dir/weights/``; raise :class:`WeightsUnreadable`, saying what is needed,
+        when one cannot. Engines that cannot be asked (SGLang) are logged as unchecked."""
+        if self.config.mode != "disk":
+            return
+        token = secrets.token_hex(16)
+        path = self.workers.call("write_probe", str(self.weights_dir), token)[0]
+        try:
+            answer = self.server.probe_weights(path, token)
+        finally:
+            Path(path).unlink(missing_ok=True)  # where the driver shares rank 0's disk
+        readers = [answer["server"], *answer["engines"]]
+        unchecked = [r["url"] for r in readers if not r["checked"]]
+        if unchecked:
+            log.warning(
+                "publish.mode=disk: could not check that %s read %s (no probe route); they "
+                "must see that path", ", ".join(unchecked), self.weights_dir,
+            )  # fmt: skip
+        failed = [r for r in readers if r["checked"] and not r["readable"]]
+        if failed:
+            raise WeightsUnreadable(unreadable_message(path, failed))
+        log.info("publish.mode=disk: the server and %d engine(s) read %s", len(readers) - 1, path)
+
     def _publish_distributed(self, version: int) -> None:
         import ray
 
@@ -90,6 +115,20 @@ class Publisher:
             result = asking.result(timeout=self.config.timeout_s)
         self.metadata = self.workers.call("weight_metadata")[0]
         log.info("weight group %s formed with %d engine(s): %s", GROUP_NAME, len(engines), result)
+
+
+class WeightsUnreadable(RuntimeError):
+    """With ``publish.mode=disk``, the server or an engine cannot read the trainer's files."""
+
+
+def unreadable_message(path: str, failed: list[dict]) -> str:
+    who = "; ".join(f"{r['url'] or 'the server'}: {r['problem']}" for r in failed)
+    return (
+        f"publish.mode=disk needs the server and every engine to read what the trainer writes "
+        f"under {Path(path).parent}, and the probe {path} was not read by {who}. Give them that "
+        "directory at the same path (a shared filesystem when they run on other machines), or "
+        "set publish.mode=distributed (the engines receive the weights over the network)"
+    )
 
 
 def group_world_size(engines: list[dict]) -> int:

@@ -136,6 +136,10 @@ class ServerAPI:
         }
         return self._call("POST", "/admin/weights/group", retry=False, json=body)
 
+    def probe_weights(self, path: str, token: str) -> dict:
+        """Whether the server and its engines read the probe file at ``path``."""
+        return self._call("POST", "/admin/weights/probe", json={"path": path, "token": token})
+
     def engines(self) -> list[dict]:
         return self._call("GET", "/admin/engines")
 

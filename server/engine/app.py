@@ -19,8 +19,9 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from server.common import weights_probe
 from server.engine import protocol
 from server.engine.protocol import EngineInputError
 from server.engine.scheduler import UpdateResult
@@ -219,6 +220,24 @@ async def update_weight_version(body: protocol.UpdateWeightVersionIn, engine: En
         "message": f"Weight version updated to {body.new_version}",
         "new_version": body.new_version,
     }
+
+
+class WeightsProbeIn(BaseModel):
+    """proxrl's own (SGLang has no such endpoint): does this engine see a trainer's probe?"""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(max_length=4096)
+    token: str = Field(min_length=1, max_length=weights_probe.TOKEN_CHARS)
+
+
+@router.post("/weights_probe", dependencies=admin)
+async def probe_weights(body: WeightsProbeIn) -> JSONResponse:
+    """Whether the file at ``path`` holds ``token`` here (server/common/weights_probe.py)."""
+    if (problem := weights_probe.name_problem(body.path)) is not None:
+        return _bad_request(problem)
+    problem = await asyncio.to_thread(weights_probe.read_problem, body.path, body.token)
+    return JSONResponse({"success": problem is None, "message": problem or "readable"})
 
 
 # ----- info and health -----------------------------------------------------------------

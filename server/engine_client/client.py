@@ -229,6 +229,13 @@ class EngineClient:
         body = {"new_version": version, "abort_all_requests": False}
         await self._post("/update_weight_version", body, CONTROL_TIMEOUT)
 
+    async def weights_probe(self, path: str, token: str) -> str | None:
+        """Why this engine cannot read the trainer's probe (None: it can). An engine without
+        the route (SGLang's own answers 404) raises EngineRejected: it cannot be asked."""
+        body = {"path": path, "token": token}
+        answer = await self._post("/weights_probe", body, CONTROL_TIMEOUT)
+        return None if answer.get("success") else str(answer.get("message"))
+
     async def abort(self, rid: str) -> None:
         await self._post("/abort_request", {"rid": rid}, CONTROL_TIMEOUT)
 

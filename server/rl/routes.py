@@ -15,7 +15,7 @@ from server.deps import AdminDep, BodyOffLoop, CallerDep, Ctx, KeyedDep
 from server.errors import AuthenticationRequired, KeyOutOfScope, documented
 from server.export.options import SINCE_HELP, STATUS_HELP, ExportFormat, ExportStatus, Since
 from server.export.writers import FORMATS
-from server.rl import claims, export, runs, sessions, steps, weights
+from server.rl import claims, export, runs, sessions, steps, weights, weights_probe
 from server.rl.schemas import (
     ClaimIn,
     ClaimOut,
@@ -344,6 +344,16 @@ async def weight_group(body: WeightGroupIn, ctx: Ctx, _: AdminDep, request: Requ
     if not ctx.pool.leading:
         return leaders_answer(await weights.forward(ctx, request.url.path, body, request.headers))
     return await weights.form_group(ctx, body)
+
+
+@admin_router.post(
+    "/weights/probe",
+    response_model=weights_probe.WeightsProbeOut,
+    summary="Whether this server and its engines can read a file the trainer wrote",
+    responses=documented(422),
+)
+async def probe_weights(body: weights_probe.WeightsProbeIn, ctx: Ctx, _: AdminDep) -> Any:
+    return await weights_probe.probe(ctx, body)
 
 
 def leaders_answer(forwarded: weights.Forwarded) -> Response:

@@ -96,6 +96,7 @@ ACCESS: dict[tuple[str, str], str] = {
     # administration
     ("POST", "/admin/weights"): "admin",
     ("POST", "/admin/weights/group"): "admin",
+    ("POST", "/admin/weights/probe"): "admin",
     ("GET", "/admin/engines"): "admin",
     ("GET", "/admin/leader"): "admin",
     # dashboard JSON
@@ -146,6 +147,7 @@ BODIES: dict[tuple[str, str], dict] = {
     ("POST", "/rl/claims/{claim_id}/trained"): {"version": 0},
     ("POST", "/admin/weights"): {},
     ("POST", "/admin/weights/group"): {},
+    ("POST", "/admin/weights/probe"): {},
 }
 FORMS = {("POST", "/admin/login"): {"key": ProxyProcess.ADMIN_KEY, "next": "/admin/runs"}}
 # Calls that end something: made after every other route, so that those still see it open.

@@ -155,6 +155,24 @@ def test_weight_group_ranks_follow_each_engines_tp_size(proxy, doubles):
     assert doubles["blind"].stats()["joins"] == []
 
 
+def test_the_weights_probe_says_sglang_engines_cannot_be_checked(proxy, doubles, tmp_path):
+    """SGLang has no route that reads a file without loading it: the server reads the
+    trainer's probe itself and reports each SGLang engine as unchecked, not as unreadable."""
+    from server.common.weights_probe import PROBE_NAME
+
+    path = tmp_path / PROBE_NAME
+    path.write_text("t0ken")
+    body = {"path": str(path), "token": "t0ken"}
+    reply = httpx.post(
+        f"{proxy.url}/admin/weights/probe", json=body, headers=proxy.admin, timeout=60
+    )
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()
+    assert answer["readable"] is True and answer["server"]["readable"] is True
+    assert {e["url"] for e in answer["engines"]} == {d.url for d in doubles.values()}
+    assert all(not e["checked"] and "SGLang" in e["problem"] for e in answer["engines"])
+
+
 # ----- an engine that refuses a request the proxy let through -------------------------------
 
 
