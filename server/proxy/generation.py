@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from server.engine_client.client import EngineUnavailable, Piece
 from server.engine_client.pool import EnginePool, EngineState, NoEngineAvailable, parse_version
@@ -58,8 +59,12 @@ class Completion:
         self.ids += piece.ids
         self.logprobs += piece.logprobs
         self.top += piece.top
-        self.versions += [parse_version(v) for v in piece.versions]
+        self.versions += map(_version, piece.versions)
 
+
+# A token's version as the store keeps it, read once per version string an engine reports
+# (every token carries one; a regex per token was work for nothing).
+_version = lru_cache(maxsize=1024)(parse_version)
 
 OnPiece = Callable[[Piece], Awaitable[None]]
 
@@ -121,7 +126,7 @@ async def _attempt(
         raise EngineUnavailable(f"{engine.url} ended the request without a finish reason")
     if final.all_versions is not None:  # spans on the final output are authoritative
         count = len(completion.ids) - start
-        completion.versions[start:] = [parse_version(v) for v in final.all_versions[-count:]]
+        completion.versions[start:] = map(_version, final.all_versions[-count:])
     return final.finish_reason
 
 

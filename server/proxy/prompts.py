@@ -260,6 +260,7 @@ def _skip_space(text: str, pos: int) -> int:
     return pos
 
 
+@lru_cache(maxsize=8)
 def _end_texts(tokenizer: Tokenizer) -> tuple[str, ...]:
     return tuple(sorted(tokenizer.token_text(token) for token in tokenizer.eos_token_ids))
 
