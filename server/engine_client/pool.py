@@ -8,9 +8,13 @@ leaves the rotation until a health check succeeds again.
 Versions: the proxy that leads (the only one, or the leader of replicas sharing a store) keeps an
 engine in rotation only while it serves ``expected_version``, which its own weight swaps set. A
 follower swaps nothing: each health round it reads the version from the store (``read_version``)
-and keeps an engine in rotation while it serves that version or a newer one (the leader's swap
-loads the engines before it records the new version), and it never pauses, loads or resumes an
-engine. An engine enters the rotation only once
+and keeps an engine in rotation only while it serves that version, and it never pauses, loads or
+resumes an engine. An engine found serving a newer version than the store's is judged at the
+next round: the leader records a swap's version before it resumes the engines, so one seen
+loaded a moment before that record is kept; one still unrecorded a round later (a load that was
+abandoned and finished late, a swap whose leader lost the lead) is off-version, as on the
+leader, so no replica serves tokens under a version the store never recorded for longer than a
+health interval. An engine enters the rotation only once
 its context length is known (SGLang 0.5.23 reports it in ``/v1/models``, not ``/server_info``:
 docs/architecture/sglang-protocol.md, "Context length"): requests are sized against it. This module
 knows nothing about sessions, chat or the store.
@@ -81,6 +85,8 @@ class EngineState:
     # Out of rotation only because it serves another version than the run's (a load that was
     # given up on and finished later): the next publish loads it with the others.
     off_version: bool = False
+    # A follower's: the newer version than the store's it found last round (judged this round).
+    unrecorded: str | None = None
     served_tokens: int = 0
     failures: int = 0
     last_error: str | None = None
@@ -222,14 +228,14 @@ class EnginePool:
             # a weight swap overlapped the probe: the version it read may be from either side
             # of the swap, so it says nothing; the swap judges the engines it loaded
             return engine.healthy
-        engine.weight_version = str(info.get("weight_version"))
-        if expected is not None and not self._serves(
-            parse_version(engine.weight_version), expected
-        ):
-            wanted = expected if self.leading else f"{expected} or newer"
-            self.mark_down(engine, f"serves version {engine.weight_version}, not {wanted}")
+        engine.weight_version = version = str(info.get("weight_version"))
+        if expected is not None and parse_version(version) != expected:
+            if self._recording(engine, version, expected):
+                return engine.healthy
+            self.mark_down(engine, f"serves version {version}, not {expected}")
             engine.off_version = True
             return False
+        engine.unrecorded = None
         if not engine.healthy:
             log.info("engine %s in rotation (version %s)", engine.url, engine.weight_version)
         engine.healthy = True
@@ -257,8 +263,14 @@ class EnginePool:
                 models = None
         engine.context_length = reported_context(server, models, model_info)
 
-    def _serves(self, version: int, expected: int) -> bool:
-        return version == expected if self.leading else version >= expected
+    def _recording(self, engine: EngineState, version: str, expected: int) -> bool:
+        """Whether a follower keeps, for this round, an engine found serving a newer version
+        than the store's (the leader's record of it may be on its way): only the first round it
+        is seen."""
+        if self.leading or parse_version(version) < expected or engine.unrecorded == version:
+            return False
+        engine.unrecorded = version
+        return True
 
     async def follow(self) -> None:
         """The expected version from the store (kept as it was when the store does not answer

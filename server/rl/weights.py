@@ -1,4 +1,4 @@
-"""Publish new weights: pause every engine, load the weights, continue, bump the version.
+"""Publish new weights: pause every engine, load the weights, record the new version, continue.
 
 Nothing a publish waits on may stall serving: weight files are read and checked before any
 engine pauses (``weight_files``), and the engines stay paused at most ``--weights-pause-limit-s``:
@@ -17,12 +17,18 @@ version, so no request is served by stale weights under the new version.
 
 Of replicas sharing a store, only the leader (``server.store.leadership``) swaps: a follower
 forwards the caller's request to it (``forward``) and answers with the leader's answer as is.
+The leader checks that it still leads before it pauses the engines and before it loads them,
+and records the version only in a transaction that finds it still leading
+(``leadership.leads``); a replica that lost the lead on the way answers 503 ``lost_leadership``
+with the engines resumed and nothing recorded. The version is recorded before the engines
+resume, so a follower never finds them serving a version the store does not have yet.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import socket
 import struct
@@ -36,7 +42,7 @@ from pydantic import BaseModel
 
 from server.context import ServerContext
 from server.engine_client.client import EngineError, EngineRejected
-from server.engine_client.pool import EngineState
+from server.engine_client.pool import EnginePool, EngineState
 from server.errors import (
     NoEngineToUpdate,
     NoLeader,
@@ -114,37 +120,38 @@ async def _load_within(
 
 
 async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
-    """Swap the weights ``body`` names into every engine in rotation, as a new version."""
+    """Swap the weights ``body`` names into every engine in rotation, as a new version; or,
+    asked for the version the run has and every engine serves, answer that without a swap (a
+    caller's retry of a swap that was done, its answer lost)."""
     run_id, version = body.run_id, body.version
     async with ctx.sessionmaker() as db:
         run = await runs.get_run(db, run_id or ctx.default_run_id)
     if run is None:
         raise RunNotFound(run_id)
     version = run.policy_version + 1 if version is None else version
+    pool = ctx.pool
+    if version == run.policy_version and _all_serve(pool, version):
+        log.info("version %d is already served: nothing swapped", version)
+        served = [
+            {"url": e.url, "success": True, "message": "already serving"} for e in pool.engines
+        ]
+        return WeightsOut(run_id=run.id, policy_version=version, engines=served, pause_seconds=0.0)
     if body.distributed is None:
         await _check_files(str(body.model_path), ctx.settings.weights_check_timeout_s)
-    pool = ctx.pool
     async with pool.update_lock:
         engines = pool.loadable
         if not engines:
             raise NoEngineToUpdate("No engine is in rotation to load the weights.")
+        await _confirm_lead(ctx, "no engine was paused")
         started = time.perf_counter()
         paused = await asyncio.gather(
             *(e.client.pause("abort") for e in engines), return_exceptions=True
         )
-        loader, source = _loader_of(body, version)
         try:
-            results = await _load_within(
-                engines, loader, ctx.settings.weights_pause_limit_s, source
-            )
+            results = await _swap(ctx, engines, body, run.id, version)
         finally:
             await asyncio.gather(*(e.client.resume() for e in engines), return_exceptions=True)
         pause_seconds = time.perf_counter() - started
-        if not any(r["success"] for r in results):  # nothing changed: no engine is to blame
-            message = f"No engine loaded {source}: {results[0].get('message')}"
-            if all(r.get("refused") for r in results):
-                raise WeightsRefused(message, "model_path" if body.model_path else "distributed")
-            raise WeightUpdateFailed(message)
         pool.expected_version = version
         for engine, pause_error, result in zip(engines, paused, results, strict=True):
             if isinstance(pause_error, Exception) or not result["success"]:
@@ -158,13 +165,77 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
     swap = {"run_id": run.id, "version": version, "pause_seconds": pause_seconds, "at": time.time()}
     pool.swaps.append(swap)
     ctx.metrics.weight_swap_pause_seconds.observe(pause_seconds)
-    async with ctx.sessionmaker() as db, db.begin():
-        await runs.set_policy_version(db, run.id, version, body.model_path)
     await ctx.admission.notify()
-    log.info("published version %d from %s (paused %.3fs)", version, source, pause_seconds)
+    log.info("published version %d (paused %.3fs)", version, pause_seconds)
     return WeightsOut(
         run_id=run.id, policy_version=version, engines=results, pause_seconds=pause_seconds
     )
+
+
+def _all_serve(pool: EnginePool, version: int) -> bool:
+    """Every engine in rotation, and none out of it for its version, serves ``version``."""
+    engines = pool.loadable
+    return (
+        bool(engines)
+        and pool.expected_version == version
+        and all(e.healthy and e.weight_version == str(version) for e in engines)
+    )
+
+
+async def _swap(
+    ctx: ServerContext, engines: list[EngineState], body: WeightsIn, run_id: str, version: int
+) -> list[dict]:
+    """With the engines paused: load the weights and record the version, if this replica still
+    leads (else nothing is recorded: the engines resume, and the replica that leads now loads
+    them when the caller retries). The record comes before the engines resume, so no replica
+    sees them serve a version the store does not have yet."""
+    await _failpoint("paused")
+    await _confirm_lead(ctx, "nothing was loaded; the engines resumed")
+    loader, source = _loader_of(body, version)
+    results = await _load_within(engines, loader, ctx.settings.weights_pause_limit_s, source)
+    if not any(r["success"] for r in results):  # nothing changed: no engine is to blame
+        message = f"No engine loaded {source}: {results[0].get('message')}"
+        if all(r.get("refused") for r in results):
+            raise WeightsRefused(message, "model_path" if body.model_path else "distributed")
+        raise WeightUpdateFailed(message)
+    async with ctx.sessionmaker() as db, db.begin():
+        if not await leadership.leads(db, ctx.replica_id):
+            raise _lost_lead(
+                f"the engines loaded {source} but version {version} was not recorded; they "
+                "resumed, and the leader keeps them out of rotation until it loads them"
+            )
+        await runs.set_policy_version(db, run_id, version, body.model_path)
+    return results
+
+
+async def _confirm_lead(ctx: ServerContext, then: str) -> None:
+    """This replica still leads (by its last election check and by the store), or 503."""
+    if ctx.pool.leading:
+        async with ctx.sessionmaker() as db, db.begin():
+            if await leadership.leads(db, ctx.replica_id):
+                return
+    raise _lost_lead(then)
+
+
+def _lost_lead(then: str) -> NoLeader:
+    return NoLeader(
+        f"this replica stopped leading during the swap: {then}. Nothing was recorded: retry "
+        "(with the same version) in a moment, and the replica that leads now swaps.",
+        code="lost_leadership",
+    )
+
+
+# Tests only: PROXRL_WEIGHTS_FAILPOINT=paused:<seconds> makes a publish sleep that long with the
+# engines paused and nothing loaded, so that a test can take the lead away or kill the leader
+# there. Unset (always, outside tests): one dictionary lookup.
+FAILPOINT = "PROXRL_WEIGHTS_FAILPOINT"
+
+
+async def _failpoint(point: str) -> None:
+    named, _, seconds = os.environ.get(FAILPOINT, "").partition(":")
+    if named == point:
+        log.warning("failpoint %s: sleeping %s s", point, seconds)
+        await asyncio.sleep(float(seconds))
 
 
 # torch.distributed's TCPStore protocol (c10d/TCPStore.cpp): a client validates with a magic
@@ -275,6 +346,10 @@ async def form_group(ctx: ServerContext, body: WeightGroupIn) -> dict[str, Any]:
 FORWARDED_HEADER = "x-proxrl-forwarded-by"
 FORWARDED_HEADERS = ("authorization", "x-api-key")  # the caller's key, which the leader checks
 LEADER_CONNECT_S = 5.0
+_RETRY_SAME = (
+    "retry with the same version (the run's policy_version + 1 when this one was sent): a swap "
+    "to the version the run already serves answers 200 without swapping again"
+)
 
 
 @dataclass(frozen=True)
@@ -297,9 +372,10 @@ async def forward(
     ctx: ServerContext, path: str, body: BaseModel, headers: Mapping[str, str]
 ) -> Forwarded:
     """Send a weights request that reached a follower to the leader, with the caller's key.
-    ``NoLeader`` (503, Retry-After) when no replica leads, or the leader cannot be reached;
-    502 ``leader_timeout`` when it took the request and did not answer in time (its swap may
-    have been done: read the run's policy_version before retrying)."""
+    ``NoLeader`` (503, Retry-After) when no replica leads, the leader cannot be reached, or it
+    broke off (``leader_lost``: it died mid-swap); 502 ``leader_timeout`` when it took the
+    request and did not answer in time. After either of the last two the swap may have been
+    done: a retry with the same ``version`` is answered without a second swap (``publish``)."""
     if headers.get(FORWARDED_HEADER):
         raise NoLeader(
             "this replica received a forwarded swap but does not lead (the lead moved); "
@@ -332,12 +408,17 @@ async def forward(
             "if it is gone another replica takes over: retry in a moment.",
             code="leader_unreachable",
         ) from None
-    except (httpx.HTTPError, TimeoutError) as exc:
+    except (httpx.TimeoutException, TimeoutError) as exc:
         raise WeightUpdateFailed(
             f"The leader {leader.replica_id} at {leader.url} did not answer within {limit:g} s "
-            f"({exc!r}); the swap may have been done: read the run's policy_version before "
-            "retrying.",
+            f"({exc!r}); the swap may have been done, or may still be: {_RETRY_SAME}",
             code="leader_timeout",
+        ) from None
+    except httpx.HTTPError as exc:  # it broke off: it died, or stopped, mid-swap
+        raise NoLeader(
+            f"the leader {leader.replica_id} at {leader.url} broke off ({exc!r}); the swap may "
+            f"have been done: {_RETRY_SAME}",
+            code="leader_lost",
         ) from None
     kept = {k: v for k, v in answer.headers.items() if k.lower() in ("content-type", "retry-after")}
     return Forwarded(answer.status_code, answer.content, kept)

@@ -14,6 +14,11 @@ later than the cut-off leader has stepped down, so two never lead at once.
 The leader records where it is reached (``leader`` row: replica id, URL, its lock's backend
 pid); a reader trusts the row only while that backend holds the lock (``current_leader``).
 
+A replica checks that it still leads before it acts as the leader, with the store (``leads``):
+what it writes in the transaction of that check (a weight swap's new version) is written only
+if it leads, and before any replica that takes over reads the store (``leads`` locks the
+``leader`` row, which a new leader rewrites as it takes the lock).
+
 A SQLite store has one serving process: it always leads, and takes no lock.
 
 This module knows nothing of engines or HTTP: it says whether this replica leads, and who does.
@@ -26,7 +31,7 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import insert, text, update
+from sqlalchemy import insert, select, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, create_async_engine
 from sqlalchemy.pool import NullPool
@@ -180,3 +185,23 @@ async def current_leader(db: AsyncSession) -> LeaderRecord | None:
         if row.backend_pid not in holders:
             return None
     return LeaderRecord(row.replica_id, row.url, row.since)
+
+
+async def leads(db: AsyncSession, replica_id: str) -> bool:
+    """Whether ``replica_id`` leads now, by the store: the ``leader`` row names it and its lock's
+    backend holds the lock (always, on SQLite: its one process leads). On Postgres the row stays
+    locked (``FOR UPDATE``) until ``db``'s transaction ends, so a replica taking the lead, which
+    rewrites the row first, waits for that transaction: what it writes comes before the new
+    leader reads anything."""
+    if db.get_bind().dialect.name != "postgresql":
+        return True
+    row = (
+        await db.execute(
+            select(Leader.replica_id, Leader.backend_pid)
+            .where(Leader.id == LEADER_ROW)
+            .with_for_update()
+        )
+    ).one_or_none()
+    if row is None or row.replica_id != replica_id:
+        return False
+    return row.backend_pid in set((await db.execute(_HOLDER)).scalars().all())

@@ -22,6 +22,7 @@ import pytest
 import uvicorn
 from openai import AsyncOpenAI
 
+from server.rl.weights import FAILPOINT
 from server.store.database import upgrade
 from server.store.leadership import LOCK_KEY
 from tests.api.api_support import ADMIN_KEY, app_settings
@@ -393,3 +394,122 @@ def test_a_killed_leader_process_is_replaced_within_3_s(engine, postgres, tiny_m
         )
         assert swap.status_code == 200, swap.text
         assert swap.json()["policy_version"] == 1
+
+
+def _versions_of(replica: Replica) -> list[int]:
+    runs = replica.get("/rl/runs").json()
+    return [r["policy_version"] for r in runs if r["is_default"]]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("point", ["paused", "loading"])
+def test_a_leader_that_loses_the_lead_mid_swap_records_nothing_and_resumes(
+    start_replicas, engine, tiny_model_dir, monkeypatch, point
+):
+    """The lead taken away mid-swap, with the engines paused: before the load (the failpoint
+    holds the swap there) or during it (a load that takes 3 s). 503 ``lost_leadership``,
+    nothing recorded, the engine resumed; the caller's retry reaches the new leader, which
+    swaps."""
+    if point == "paused":
+        monkeypatch.setenv(FAILPOINT, "paused:3")
+    else:
+        load = engine.service.update_from_disk
+
+        async def slow_load(body):
+            await asyncio.sleep(3)
+            return await load(body)
+
+        monkeypatch.setattr(engine.service, "update_from_disk", slow_load)
+    url, (first, second) = start_replicas(2, health_interval_s=0.2)
+    before = engine.service.scheduler.weight_version
+
+    async def swap_and_cut() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=120, headers=ADMIN) as http:
+            swapping = asyncio.create_task(
+                http.post(f"{first.url}/admin/weights", json={"model_path": str(tiny_model_dir)})
+            )
+            while engine.service.scheduler.paused is None:  # the swap has paused the engine
+                assert not swapping.done(), swapping.result().text
+                await asyncio.sleep(0.01)
+            (holder,) = lock_holders(url)
+            with psycopg.connect(url, autocommit=True) as db:  # its lock's connection cut
+                db.execute("SELECT pg_terminate_backend(%s)", (holder,))
+            return await swapping
+
+    reply = asyncio.run(swap_and_cut())
+    assert reply.status_code == 503, reply.text
+    assert reply.headers["retry-after"] == "1"
+    assert reply.json()["error"]["code"] == "lost_leadership"
+    assert engine.service.scheduler.paused is None  # resumed
+    assert _versions_of(second) == [0]  # nothing recorded
+    loaded = engine.service.scheduler.weight_version
+    assert loaded == (before if point == "paused" else "1")
+    wait_for(lambda: leaders([first, second]) == [second], 5.0, "the second to lead")
+    if point == "loading":  # the new leader keeps the unrecorded version out of rotation
+        wait_for(
+            lambda: second.get("/admin/engines").json()[0]["healthy"] is False,
+            5.0,
+            "the engine at an unrecorded version out of the leader's rotation",
+        )
+    monkeypatch.undo()
+    retry = first.post("/admin/weights", json={"model_path": str(tiny_model_dir), "version": 1})
+    assert retry.status_code == 200, retry.text
+    assert [len(r.app.state.ctx.pool.swaps) for r in (first, second)] == [0, 1]
+    assert _versions_of(first) == [1] and engine.service.scheduler.weight_version == "1"
+    wait_for(
+        lambda: (
+            [e["healthy"] for r in (first, second) for e in r.get("/admin/engines").json()]
+            == [True, True]
+        ),
+        5.0,
+        "the engine at version 1 in both rotations",
+    )
+
+
+@pytest.mark.timeout(180)
+def test_followers_keep_out_an_engine_at_a_version_the_store_never_recorded(start_replicas, engine):
+    """An engine found at a newer version than the store's (a load abandoned and finished
+    late): out of every replica's rotation within a couple of health rounds, not kept by the
+    followers as "newer"; back in once it serves the store's version."""
+    _, (leader, follower) = start_replicas(2, health_interval_s=0.2)
+    scheduler = engine.service.scheduler
+    recorded = scheduler.weight_version
+    scheduler.weight_version = "7"  # as a late load would leave it
+    try:
+        for replica in (leader, follower):
+            wait_for(
+                lambda r=replica: [e["healthy"] for e in r.get("/admin/engines").json()] == [False],
+                3.0,
+                "the engine at an unrecorded version out of rotation",
+            )
+        (view,) = follower.get("/admin/engines").json()
+        assert "serves version 7, not 0" in view["last_error"], view
+    finally:
+        scheduler.weight_version = recorded
+    for replica in (leader, follower):
+        wait_for(
+            lambda r=replica: [e["healthy"] for e in r.get("/admin/engines").json()] == [True],
+            3.0,
+            "the engine back at the store's version",
+        )
+
+
+@pytest.mark.timeout(180)
+def test_a_retried_swap_to_the_version_served_is_answered_without_a_second_swap(
+    start_replicas, engine, tiny_model_dir
+):
+    """A caller that lost a swap's answer (a 502 leader_timeout, a broken connection) retries
+    with the same version: 200, the same version, no second pause, through either replica."""
+    _, (leader, follower) = start_replicas(2, health_interval_s=0.2)
+    body = {"model_path": str(tiny_model_dir), "version": 1}
+    first = follower.post("/admin/weights", json=body)
+    assert first.status_code == 200, first.text
+    for replica in (follower, leader):
+        again = replica.post("/admin/weights", json=body)
+        assert again.status_code == 200, again.text
+        assert again.json()["policy_version"] == 1 and again.json()["pause_seconds"] == 0.0
+    assert len(leader.app.state.ctx.pool.swaps) == 1  # one swap, one pause
+    assert _versions_of(leader) == [1]
+    bumped = follower.post("/admin/weights", json={"model_path": str(tiny_model_dir)})
+    assert bumped.status_code == 200 and bumped.json()["policy_version"] == 2, bumped.text
+    assert len(leader.app.state.ctx.pool.swaps) == 2
