@@ -120,6 +120,7 @@ bench: venv
 	$(PY) bench/proxy.py
 	$(PY) bench/proxy_cost.py --requests 400 --rounds 2
 	$(PY) bench/replicas.py --requests 360 --rounds 2
+	$(PY) bench/store_writes.py --turns 512 --producers 64
 	$(PY) bench/trainer.py
 	$(PY) bench/dashboard.py
 	$(PY) bench/export.py
