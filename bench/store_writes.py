@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import platform
 import random
@@ -240,9 +241,19 @@ class Store:
             "table_bytes": float(sizes),
             "wal_bytes": float(wal),
             "statements": float(statements),
-            "store_cpu": self.postgres.cpu(),
+            "store_cpu": self._store_cpu(),
             "cpu": time.process_time(),
         }
+
+    def _store_cpu(self) -> float:
+        """Postgres's CPU seconds; read again when a backend exited while it was being read
+        (``Postgres.cpu`` lists the backends, then reads each: one gone between is NaN)."""
+        assert self.postgres is not None
+        for _ in range(5):
+            seconds = self.postgres.cpu()
+            if not math.isnan(seconds):
+                return seconds
+        return seconds
 
     def statement_kinds(self) -> dict[str, int]:
         """Statements executed since the last reset, by their first word (Postgres)."""
