@@ -147,6 +147,36 @@ def aligned_end(units: Sequence[Unit], text: str, end_texts: tuple[str, ...] = (
     last answer ends in dropped text is only read so when ``text`` then goes on with the end of
     an answer (one of ``end_texts``, the eos tokens: what templates write after an answer), so
     an edit of that answer cannot pass for new text."""
+    if not _may_begin(units, text):
+        return None
+    return _readings(units, text, end_texts)
+
+
+def _may_begin(units: Sequence[Unit], text: str) -> bool:
+    """False where no reading of the turn can begin ``text``, judged on its units up to the
+    first that is neither text nor a special token (a start, reasoning, a call): there every
+    reading takes each text as it is, a special token as present or missing, so a text must
+    stand in ``text`` between where the earliest and the latest reading got to. A few searches
+    instead of the readings: a session's unrelated conversations all fail here."""
+    low = high = 0  # where the readings so far can have got to in ``text``
+    for index, unit in enumerate(units):
+        if unit.kind is Kind.SPECIAL or unit.kind is Kind.END:
+            high += len(unit.text)
+        elif unit.kind is not Kind.TEXT or (
+            index + 1 < len(units) and units[index + 1].kind is Kind.CLOSE
+        ):
+            return True
+        else:
+            first = text.find(unit.text, low, high + len(unit.text))
+            if first < 0:
+                return False
+            last = text.rfind(unit.text, low, high + len(unit.text))
+            low, high = first + len(unit.text), last + len(unit.text)
+    return True
+
+
+def _readings(units: Sequence[Unit], text: str, end_texts: tuple[str, ...]) -> int | None:
+    """``aligned_end``, trying every reading (up to ``MAX_READINGS``)."""
     choices: list[State] = [(0, 0, False, False)]
     tried: set[State] = set()
     while choices and len(tried) < MAX_READINGS:

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from server.common.tiny_model import create_tiny_model
+from server.proxy import prompts
 from server.proxy.prompts import Kind, Unit, aligned_end, splice, units_of
 from server.proxy.reasoning import (
     NO_REASONING,
@@ -259,3 +260,45 @@ def test_reasoning_sent_back_in_a_tool_loop_continues(reasoning_tokenizer):
     assert splice(tokenizer, text, [turn]).continues is turn
     edited = text.replace("2 + 3 = 5", "2 + 3 = 6")
     assert splice(tokenizer, edited, [turn]).continues is None
+
+
+unit_kinds = st.sampled_from(list(Kind))
+unit_texts = {
+    Kind.TEXT: st.text(alphabet="ab \n", min_size=1, max_size=4),
+    Kind.SPECIAL: st.sampled_from([SPECIAL, "<t>", "a"]),  # "a": a special text text can hold
+    Kind.END: st.just("<e>"),
+    Kind.START: st.just(""),
+    Kind.OPEN: st.just("<think>"),
+    Kind.CLOSE: st.just("</think>"),
+    Kind.CALL: st.just('<tool_call>{"name": "f", "arguments": {}}</tool_call>'),
+}
+
+
+@st.composite
+def any_units(draw) -> list[Unit]:
+    kinds = draw(st.lists(unit_kinds, max_size=8))
+    return [Unit(draw(unit_texts[kind]), kind) for kind in kinds]
+
+
+@settings(max_examples=1500, deadline=None)
+@given(any_units(), st.data())
+def test_the_quick_refusal_agrees_with_every_reading(units, data):
+    """``aligned_end`` refuses at once a text that the turn's first texts cannot begin
+    (``_may_begin``): on any units, and texts that are their own text with special tokens left
+    out and edited, it finds what trying every reading finds."""
+    optional = (Kind.SPECIAL, Kind.END)
+    kept = [unit.kind not in optional or data.draw(st.booleans()) for unit in units]
+    whole = "".join(unit.text for unit, keep in zip(units, kept, strict=True) if keep)
+    cut = data.draw(st.integers(0, len(whole)))
+    edit = data.draw(st.sampled_from(["", "a", "Z", " ", "\n", SPECIAL, "<e>", "</think>"]))
+    dropped = data.draw(st.integers(0, 2))
+    text = whole[:cut] + edit + whole[cut + dropped :] + data.draw(st.sampled_from(["", SUFFIX]))
+    for ends in ((), ("<e>",)):
+        assert aligned_end(units, text, ends) == prompts._readings(units, text, ends)
+
+
+def test_the_quick_refusal_keeps_every_place_a_text_may_stand():
+    """A special token's text that the text also holds: the turn's first text stands both at
+    the start (the special token missing) and after it; only the second reading goes on."""
+    units = [Unit("a", Kind.SPECIAL), Unit("a", Kind.TEXT), Unit("b", Kind.TEXT)]
+    assert aligned_end(units, "aab<e>") == prompts._readings(units, "aab<e>", ()) == 3
