@@ -25,6 +25,7 @@ import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
+from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 
 from server.common.key_handover import hand_over
@@ -127,6 +128,13 @@ async def store_version(ctx: ServerContext) -> int | None:
     async with ctx.sessionmaker() as db:
         run = await runs.get_run(db, ctx.default_run_id)
     return None if run is None else run.policy_version
+
+
+async def version_recorded(ctx: ServerContext, version: int) -> bool:
+    """Whether some run's policy version is ``version`` (an engine a follower may keep)."""
+    async with ctx.sessionmaker() as db:
+        found = await db.execute(select(Run.id).where(Run.policy_version == version).limit(1))
+    return found.first() is not None
 
 
 async def take_part(ctx: ServerContext, election: Election) -> None:
@@ -232,6 +240,7 @@ async def server_context(
         ctx.default_run_id = run.id
         pool.expected_version = run.policy_version
         pool.read_version = lambda: store_version(ctx)
+        pool.recorded = lambda version: version_recorded(ctx, version)
         # A first leader over Postgres may find engines a dead one left paused (take_part);
         # a SQLite store's one process starts as it always did.
         pool.leading = not election.postgres

@@ -8,16 +8,18 @@ leaves the rotation until a health check succeeds again.
 Versions: the proxy that leads (the only one, or the leader of replicas sharing a store) keeps an
 engine in rotation only while it serves ``expected_version``, which its own weight swaps set. A
 follower swaps nothing: each health round it reads the version from the store (``read_version``)
-and keeps an engine in rotation only while it serves that version, and it never pauses, loads or
-resumes an engine. An engine found serving a newer version than the store's is judged at the
-next round: the leader records a swap's version before it resumes the engines, so one seen
-loaded a moment before that record is kept; one still unrecorded a round later (a load that was
-abandoned and finished late, a swap whose leader lost the lead) is off-version, as on the
-leader, so no replica serves tokens under a version the store never recorded for longer than a
-health interval. An engine enters the rotation only once
-its context length is known (SGLang 0.5.23 reports it in ``/v1/models``, not ``/server_info``:
-docs/architecture/sglang-protocol.md, "Context length"): requests are sized against it. This module
-knows nothing about sessions, chat or the store.
+and keeps an engine in rotation only while it serves that version or one the store records as
+another run's (``recorded``: the leader's last swap may have been another run's); it never
+pauses, loads or resumes an engine. The leader records a swap's version before it resumes the
+engines, so an engine seen loaded a moment before that record is kept, for at most one and a
+half health intervals; one still unrecorded then (a load that was abandoned and finished late,
+a swap whose leader lost the lead) is off-version, as on the leader, so no replica serves
+tokens under a version the store never recorded for longer than that.
+
+An engine enters the rotation only once its context length is known (SGLang 0.5.23 reports it
+in ``/v1/models``, not ``/server_info``: docs/architecture/sglang-protocol.md, "Context
+length"): requests are sized against it. This module knows nothing about sessions, chat or the
+store.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from server.errors import EngineError, EngineRejected, NoEngineAvailable
 log = logging.getLogger(__name__)
 
 AFFINITY_SLACK = 4  # a session's engine may have this many more requests than the least loaded
+# How many health intervals a follower keeps an engine at a version the store has not recorded.
+UNRECORDED_GRACE_ROUNDS = 1.5
 _TRAILING_NUMBER = re.compile(r"(\d+)$")
 
 
@@ -85,8 +89,8 @@ class EngineState:
     # Out of rotation only because it serves another version than the run's (a load that was
     # given up on and finished later): the next publish loads it with the others.
     off_version: bool = False
-    # A follower's: the newer version than the store's it found last round (judged this round).
-    unrecorded: str | None = None
+    # A follower's: a newer version than the store's it found, and when (judged a round later).
+    unrecorded: tuple[str, float] | None = None
     served_tokens: int = 0
     failures: int = 0
     last_error: str | None = None
@@ -140,6 +144,9 @@ class EnginePool:
         self.leading = True  # False: a follower of the replica that drives the engines
         # A follower's source of the expected version (the store's), read each health round.
         self.read_version: Callable[[], Awaitable[int | None]] | None = None
+        # A follower's: whether some run in the store records a version (an engine at a version
+        # no run records is off-version).
+        self.recorded: Callable[[int], Awaitable[bool]] | None = None
 
     async def start(self) -> None:
         await asyncio.gather(*(self.check(engine) for engine in self.engines))
@@ -228,14 +235,9 @@ class EnginePool:
             # a weight swap overlapped the probe: the version it read may be from either side
             # of the swap, so it says nothing; the swap judges the engines it loaded
             return engine.healthy
-        engine.weight_version = version = str(info.get("weight_version"))
-        if expected is not None and parse_version(version) != expected:
-            if self._recording(engine, version, expected):
-                return engine.healthy
-            self.mark_down(engine, f"serves version {version}, not {expected}")
-            engine.off_version = True
-            return False
-        engine.unrecorded = None
+        engine.weight_version = str(info.get("weight_version"))
+        if not await self._on_version(engine, expected):
+            return engine.healthy
         if not engine.healthy:
             log.info("engine %s in rotation (version %s)", engine.url, engine.weight_version)
         engine.healthy = True
@@ -263,14 +265,41 @@ class EnginePool:
                 models = None
         engine.context_length = reported_context(server, models, model_info)
 
-    def _recording(self, engine: EngineState, version: str, expected: int) -> bool:
-        """Whether a follower keeps, for this round, an engine found serving a newer version
-        than the store's (the leader's record of it may be on its way): only the first round it
-        is seen."""
-        if self.leading or parse_version(version) < expected or engine.unrecorded == version:
+    async def _on_version(self, engine: EngineState, expected: int | None) -> bool:
+        """Whether ``engine`` serves the expected version (a follower's: or one another run
+        records, ``recorded``); if not, it is out of rotation, or (a follower's,
+        ``_recording``) kept as it is for now."""
+        version = engine.weight_version or ""
+        if expected is None or parse_version(version) == expected or await self._recorded(version):
+            engine.unrecorded = None
+            return True
+        if not self._recording(engine, version, expected):
+            self.mark_down(engine, f"serves version {version}, not {expected}")
+            engine.off_version = True
+        return False
+
+    async def _recorded(self, version: str) -> bool:
+        """A follower's: whether the store records ``version`` as some run's (the one the
+        leader swapped last need not be the default run); the store away: judged as before."""
+        if self.leading or self.recorded is None:
             return False
-        engine.unrecorded = version
-        return True
+        try:
+            async with asyncio.timeout(max(self._health_interval, 1.0)):
+                return await self.recorded(parse_version(version))
+        except Exception as exc:
+            log.warning("could not read the runs' versions from the store: %s", exc)
+            return False
+
+    def _recording(self, engine: EngineState, version: str, expected: int) -> bool:
+        """Whether a follower keeps, for now, an engine found serving a newer version than the
+        store's (the leader's record of it may be on its way): for ``UNRECORDED_GRACE_ROUNDS``
+        health intervals from when it was first seen."""
+        if self.leading or parse_version(version) < expected:
+            return False
+        now = time.monotonic()
+        if engine.unrecorded is None or engine.unrecorded[0] != version:
+            engine.unrecorded = (version, now)
+        return now - engine.unrecorded[1] < UNRECORDED_GRACE_ROUNDS * self._health_interval
 
     async def follow(self) -> None:
         """The expected version from the store (kept as it was when the store does not answer

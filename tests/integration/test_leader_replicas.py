@@ -513,3 +513,24 @@ def test_a_retried_swap_to_the_version_served_is_answered_without_a_second_swap(
     bumped = follower.post("/admin/weights", json={"model_path": str(tiny_model_dir)})
     assert bumped.status_code == 200 and bumped.json()["policy_version"] == 2, bumped.text
     assert len(leader.app.state.ctx.pool.swaps) == 2
+
+
+@pytest.mark.timeout(180)
+def test_followers_keep_an_engine_at_the_version_another_run_recorded(
+    start_replicas, engine, tiny_model_dir
+):
+    """The leader's last swap was another run's than the default: the followers keep the
+    engine at that run's recorded version (the store records it), through several rounds."""
+    _, (leader, follower) = start_replicas(2, health_interval_s=0.2)
+    made = leader.post("/rl/runs", json={"name": "other", "config": {}})
+    assert made.status_code == 201, made.text
+    other = made.json()["id"]
+    for _ in range(2):
+        reply = follower.post(
+            "/admin/weights", json={"run_id": other, "model_path": str(tiny_model_dir)}
+        )
+        assert reply.status_code == 200, reply.text
+    assert reply.json()["policy_version"] == 2 and _versions_of(leader) == [0]
+    time.sleep(1.5)  # several health rounds, past the unrecorded grace
+    for replica in (leader, follower):
+        assert [e["healthy"] for e in replica.get("/admin/engines").json()] == [True]
