@@ -62,6 +62,12 @@ OTHER: dict[str, Variable] = {
         + ", ".join(md.code(p) for p in POINTS)
         + ".",
     ),
+    "PROXRL_WEIGHTS_FAILPOINT": Variable(
+        "`proxrl serve` (tests only)",
+        "unset",
+        "`paused:SECONDS`: each weight swap holds the engines paused that long before loading, "
+        "so that a drill can take the lead away or kill the leader mid-swap.",
+    ),
     "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": Variable(
         "`proxrl engine`",
         md.code("true"),
