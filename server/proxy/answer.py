@@ -198,15 +198,13 @@ async def _events(
 ) -> AsyncIterator[str]:
     """The stream: start, the deltas as they come (the first at once, then whatever came within
     ``STREAM_LINGER_S`` in one write, each choice's tokens in one delta), then, once every
-    choice is recorded, their finishes and the end (one write)."""
-    opening = frame(renderer, renderer.start())
-    if opening:
-        yield opening
+    choice is recorded, their finishes and the end (one write). The start goes out with the
+    first deltas: the first tokens are there when the stream starts (``first_output``)."""
+    out = [frame(renderer, renderer.start())]
     async for batch in drain(sampling, queue, STREAM_LINGER_S):
         pieces: dict[int, list[Piece]] = {}
         for index, piece in batch:
             pieces.setdefault(index, []).append(piece)
-        out = []
         for index, waiting in pieces.items():
             piece = joined(waiting)
             out.append(
@@ -214,6 +212,7 @@ async def _events(
             )
         if any(out):
             yield "".join(out)
+        out = []
     completions = sampling.result()
     served: list[Served] = []
     tail: list[Event] = []
