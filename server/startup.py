@@ -33,7 +33,7 @@ from server.common.processes import EngineProcess, ServerProcess, wait_all
 from server.context import ServerContext
 from server.engine.settings import model_directory_problem
 from server.engine_client import sglang
-from server.engine_client.pool import EnginePool
+from server.engine_client.pool import EnginePool, parse_version
 from server.errors import StoreUnavailable
 from server.metrics import Metrics
 from server.proxy.session_cache import SessionRegistry
@@ -137,6 +137,16 @@ async def version_recorded(ctx: ServerContext, version: int) -> bool:
     return found.first() is not None
 
 
+async def version_on_takeover(ctx: ServerContext) -> int | None:
+    """The version a replica taking the lead expects: the one every engine in its rotation
+    serves, when some run records it (the last swap may have been another run's than the
+    default, whose engines this replica kept as a follower); else the default run's."""
+    served = {parse_version(e.weight_version) for e in ctx.pool.healthy if e.weight_version}
+    if len(served) == 1 and await version_recorded(ctx, next(iter(served))):
+        return served.pop()
+    return await store_version(ctx)
+
+
 async def take_part(ctx: ServerContext, election: Election) -> None:
     """Take or keep the lead (``Election.check``); the pool leads or follows with it. A replica
     that takes over from a dead leader resumes every engine first: one that died mid-swap left
@@ -144,8 +154,8 @@ async def take_part(ctx: ServerContext, election: Election) -> None:
     pool = ctx.pool
     leading = await election.check()
     if leading and not pool.leading:
+        version = await version_on_takeover(ctx)
         pool.leading = True  # whatever the engines answer: one that hangs is the pool's to judge
-        version = await store_version(ctx)
         if version is not None:
             pool.expected_version = version
         wait = ctx.settings.leader_check_s + 5.0

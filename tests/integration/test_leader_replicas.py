@@ -271,6 +271,27 @@ def test_a_swap_sent_to_a_follower_without_a_leader_is_503_with_retry_after(
         assert reply.status_code == 503, reply.text
         assert reply.headers["retry-after"] == "1"
         assert reply.json()["error"]["code"] == "leader_unreachable"
+        # A leader that takes the swap and breaks off (it died mid-swap): 503 leader_lost, and
+        # the caller is told to retry with the same version.
+        with socket.socket() as breaking:
+            breaking.bind(("127.0.0.1", 0))
+            breaking.listen(1)
+            broken = f"http://127.0.0.1:{breaking.getsockname()[1]}"
+            squatter.execute("UPDATE leader SET url = %s", (broken,))
+
+            def break_off() -> None:
+                connection, _ = breaking.accept()
+                connection.recv(65536)
+                connection.close()
+
+            breaker = threading.Thread(target=break_off, daemon=True)
+            breaker.start()
+            reply = follower.post("/admin/weights", json={"model_path": str(tiny_model_dir)})
+            breaker.join(timeout=10)
+        assert reply.status_code == 503, reply.text
+        assert reply.headers["retry-after"] == "1"
+        error = reply.json()["error"]
+        assert error["code"] == "leader_lost" and "same version" in error["message"], error
     # The squatter gone, the follower takes the lead and swaps itself.
     wait_for(lambda: follower.leading, 5.0, "the follower to lead")
     reply = follower.post("/admin/weights", json={"model_path": str(tiny_model_dir)})
@@ -520,7 +541,8 @@ def test_followers_keep_an_engine_at_the_version_another_run_recorded(
     start_replicas, engine, tiny_model_dir
 ):
     """The leader's last swap was another run's than the default: the followers keep the
-    engine at that run's recorded version (the store records it), through several rounds."""
+    engine at that run's recorded version (the store records it), through several rounds, and
+    so does the follower that takes the lead when the leader stops."""
     _, (leader, follower) = start_replicas(2, health_interval_s=0.2)
     made = leader.post("/rl/runs", json={"name": "other", "config": {}})
     assert made.status_code == 201, made.text
@@ -534,3 +556,8 @@ def test_followers_keep_an_engine_at_the_version_another_run_recorded(
     time.sleep(1.5)  # several health rounds, past the unrecorded grace
     for replica in (leader, follower):
         assert [e["healthy"] for e in replica.get("/admin/engines").json()] == [True]
+    leader.stop()
+    wait_for(lambda: follower.leading, 5.0, "the follower to lead")
+    time.sleep(1.0)  # several health rounds as the leader
+    assert follower.app.state.ctx.pool.expected_version == 2
+    assert [e["healthy"] for e in follower.get("/admin/engines").json()] == [True]
