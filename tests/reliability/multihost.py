@@ -1,6 +1,6 @@
 """A small deployment on one machine: hosts as Linux network namespaces on one bridge, and the
 parts of a proxrl deployment each on its own host, for the replica drills
-(tests/reliability/test_replicas_deployment.py).
+(tests/reliability/test_replicas_deployment.py, tests/reliability/test_leader_drill.py).
 
 :class:`Network` makes a bridge in the root namespace with an address in a private /24
 (10.77.N.0/24, N chosen so that no address or route of the machine is in it) and N hosts, each a
@@ -20,12 +20,8 @@ with ``--engines`` and ``--db``, startable again after a kill or a stop), and :c
 from its stats socket). Each process logs to a file under the test's directory and dies with the
 test's process (``die_with_parent``).
 
-TODO (issue 27, third drill): SIGKILL the leader replica during a weight swap (another replica
-takes over the engines and the swap completes or is retried). It needs the leader election
-through the database that is being built (server/startup.py, server/rl/weights.py); once that
-lands, a drill here publishes weights through HAProxy, finds the leader (its /metrics or the
-store's ``leader`` table), SIGKILLs it mid-swap and checks the engines end at one version with
-every in-flight request answered.
+The leader drill (SIGKILL the leader replica during a weight swap) is
+tests/reliability/test_leader_drill.py, on a deployment of its own built from these parts.
 """
 
 from __future__ import annotations
