@@ -54,6 +54,7 @@ def main(argv: list[str]) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per claim poll says nothing
     from trainer.checkpoint import WrongCheckpoint
     from trainer.claims import ClaimLost
+    from trainer.cluster import WorkerLost
     from trainer.model import UnsupportedModel
     from trainer.publish import WeightsUnreadable
     from trainer.run import train
@@ -62,7 +63,14 @@ def main(argv: list[str]) -> None:
     try:
         with ExitStack() as stack:
             train(config, stack)
-    except (WrongCheckpoint, ClaimLost, ServerError, UnsupportedModel, WeightsUnreadable) as exc:
+    except (
+        WrongCheckpoint,
+        ClaimLost,
+        ServerError,
+        UnsupportedModel,
+        WeightsUnreadable,
+        WorkerLost,
+    ) as exc:
         logging.getLogger("proxrl.trainer").error("%s", exc)
         print(f"proxrl train: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

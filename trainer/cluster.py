@@ -29,7 +29,7 @@ import sys
 import tempfile
 from typing import Any
 
-from trainer import watchdog
+from trainer import failpoints, watchdog
 from trainer.config import ClusterConfig
 from trainer.worker import Worker, WorkerSettings
 
@@ -65,6 +65,21 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def actor_env() -> dict[str, str]:
+    """What every worker's environment holds, whatever its node's: offline, and the crash
+    tests' failpoint where one is set (trainer/failpoints.py)."""
+    env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    for name in (failpoints.VARIABLE, failpoints.DIRECTORY):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    return env
+
+
+class WorkerLost(RuntimeError):
+    """A worker's process or node died: the group cannot go on (its collectives need every
+    rank). ``proxrl train`` exits with this; run again, it resumes from the last checkpoint."""
+
+
 class LocalRay:
     """A Ray runtime for the lifetime of a ``with`` block (local or joined).
 
@@ -95,7 +110,7 @@ class LocalRay:
         return self
 
     def _join(self) -> None:
-        env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+        env = actor_env()
         # A cluster at 127.0.0.1 stays there (Ray would dial the machine's own address instead,
         # where a loopback head does not listen); other addresses are not rewritten anyway.
         self._set_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
@@ -131,7 +146,7 @@ class LocalRay:
             RAY_AUTH_TOKEN=None,
             RAY_USAGE_STATS_ENABLED="0",
         )
-        env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+        env = actor_env()
         if self.loopback_groups:
             env |= {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
         import ray  # after the environment: Ray reads it at import
@@ -181,7 +196,12 @@ class LocalRay:
 
 
 class WorkerGroup:
-    """``world_size`` ``Worker`` actors forming one torch.distributed group."""
+    """``world_size`` ``Worker`` actors forming one torch.distributed group.
+
+    Every call waits for all workers, but fails as soon as one of them dies (its peers may wait
+    in a collective for it forever): :class:`WorkerLost`, naming the rank and its node."""
+
+    SHUTDOWN_WAIT_S = 30.0
 
     def __init__(self, world_size: int, settings: WorkerSettings, config: ClusterConfig) -> None:
         import ray
@@ -195,34 +215,63 @@ class WorkerGroup:
         self.workers: list[Any] = [
             actor.remote(rank, world_size, settings) for rank in range(world_size)
         ]
-        address, port = ray.get(self.workers[0].address.remote())
+        self.nodes: list[str] = ["an unknown node"] * world_size
+        self.nodes = self.call("node")
+        address, port = self._get([self.workers[0].address.remote()])[0]
+        self.rank0_address: str = address
         self.info = self.call("setup", address, port)[0]
-        log.info("%d worker(s) ready: %s", world_size, self.info)
+        log.info("%d worker(s) ready on %s: %s", world_size, ", ".join(self.nodes), self.info)
+
+    def _get(self, refs: list[Any], timeout: float | None = None) -> list[Any]:
+        """The results of ``refs`` (one per rank, in rank order), raising at the first failure
+        (:class:`WorkerLost` where a worker died) instead of waiting for the others."""
+        import ray
+
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not done:
+                raise TimeoutError(f"{len(pending)} worker call(s) unfinished after {timeout} s")
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayActorError as exc:
+                rank = refs.index(done[0])
+                raise WorkerLost(
+                    f"training worker rank {rank} on {self.nodes[rank]} was lost "
+                    f"({type(exc).__name__}): its process or its node died. Bring the node "
+                    "back (or give the cluster that capacity again) and run proxrl train again: "
+                    "it resumes from its last checkpoint and trains every session exactly once"
+                ) from None
+        return ray.get(refs)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """``method(*args)`` on every worker; the results in rank order."""
-        import ray
-
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return self._get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
     def call_each(self, method: str, per_rank: list[tuple]) -> list[Any]:
         """``method(*per_rank[rank])`` on each worker; the results in rank order."""
-        import ray
-
         calls = [
             getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank, strict=True)
         ]
-        return ray.get(calls)
+        return self._get(calls)
 
     def start(self, method: str, *args: Any) -> list[Any]:
         """Start ``method`` on every worker without waiting (Ray object refs)."""
         return [getattr(w, method).remote(*args) for w in self.workers]
 
+    def wait(self, refs: list[Any], timeout: float | None = None) -> list[Any]:
+        """The results of refs from :meth:`start` (as ``call``: the first failure raises)."""
+        return self._get(refs, timeout)
+
     def shutdown(self) -> None:
+        """Leave the group and end the actors; a worker stuck in a collective whose peer died
+        does not hold this past ``SHUTDOWN_WAIT_S``."""
         import ray
 
         try:
-            self.call("shutdown")
+            self._get(self.start("shutdown"), self.SHUTDOWN_WAIT_S)
+        except (WorkerLost, TimeoutError) as exc:
+            log.warning("the workers did not leave their group: %s", exc)
         finally:
             for worker in self.workers:
                 ray.kill(worker)

@@ -182,7 +182,9 @@ class PublishConfig:
     keep_versions: int = option(3, "Weight directories kept on disk (older ones are removed).")
     timeout_s: float = option(600.0, "Timeout of one publish call to the server.")
     master_address: str = option(
-        "127.0.0.1", "distributed: address the engines use to reach the trainer's group."
+        "127.0.0.1",
+        "distributed: address the engines use to reach the trainer's group (rank 0 hosts it); "
+        "empty: the address of the node rank 0 runs on (its Ray node address).",
     )
 
 

@@ -11,6 +11,14 @@ the order a step reaches them:
     checkpoint_saved   the workers wrote the checkpoint's files; not yet marked complete
     checkpointed       the checkpoint is complete; its claims are not yet confirmed
 
+and one inside the workers, reached by every rank (each writes ``paused-at-rank<R>``):
+
+    mid_step           a worker's train_step is under way: proximal logprobs done, no
+                       optimizer step yet (its step is the worker's step count + 1)
+
+Workers run wherever Ray puts them: they write their marker in ``$PROXRL_TRAINER_PAUSE_DIR``
+(the driver passes both variables to them), default ``output_dir`` for the driver's points.
+
 Unset (always, outside tests), reaching a point is one dictionary lookup.
 """
 
@@ -20,16 +28,17 @@ import os
 import time
 from pathlib import Path
 
-POINTS = ("claimed", "trained", "published", "checkpoint_saved", "checkpointed")
+POINTS = ("claimed", "trained", "published", "checkpoint_saved", "checkpointed", "mid_step")
 VARIABLE = "PROXRL_TRAINER_PAUSE_AT"
+DIRECTORY = "PROXRL_TRAINER_PAUSE_DIR"
 MARKER = "paused-at"
 
 
-def reach(point: str, step: int, output_dir: Path) -> None:
+def reach(point: str, step: int, output_dir: Path, marker: str = MARKER) -> None:
     """Stop here for good if the environment names this point of this step."""
     assert point in POINTS, point
     if os.environ.get(VARIABLE) != f"{point}@{step}":
         return
-    (output_dir / MARKER).write_text(point)
+    (Path(os.environ.get(DIRECTORY, output_dir)) / marker).write_text(point)
     while True:  # until the test kills the process
         time.sleep(3600)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import secrets
 import shutil
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +23,9 @@ from trainer.server_api import ServerAPI
 
 log = logging.getLogger(__name__)
 
-GROUP_NAME = "proxrl_weights"
+# A group per trainer process: engines keep a group until told to leave it, and a trainer that
+# died never told them, so its successor's group needs a name of its own.
+GROUP_PREFIX = "proxrl_weights-"
 
 
 class Publisher:
@@ -42,6 +43,7 @@ class Publisher:
         self.workers = workers
         self.weights_dir = output_dir / "weights"
         self.metadata: dict | None = None
+        self.group_name = GROUP_PREFIX + secrets.token_hex(4)
 
     def publish(self, version: int) -> float:
         """Serve the workers' current weights as ``version``; returns the seconds it took."""
@@ -85,36 +87,46 @@ class Publisher:
         log.info("publish.mode=disk: the server and %d engine(s) read %s", len(readers) - 1, path)
 
     def _publish_distributed(self, version: int) -> None:
-        import ray
-
         if self.metadata is None:
             self._form_group()
         assert self.metadata is not None
         sending = self.workers.start("broadcast_weights")
         self.server.publish_distributed(
-            self.run_id, version, self.metadata, GROUP_NAME, self.config.timeout_s
+            self.run_id, version, self.metadata, self.group_name, self.config.timeout_s
         )
-        ray.get(sending, timeout=self.config.timeout_s)
+        self.workers.wait(sending, timeout=self.config.timeout_s)
 
     def _form_group(self) -> None:
         """Rank 0 and every engine form one group; the server tells the engines to join."""
-        import ray
-
         engines = [e for e in self.server.engines() if e["healthy"]]
         if not engines:
             raise RuntimeError("no healthy engine to form a weight group with")
-        address = self.config.master_address
-        port = _free_port(address)
+        # rank 0 hosts the group: on a cluster, on a node other than this driver's
+        address = self.config.master_address or self.workers.rank0_address
+        port = self.workers.wait([self.workers.workers[0].free_port.remote(address)])[0]
         joining = self.workers.start(
-            "join_weight_group", address, port, group_world_size(engines), GROUP_NAME
+            "join_weight_group", address, port, group_world_size(engines), self.group_name
         )
         backend = "nccl" if self.workers.info.get("device", "cpu").startswith("cuda") else "gloo"
         with ThreadPoolExecutor(1) as pool:  # the rendezvous needs both sides at once
-            asking = pool.submit(self.server.init_weight_group, address, port, GROUP_NAME, backend)
-            ray.get(joining, timeout=self.config.timeout_s)
+            asking = pool.submit(
+                self.server.init_weight_group, address, port, self.group_name, backend
+            )
+            deadline = time.monotonic() + self.config.timeout_s
+            while True:  # rank 0 waits for engines the server may have failed to send
+                try:
+                    self.workers.wait(joining, timeout=1.0)
+                    break
+                except TimeoutError:
+                    if asking.done():
+                        asking.result()  # the server's refusal, at once
+                    if time.monotonic() > deadline:
+                        raise
             result = asking.result(timeout=self.config.timeout_s)
         self.metadata = self.workers.call("weight_metadata")[0]
-        log.info("weight group %s formed with %d engine(s): %s", GROUP_NAME, len(engines), result)
+        log.info(
+            "weight group %s formed with %d engine(s): %s", self.group_name, len(engines), result
+        )
 
 
 class WeightsUnreadable(RuntimeError):
@@ -135,9 +147,3 @@ def group_world_size(engines: list[dict]) -> int:
     """Rank 0 and every tensor-parallel rank of every engine (``GET /admin/engines`` rows; the
     server numbers the engines' ranks the same way in server/rl/weights.py)."""
     return 1 + sum(engine.get("tp_size") or 1 for engine in engines)
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]

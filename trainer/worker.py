@@ -28,10 +28,12 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
-    set_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.constants import default_pg_timeout
 
+from trainer import failpoints
 from trainer.batching import PackedBatch, packed, shift_entropy, shift_logprobs
 from trainer.config import AlgorithmConfig, OptimConfig
 from trainer.loss import decoupled_ppo_loss
@@ -98,6 +100,18 @@ class Worker:
         self.rendezvous: socket.socket | None = None  # rank 0's listener, from address()
 
     # ----- setup ------------------------------------------------------------------------------
+
+    def node(self) -> str:
+        """Which node this worker runs on, in words (for messages)."""
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+        return f"node {ray.util.get_node_ip_address()} ({node_id[:12]})"
+
+    def free_port(self, host: str) -> int:
+        """A port free on this worker's node at ``host`` (for rank 0's weight group)."""
+        with listen(host, 0) as s:
+            return s.getsockname()[1]
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 hosts the group's rendezvous (called on rank 0 only): this node's Ray
@@ -207,6 +221,7 @@ class Worker:
         self._synchronize()
         proximal_seconds = time.perf_counter() - started
         totals: dict[str, Any] = self._mismatch(flat, proximal)
+        failpoints.reach("mid_step", self.step_count + 1, Path("."), f"paused-at-rank{self.rank}")
         grad_norms = []
         index = 0
         for minibatch, count in zip(minibatches, tokens, strict=True):
@@ -396,13 +411,10 @@ class Worker:
         if self.rank == 0:
             state = torch.load(Path(in_dir) / "train_state.pt", weights_only=True)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=options,
-        )
+        # Model, then optimizer, on every rank alike: set_state_dict takes the other ranks' empty
+        # model state for "optimizer only" and skips the model's broadcasts that rank 0 makes.
+        set_model_state_dict(self.model, state["model"], options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         if output_embedding_name(self.model) != self.output_embedding:
             raise RuntimeError("loading the checkpoint untied the input and output embeddings")
         counts = [state["step_count"]]

@@ -96,7 +96,7 @@ def test_two_workers_publish_over_a_gloo_group(tiny_model_dir, tmp_path):
             agent.join(120)
         assert not errors, errors[:3]
         log = log_path.read_text()
-        assert "weight group proxrl_weights formed with 1 engine(s)" in log
+        assert re.search(r"weight group proxrl_weights-[0-9a-f]{8} formed with 1 engine\(s\)", log)
         assert not (out / "weights").exists()  # nothing went through the disk
         [engine] = httpx.get(f"{proxy.url}/admin/engines", headers=proxy.admin).json()
         assert engine["weight_version"] == "2"

@@ -60,7 +60,13 @@ OTHER: dict[str, Variable] = {
         "`POINT@STEP`: the trainer stops dead at that point of that step (writing "
         "`OUTPUT_DIR/paused-at`) so that a crash test can kill it there. Points: "
         + ", ".join(md.code(p) for p in POINTS)
-        + ".",
+        + " (`mid_step`: inside every worker, each writing `paused-at-rank<R>`).",
+    ),
+    "PROXRL_TRAINER_PAUSE_DIR": Variable(
+        "`proxrl train` (tests only)",
+        "`output_dir`",
+        "Where `PROXRL_TRAINER_PAUSE_AT` writes its marker: a directory the test sees when the "
+        "workers run on other nodes (the driver passes both variables to them).",
     ),
     "PROXRL_WEIGHTS_FAILPOINT": Variable(
         "`proxrl serve` (tests only)",
