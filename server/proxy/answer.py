@@ -178,12 +178,13 @@ async def stream(
 
     sampling = asyncio.create_task(sample_all(ctx, state, plan, True, on_piece))
     await first_output(sampling, produced)
-    events = _events(ctx, state, plan, renderer, choices, sampling, queue)
+    closing = frame(renderer, renderer.closing())
+    events = _events(ctx, state, plan, renderer, choices, sampling, queue, closing)
     return GuardedStream(
         events,
         sampling,
         on_error=lambda error: frame(renderer, renderer.error(error)),
-        closing=frame(renderer, renderer.closing()),
+        closing=closing,
     )
 
 
@@ -195,11 +196,13 @@ async def _events(
     choices: list[outputs.ChoiceText],
     sampling: asyncio.Task[list[Completion]],
     queue: asyncio.Queue[tuple[int, Piece]],
+    closing: str,
 ) -> AsyncIterator[str]:
     """The stream: start, the deltas as they come (the first at once, then whatever came within
     ``STREAM_LINGER_S`` in one write, each choice's tokens in one delta), then, once every
-    choice is recorded, their finishes and the end (one write). The start goes out with the
-    first deltas: the first tokens are there when the stream starts (``first_output``)."""
+    choice is recorded, their finishes, the end and ``closing`` (one write). The start goes out
+    with the first deltas: the first tokens are there when the stream starts
+    (``first_output``)."""
     out = [frame(renderer, renderer.start())]
     async for batch in drain(sampling, queue, STREAM_LINGER_S):
         pieces: dict[int, list[Piece]] = {}
@@ -224,4 +227,5 @@ async def _events(
         tail += renderer.finish(index, deltas, reason)
     count_malformed_calls(ctx, plan, completions)
     await record(ctx.writer, ctx.tokenizer, state, plan.prompt, served, plan.log)
-    yield frame(renderer, [*tail, *renderer.end(outputs.usage(len(plan.prompt.ids), completions))])
+    end = renderer.end(outputs.usage(len(plan.prompt.ids), completions))
+    yield frame(renderer, [*tail, *end]) + closing

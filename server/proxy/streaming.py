@@ -77,7 +77,8 @@ async def first_output(work: asyncio.Task, produced: asyncio.Event) -> None:
 
 class GuardedStream:
     """An answer's events (``guarded``) and the work that produces them, which ``stop`` cancels;
-    ``on_error`` frames an error in the surface's shape, ``closing`` is its last text.
+    ``on_error`` frames an error in the surface's shape, ``closing`` is its last text (the
+    events end with it; after an error it follows the error's text).
 
     The response calls ``stop`` however it ends: a client that leaves before the first chunk
     is written leaves the events' generator unstarted, and an unstarted generator never runs
@@ -107,15 +108,15 @@ async def guarded(
     on_error: Callable[[ProxrlError], str],
     closing: str,
 ) -> AsyncIterator[str]:
-    """``events`` then ``closing`` (OpenAI's ``[DONE]``); an error mid-stream (the status is
-    already 200) is reported in-band (``on_error``), as the same error would be before a stream
-    starts. Leaving early (the client went away) cancels ``work``."""
+    """``events``, which end with ``closing`` (OpenAI's ``[DONE]``: in the same write as the
+    last events); an error mid-stream (the status is already 200) is reported in-band
+    (``on_error``), as the same error would be before a stream starts, and ``closing`` follows
+    it. Leaving early (the client went away) cancels ``work``."""
     try:
         async for event in events:
             yield event
     except Exception as exc:
-        yield on_error(api_error(exc))
+        yield on_error(api_error(exc)) + closing
     finally:
         if not work.done():
             work.cancel()
-    yield closing
