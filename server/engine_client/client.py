@@ -107,18 +107,6 @@ def piece_from_output(output: dict, already: int = 0, cumulative: bool = True) -
     return piece
 
 
-async def _sse_data(content: aiohttp.StreamReader) -> AsyncIterator[str]:
-    """The ``data:`` payloads of a server-sent event stream (lines may be long: cumulative
-    SGLang chunks grow with the output)."""
-    buffer = b""
-    async for block in content.iter_any():
-        buffer += block
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            if line.startswith(b"data: "):
-                yield line[6:].decode()
-
-
 class EngineClient:
     def __init__(self, url: str, http: aiohttp.ClientSession, generate_timeout: float) -> None:
         self.url = url.rstrip("/")
@@ -178,15 +166,25 @@ class EngineClient:
             ) as reply:
                 if reply.status >= 400:
                     self._raise_for_status(reply.status, "/generate", await reply.text())
-                async for data in _sse_data(reply.content):
-                    if data == "[DONE]":
-                        return
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise in_band_error(self.url, chunk["error"])
-                    piece = piece_from_output(chunk, seen, cumulative=not incremental)
-                    seen += len(piece.ids)
-                    yield piece
+                # The ``data:`` payloads of the server-sent events, read here rather than through
+                # another generator (a layer per streamed token); lines may be long: cumulative
+                # SGLang chunks grow with the output.
+                buffer = b""
+                async for block in reply.content.iter_any():
+                    buffer += block
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        if not line.startswith(b"data: "):
+                            continue
+                        data = line[6:].decode()
+                        if data == "[DONE]":
+                            return
+                        chunk = json.loads(data)
+                        if "error" in chunk:
+                            raise in_band_error(self.url, chunk["error"])
+                        piece = piece_from_output(chunk, seen, cumulative=not incremental)
+                        seen += len(piece.ids)
+                        yield piece
         except _FAILURES as exc:
             raise self._failure(EngineUnavailable(f"{url} broke off: {exc!r}"), exc) from exc
         raise EngineUnavailable(f"{url} ended without [DONE]")

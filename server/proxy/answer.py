@@ -14,7 +14,7 @@ It knows no surface's shapes; a renderer knows no engines, sessions or store.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from server.context import ServerContext
@@ -71,7 +71,7 @@ class Renderer(Protocol):
         ...
 
 
-OnPiece = Callable[[int, Piece], Awaitable[None]]
+OnPiece = Callable[[int, Piece], None]
 
 # How long a streamed token may wait for others to go out with it, in one event: the latency a
 # stream adds to a token, at most, beyond its first (which goes out at once). Tokens that come
@@ -172,7 +172,7 @@ async def stream(
     queue: asyncio.Queue[tuple[int, Piece]] = asyncio.Queue()
     produced = asyncio.Event()
 
-    async def on_piece(index: int, piece: Piece) -> None:
+    def on_piece(index: int, piece: Piece) -> None:
         produced.set()
         queue.put_nowait((index, piece))  # rendered by the stream, many pieces at once
 

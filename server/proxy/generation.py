@@ -13,7 +13,7 @@ the store.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -66,7 +66,7 @@ class Completion:
 # (every token carries one; a regex per token was work for nothing).
 _version = lru_cache(maxsize=1024)(parse_version)
 
-OnPiece = Callable[[Piece], Awaitable[None]]
+OnPiece = Callable[[Piece], None]  # sees each streamed piece as it comes (no await: per token)
 
 
 def engine_body(request: SamplingRequest, so_far: list[int], rid: str) -> dict:
@@ -112,14 +112,14 @@ async def _attempt(
                 completion.add(piece)
                 engine.served_tokens += len(piece.ids)
                 if on_piece is not None and piece.ids:
-                    await on_piece(piece)
+                    on_piece(piece)
                 final = piece if piece.finish_reason is not None else final
         else:
             final = await engine.client.generate(body)
             completion.add(final)
             engine.served_tokens += len(final.ids)
             if on_piece is not None and final.ids:
-                await on_piece(final)
+                on_piece(final)
     finally:
         engine.in_flight -= 1
     if final is None or final.finish_reason is None:
