@@ -42,7 +42,7 @@ from pydantic import BaseModel
 
 from server.context import ServerContext
 from server.engine_client.client import EngineError, EngineRejected
-from server.engine_client.pool import EnginePool, EngineState
+from server.engine_client.pool import EngineState
 from server.errors import (
     NoEngineToUpdate,
     NoLeader,
@@ -121,8 +121,8 @@ async def _load_within(
 
 async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
     """Swap the weights ``body`` names into every engine in rotation, as a new version; or,
-    asked for the version the run has and every engine serves, answer that without a swap (a
-    caller's retry of a swap that was done, its answer lost)."""
+    asked to load from disk the version the run has and every engine serves, answer that
+    without a swap (a caller's retry of a swap that was done, its answer lost)."""
     run_id, version = body.run_id, body.version
     async with ctx.sessionmaker() as db:
         run = await runs.get_run(db, run_id or ctx.default_run_id)
@@ -130,16 +130,18 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
         raise RunNotFound(run_id)
     version = run.policy_version + 1 if version is None else version
     pool = ctx.pool
-    if version == run.policy_version and _all_serve(pool, version):
-        log.info("version %d is already served: nothing swapped", version)
-        served = [
-            {"url": e.url, "success": True, "message": "already serving"} for e in pool.engines
-        ]
-        return WeightsOut(run_id=run.id, policy_version=version, engines=served, pause_seconds=0.0)
     if body.distributed is None:
         await _check_files(str(body.model_path), ctx.settings.weights_check_timeout_s)
     async with pool.update_lock:
         engines = pool.loadable
+        if body.distributed is None and await _served(ctx, run.id, version):
+            log.info("version %d is already served: nothing swapped", version)
+            served = [
+                {"url": e.url, "success": True, "message": "already serving"} for e in engines
+            ]
+            return WeightsOut(
+                run_id=run.id, policy_version=version, engines=served, pause_seconds=0.0
+            )
         if not engines:
             raise NoEngineToUpdate("No engine is in rotation to load the weights.")
         await _confirm_lead(ctx, "no engine was paused")
@@ -172,14 +174,19 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
     )
 
 
-def _all_serve(pool: EnginePool, version: int) -> bool:
-    """Every engine in rotation, and none out of it for its version, serves ``version``."""
-    engines = pool.loadable
-    return (
-        bool(engines)
-        and pool.expected_version == version
-        and all(e.healthy and e.weight_version == str(version) for e in engines)
-    )
+async def _served(ctx: ServerContext, run_id: str, version: int) -> bool:
+    """Whether the run's recorded version is ``version`` and every engine in rotation, and none
+    out of it for its version, serves it (read under the update lock: a swap to it that was
+    still running when this request came is over). Not for a broadcast, whose sender waits for
+    the engines to receive it."""
+    engines = ctx.pool.loadable
+    if not engines or ctx.pool.expected_version != version:
+        return False
+    if not all(e.healthy and e.weight_version == str(version) for e in engines):
+        return False
+    async with ctx.sessionmaker() as db:
+        run = await runs.get_run(db, run_id)
+    return run is not None and run.policy_version == version
 
 
 async def _swap(

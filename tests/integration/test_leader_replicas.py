@@ -517,10 +517,11 @@ def test_followers_keep_out_an_engine_at_a_version_the_store_never_recorded(star
 
 @pytest.mark.timeout(180)
 def test_a_retried_swap_to_the_version_served_is_answered_without_a_second_swap(
-    start_replicas, engine, tiny_model_dir
+    start_replicas, engine, tiny_model_dir, monkeypatch
 ):
     """A caller that lost a swap's answer (a 502 leader_timeout, a broken connection) retries
-    with the same version: 200, the same version, no second pause, through either replica."""
+    with the same version: 200, the same version, no second pause, through either replica;
+    and a retry sent while the first swap still runs waits for it and does not swap again."""
     _, (leader, follower) = start_replicas(2, health_interval_s=0.2)
     body = {"model_path": str(tiny_model_dir), "version": 1}
     first = follower.post("/admin/weights", json=body)
@@ -534,6 +535,21 @@ def test_a_retried_swap_to_the_version_served_is_answered_without_a_second_swap(
     bumped = follower.post("/admin/weights", json={"model_path": str(tiny_model_dir)})
     assert bumped.status_code == 200 and bumped.json()["policy_version"] == 2, bumped.text
     assert len(leader.app.state.ctx.pool.swaps) == 2
+    monkeypatch.setenv(FAILPOINT, "paused:1")  # the first swap holds the engines a second
+
+    async def twice() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120, headers=ADMIN) as http:
+            body = {"model_path": str(tiny_model_dir), "version": 3}
+            first = asyncio.create_task(http.post(f"{leader.url}/admin/weights", json=body))
+            await asyncio.sleep(0.3)
+            second = asyncio.create_task(http.post(f"{follower.url}/admin/weights", json=body))
+            return [await first, await second]
+
+    replies = asyncio.run(twice())
+    assert [r.status_code for r in replies] == [200, 200], [r.text for r in replies]
+    assert [r.json()["policy_version"] for r in replies] == [3, 3]
+    assert replies[1].json()["pause_seconds"] == 0.0
+    assert len(leader.app.state.ctx.pool.swaps) == 3
 
 
 @pytest.mark.timeout(180)
