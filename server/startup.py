@@ -131,7 +131,11 @@ async def store_version(ctx: ServerContext) -> int | None:
 
 
 async def version_recorded(ctx: ServerContext, version: int) -> bool:
-    """Whether some run's policy version is ``version`` (an engine a follower may keep)."""
+    """Whether some run's policy version is ``version`` (an engine a follower may keep). Not
+    version 0: a run there has published nothing, and an engine there serves the model it
+    started with (one restarted, say), which only the default run's 0 makes current."""
+    if version <= 0:
+        return False
     async with ctx.sessionmaker() as db:
         found = await db.execute(select(Run.id).where(Run.policy_version == version).limit(1))
     return found.first() is not None

@@ -8,12 +8,12 @@ leaves the rotation until a health check succeeds again.
 Versions: the proxy that leads (the only one, or the leader of replicas sharing a store) keeps an
 engine in rotation only while it serves ``expected_version``, which its own weight swaps set. A
 follower swaps nothing: each health round it reads the version from the store (``read_version``)
-and keeps an engine in rotation only while it serves that version or one the store records as
-another run's (``recorded``: the leader's last swap may have been another run's); it never
-pauses, loads or resumes an engine. The leader records a swap's version before it resumes the
-engines, so an engine seen loaded a moment before that record is kept, for at most one and a
-half health intervals; one still unrecorded then (a load that was abandoned and finished late,
-a swap whose leader lost the lead) is off-version, as on the leader, so no replica serves
+and keeps an engine in rotation only while it serves that version or one above 0 the store
+records as another run's (``recorded``: the leader's last swap may have been another run's); it
+never pauses, loads or resumes an engine. The leader records a swap's version before it resumes
+the engines, so an engine seen loaded a moment before that record is kept, for at most one and
+a half health intervals; one still unrecorded then (a load that was abandoned and finished
+late, a swap whose leader lost the lead) is off-version, as on the leader, so no replica serves
 tokens under a version the store never recorded for longer than that.
 
 An engine enters the rotation only once its context length is known (SGLang 0.5.23 reports it

@@ -577,3 +577,33 @@ def test_followers_keep_an_engine_at_the_version_another_run_recorded(
     time.sleep(1.0)  # several health rounds as the leader
     assert follower.app.state.ctx.pool.expected_version == 2
     assert [e["healthy"] for e in follower.get("/admin/engines").json()] == [True]
+
+
+@pytest.mark.timeout(180)
+def test_followers_keep_out_an_engine_back_at_version_0_when_another_run_is_at_0(
+    start_replicas, engine, tiny_model_dir
+):
+    """The default run at version 1, a new run at 0 (it published nothing), and an engine back
+    at the model it started with (restarted): out of every rotation, though a run is at 0."""
+    _, (leader, follower) = start_replicas(2, health_interval_s=0.2)
+    reply = follower.post("/admin/weights", json={"model_path": str(tiny_model_dir)})
+    assert reply.status_code == 200 and reply.json()["policy_version"] == 1, reply.text
+    made = leader.post("/rl/runs", json={"name": "idle", "config": {}})
+    assert made.status_code == 201, made.text
+    scheduler = engine.service.scheduler
+    scheduler.weight_version = "default"  # as an engine restarted on its start-up weights
+    try:
+        for replica in (leader, follower):
+            wait_for(
+                lambda r=replica: [e["healthy"] for e in r.get("/admin/engines").json()] == [False],
+                3.0,
+                "the engine at version 0 out of rotation",
+            )
+    finally:
+        scheduler.weight_version = "1"
+    for replica in (leader, follower):
+        wait_for(
+            lambda r=replica: [e["healthy"] for e in r.get("/admin/engines").json()] == [True],
+            3.0,
+            "the engine back at version 1",
+        )
