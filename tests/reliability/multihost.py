@@ -343,11 +343,23 @@ backend replicas
 {servers}
 """
 
-# How HAProxy spreads requests over the replicas. "session": by the request's key (a session's
-# requests carry its key), consistent hashing, so a session stays on one replica while that
-# replica is up and only a dead replica's sessions move; "roundrobin": each request to the next.
+# The request's session, as HAProxy 2.6 can name it: the id in a path-form request's path
+# (/sessions/{id}/v1/...: there the id is the credential, and an agent may send a fixed key of
+# its own), else its key: Authorization's (without "Bearer"), else x-api-key's (Anthropic's
+# clients). A later rule that matches overrides an earlier one. The same key in either header
+# hashes the same. tests/integration/test_lb_affinity.py holds the docs' blocks to these lines.
+AFFINITY = """\
+    http-request set-var(txn.affinity) req.hdr(x-api-key)
+    http-request set-var(txn.affinity) req.hdr(authorization),regsub("^Bearer +","",i) if { req.hdr(authorization) -m found }
+    http-request set-var(txn.affinity) path,field(3,/) if { path_beg /sessions/ }
+    balance hash var(txn.affinity)
+    hash-type consistent"""  # noqa: E501 (HAProxy's lines, as the docs show them)
+
+# How HAProxy spreads requests over the replicas. "session": by the request's session
+# (AFFINITY), consistent hashing, so a session stays on one replica while that replica is up
+# and only a dead replica's sessions move; "roundrobin": each request to the next.
 BALANCE = {
-    "session": "    balance hdr(Authorization)\n    hash-type consistent",
+    "session": AFFINITY,
     "roundrobin": "    balance roundrobin",
 }
 
