@@ -75,8 +75,10 @@ def _events_until(exc: Exception) -> list:
 
 @pytest.mark.parametrize(("exc", "status", "type_", "code"), CASES)
 def test_a_stream_ends_with_a_well_formed_error_event_then_done(exc, status, type_, code):
-    first, error_event, done = _events_until(exc)
-    assert first == 'data: {"first": 1}\n\n' and done == "data: [DONE]\n\n"
+    first, last = _events_until(exc)  # the error event and [DONE] go out in one write
+    error_event, done = last.removesuffix("data: [DONE]\n\n"), "data: [DONE]\n\n"
+    assert first == 'data: {"first": 1}\n\n' and last == error_event + done
+    assert error_event.endswith("\n\n") and error_event.count("\n\n") == 1
     body = json.loads(error_event.removeprefix("data: "))
     assert set(body) == {"error"}
     assert set(body["error"]) == {"message", "type", "param", "code"}
