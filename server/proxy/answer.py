@@ -202,30 +202,39 @@ async def _events(
     ``STREAM_LINGER_S`` in one write, each choice's tokens in one delta), then, once every
     choice is recorded, their finishes, the end and ``closing`` (one write). The start goes out
     with the first deltas: the first tokens are there when the stream starts
-    (``first_output``)."""
-    out = [frame(renderer, renderer.start())]
-    async for batch in drain(sampling, queue, STREAM_LINGER_S):
-        pieces: dict[int, list[Piece]] = {}
-        for index, piece in batch:
-            pieces.setdefault(index, []).append(piece)
-        for index, waiting in pieces.items():
-            piece = joined(waiting)
-            out.append(
-                frame(renderer, renderer.delta(index, choices[index].push(piece.ids), piece))
-            )
-        if any(out):
-            yield "".join(out)
-        out = []
-    completions = sampling.result()
-    served: list[Served] = []
-    tail: list[Event] = []
-    for index, (cid, completion) in enumerate(zip(plan.completion_ids, completions, strict=True)):
-        served.append(renderer.served(cid, completion))
-        choice = choices[index]
-        deltas = choice.finish(completion)
-        reason = outputs.finish_reason(completion, choice.called)
-        tail += renderer.finish(index, deltas, reason)
-    count_malformed_calls(ctx, plan, completions)
-    await record(ctx.writer, ctx.tokenizer, state, plan.prompt, served, plan.log)
+    (``first_output``). An answer of no token at all has no deltas: its start goes out with the
+    end, or, when the stream fails first, before the error event (``guarded``)."""
+    unsent = frame(renderer, renderer.start())
+    try:
+        async for batch in drain(sampling, queue, STREAM_LINGER_S):
+            pieces: dict[int, list[Piece]] = {}
+            for index, piece in batch:
+                pieces.setdefault(index, []).append(piece)
+            out = [unsent]
+            for index, waiting in pieces.items():
+                piece = joined(waiting)
+                out.append(
+                    frame(renderer, renderer.delta(index, choices[index].push(piece.ids), piece))
+                )
+            unsent = ""
+            if any(out):
+                yield "".join(out)
+        completions = sampling.result()
+        served: list[Served] = []
+        tail: list[Event] = []
+        for index, (cid, completion) in enumerate(
+            zip(plan.completion_ids, completions, strict=True)
+        ):
+            served.append(renderer.served(cid, completion))
+            choice = choices[index]
+            deltas = choice.finish(completion)
+            reason = outputs.finish_reason(completion, choice.called)
+            tail += renderer.finish(index, deltas, reason)
+        count_malformed_calls(ctx, plan, completions)
+        await record(ctx.writer, ctx.tokenizer, state, plan.prompt, served, plan.log)
+    except Exception:
+        if unsent:  # the error event that follows needs the start before it
+            yield unsent
+        raise
     end = renderer.end(outputs.usage(len(plan.prompt.ids), completions))
-    yield frame(renderer, [*tail, *end]) + closing
+    yield unsent + frame(renderer, [*tail, *end]) + closing
