@@ -29,6 +29,7 @@ document (``documented``) and the error event a stream ends with
     ├── RewardsClosed            409  the session takes no more rewards (claimed, settled)
     ├── RewardConflict           409  a different reward was already posted for that target
     ├── GroupMixesEval           409  a group_id holds sessions of the other kind (eval/training)
+    ├── WeightsConflict          409  a swap's version is served, but not with the weights it names
     ├── StalenessBound           429  the run's admission is full (Retry-After)
     ├── Overloaded               503  requests or connections at their bound (Retry-After)
     ├── NoEngineAvailable        503  no engine in rotation could serve (Retry-After)
@@ -196,6 +197,14 @@ class GroupMixesEval(ProxrlError):
         )
 
 
+class WeightsConflict(ProxrlError):
+    """A swap names the version the engines serve, but other weights than were loaded as that
+    version (another path, or another run's swap to the same number): nothing is swapped."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="version")
+
+
 class StalenessBound(ProxrlError):
     def __init__(self, retry_after_s: int) -> None:
         super().__init__(
@@ -319,6 +328,7 @@ RENDERING: dict[type[ProxrlError], Rendering] = {
     RewardsClosed: Rendering(409, "conflict_error", "rewards_closed"),
     RewardConflict: Rendering(409, "conflict_error", "reward_conflict"),
     GroupMixesEval: Rendering(409, "conflict_error", "group_mixes_eval"),
+    WeightsConflict: Rendering(409, "conflict_error", "weights_conflict"),
     StalenessBound: Rendering(429, "rate_limit_error", "staleness_bound", retry_after_s=1),
     Overloaded: Rendering(
         503, _UNAVAILABLE, "overloaded", 1, lead="The server is at its bound of requests: "

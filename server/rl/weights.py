@@ -18,10 +18,12 @@ version, so no request is served by stale weights under the new version.
 Of replicas sharing a store, only the leader (``server.store.leadership``) swaps: a follower
 forwards the caller's request to it (``forward``) and answers with the leader's answer as is.
 The leader checks that it still leads before it pauses the engines and before it loads them,
-and records the version only in a transaction that finds it still leading
-(``leadership.leads``); a replica that lost the lead on the way answers 503 ``lost_leadership``
-with the engines resumed and nothing recorded. The version is recorded before the engines
-resume, so a follower never finds them serving a version the store does not have yet.
+and records the version only in a transaction that finds it still leading, under the same lead
+(``leadership.lead_token``: a lead lost and taken back is another); a replica that lost the
+lead on the way, or whose store did not confirm it within ``STORE_WAIT_S``, answers 503
+``lost_leadership`` with the engines resumed and nothing recorded. The version is recorded
+before the engines resume, so a follower never finds them serving a version the store does not
+have yet.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from typing import Any
 
 import httpx
 from pydantic import BaseModel
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.context import ServerContext
 from server.engine_client.client import EngineError, EngineRejected
@@ -49,6 +53,7 @@ from server.errors import (
     RendezvousUnreachable,
     RunNotFound,
     WeightGroupRefused,
+    WeightsConflict,
     WeightsRefused,
     WeightUpdateFailed,
 )
@@ -61,6 +66,8 @@ from server.rl.schemas import (
     WeightsOut,
 )
 from server.store import leadership, runs
+from server.store.database import first_line
+from server.store.tables import Run
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +141,7 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
         await _check_files(str(body.model_path), ctx.settings.weights_check_timeout_s)
     async with pool.update_lock:
         engines = pool.loadable
-        if body.distributed is None and await _served(ctx, run.id, version):
+        if body.distributed is None and await _served(ctx, run.id, version, str(body.model_path)):
             log.info("version %d is already served: nothing swapped", version)
             served = [
                 {"url": e.url, "success": True, "message": "already serving"} for e in engines
@@ -144,13 +151,13 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
             )
         if not engines:
             raise NoEngineToUpdate("No engine is in rotation to load the weights.")
-        await _confirm_lead(ctx, "no engine was paused")
+        lead = await _confirm_lead(ctx, "no engine was paused")
         started = time.perf_counter()
         paused = await asyncio.gather(
             *(e.client.pause("abort") for e in engines), return_exceptions=True
         )
         try:
-            results = await _swap(ctx, engines, body, run.id, version)
+            results = await _swap(ctx, engines, body, run.id, version, lead)
         finally:
             await asyncio.gather(*(e.client.resume() for e in engines), return_exceptions=True)
         pause_seconds = time.perf_counter() - started
@@ -174,11 +181,17 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
     )
 
 
-async def _served(ctx: ServerContext, run_id: str, version: int) -> bool:
+async def _served(ctx: ServerContext, run_id: str, version: int, model_path: str) -> bool:
     """Whether the run's recorded version is ``version`` and every engine in rotation, and none
     out of it for its version, serves it (read under the update lock: a swap to it that was
     still running when this request came is over). Not for a broadcast, whose sender waits for
-    the engines to receive it."""
+    the engines to receive it.
+
+    Served, yet loaded from other weights than ``model_path`` names (the run recorded another
+    path for it, or the last swap was another run's to the same number): ``WeightsConflict``,
+    nothing swapped; a caller's retry names what it sent the first time. A replica that has
+    swapped nothing since it took the lead knows the last swap by the store only: another run
+    recording this version from another path is a conflict too."""
     engines = ctx.pool.loadable
     if not engines or ctx.pool.expected_version != version:
         return False
@@ -186,18 +199,54 @@ async def _served(ctx: ServerContext, run_id: str, version: int) -> bool:
         return False
     async with ctx.sessionmaker() as db:
         run = await runs.get_run(db, run_id)
-    return run is not None and run.policy_version == version
+        if run is None or run.policy_version != version:
+            return False
+        same_version = select(Run.id, Run.weights_path).where(
+            Run.policy_version == version, Run.id != run_id
+        )
+        others = [o for o in (await db.execute(same_version)).all() if o.weights_path != model_path]
+    refusal = f"The engines serve version {version}, but"
+    if run.weights_path != model_path:
+        raise WeightsConflict(
+            f"{refusal} run {run_id} loaded it from {run.weights_path!r}, not {model_path!r}: "
+            f"nothing was swapped. {_NEW_VERSION}"
+        )
+    last = ctx.pool.swaps[-1] if ctx.pool.swaps else None
+    if last is not None and (last["run_id"], last["version"]) != (run_id, version):
+        raise WeightsConflict(
+            f"{refusal} the last swap was run {last['run_id']}'s to version {last['version']}, "
+            f"not run {run_id}'s: nothing was swapped. {_NEW_VERSION}"
+        )
+    if last is None and others:
+        raise WeightsConflict(
+            f"{refusal} run {others[0].id} also records it, from {others[0].weights_path!r}: "
+            f"which weights the engines serve is not known here, so nothing was swapped. "
+            f"{_NEW_VERSION}"
+        )
+    return True
+
+
+_NEW_VERSION = (
+    "To load these weights, publish a new version (omit version, or send the run's "
+    "policy_version + 1)."
+)
 
 
 async def _swap(
-    ctx: ServerContext, engines: list[EngineState], body: WeightsIn, run_id: str, version: int
+    ctx: ServerContext,
+    engines: list[EngineState],
+    body: WeightsIn,
+    run_id: str,
+    version: int,
+    lead: LeadToken,
 ) -> list[dict]:
     """With the engines paused: load the weights and record the version, if this replica still
-    leads (else nothing is recorded: the engines resume, and the replica that leads now loads
-    them when the caller retries). The record comes before the engines resume, so no replica
-    sees them serve a version the store does not have yet."""
+    leads, under the same lead (``lead``) as when it paused them (else nothing is recorded: the
+    engines resume, and the replica that leads now loads them when the caller retries). The
+    record comes before the engines resume, so no replica sees them serve a version the store
+    does not have yet."""
     await _failpoint("paused")
-    await _confirm_lead(ctx, "nothing was loaded; the engines resumed")
+    await _confirm_lead(ctx, "nothing was loaded; the engines resumed", lead)
     loader, source = _loader_of(body, version)
     results = await _load_within(engines, loader, ctx.settings.weights_pause_limit_s, source)
     if not any(r["success"] for r in results):  # nothing changed: no engine is to blame
@@ -205,22 +254,52 @@ async def _swap(
         if all(r.get("refused") for r in results):
             raise WeightsRefused(message, "model_path" if body.model_path else "distributed")
         raise WeightUpdateFailed(message)
-    async with ctx.sessionmaker() as db, db.begin():
-        if not await leadership.leads(db, ctx.replica_id):
-            raise _lost_lead(
-                f"the engines loaded {source} but version {version} was not recorded; they "
-                "resumed, and the leader keeps them out of rotation until it loads them"
-            )
-        await runs.set_policy_version(db, run_id, version, body.model_path)
+    await _confirm_lead(
+        ctx,
+        f"the engines loaded {source} but version {version} was not recorded; they resumed, "
+        "and the leader keeps them out of rotation until it loads them",
+        lead,
+        record=lambda db: runs.set_policy_version(db, run_id, version, body.model_path),
+    )
     return results
 
 
-async def _confirm_lead(ctx: ServerContext, then: str) -> None:
-    """This replica still leads (by its last election check and by the store), or 503."""
+# The most a check of the lead (and the version's record with it) may take. The engines may be
+# paused meanwhile, so a store that is slow or away must not hold them: this is the election's
+# own bound on the store (a leader whose store does not answer within it steps down anyway), and
+# more than the lock wait its transaction allows (leadership.LEADS_LOCK_S), so a lock held
+# elsewhere ends as Postgres's error, the transaction rolled back, before this cuts it off.
+STORE_WAIT_S = leadership.QUERY_TIMEOUT_S
+
+
+LeadToken = tuple[int, Any]
+
+
+async def _confirm_lead(
+    ctx: ServerContext,
+    then: str,
+    lead: LeadToken | None = None,
+    record: Callable[[AsyncSession], Awaitable[None]] | None = None,
+) -> LeadToken:
+    """This replica still leads (by its last election check and by the store), or 503; its
+    lead's fencing token. With ``lead``, under that same lead (one lost and taken again since,
+    even by this replica, is another: 503); with ``record``, what it writes in the transaction
+    that found it leading. A store that fails or takes more than STORE_WAIT_S counts as a lost
+    lead (nothing recorded)."""
     if ctx.pool.leading:
-        async with ctx.sessionmaker() as db, db.begin():
-            if await leadership.leads(db, ctx.replica_id):
-                return
+        try:
+            async with asyncio.timeout(STORE_WAIT_S), ctx.sessionmaker() as db, db.begin():
+                token = await leadership.lead_token(db, ctx.replica_id)
+                if token is not None and (lead is None or lead == token):
+                    if record is not None:
+                        await record(db)
+                    return token
+        except Exception as exc:  # slow, locked, or away: this replica cannot act as leader
+            problem = "no answer" if isinstance(exc, TimeoutError) else first_line(exc)
+            log.warning("the store did not confirm the lead within %g s: %s", STORE_WAIT_S, problem)
+            raise _lost_lead(
+                f"{then} (the store did not confirm the lead within {STORE_WAIT_S:g} s: {problem})"
+            ) from None
     raise _lost_lead(then)
 
 

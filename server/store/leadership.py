@@ -17,7 +17,9 @@ pid); a reader trusts the row only while that backend holds the lock (``current_
 A replica checks that it still leads before it acts as the leader, with the store (``leads``):
 what it writes in the transaction of that check (a weight swap's new version) is written only
 if it leads, and before any replica that takes over reads the store (``leads`` locks the
-``leader`` row, which a new leader rewrites as it takes the lock).
+``leader`` row, which a new leader rewrites as it takes the lock). That transaction is bounded
+(``LEADS_IDLE_S``, ``LEADS_LOCK_S``): a replica cut off inside it does not hold the row long.
+Its fencing token (``lead_token``) tells one lead from the next, even of one replica.
 
 A SQLite store has one serving process: it always leads, and takes no lock.
 
@@ -45,6 +47,15 @@ log = logging.getLogger(__name__)
 LOCK_KEY = 0x70726C31  # "prl1"
 LEADER_ROW = 1
 QUERY_TIMEOUT_S = 5.0
+# A ``leads`` transaction holds the leader row locked until it ends. A replica cut off from the
+# store inside one leaves its backend idle in that transaction, the row locked, until Postgres
+# notices the dead peer (store connections have no short keep-alive: hours), and a replica
+# taking the lead, which rewrites the row first, would wait on it at every try. So Postgres ends
+# such a transaction once it sits idle LEADS_IDLE_S (a live leader's goes from statement to
+# statement in milliseconds), and one of its statements waits at most LEADS_LOCK_S for a lock
+# (longer than LEADS_IDLE_S: the wait outlasts a cut-off holder of the row).
+LEADS_IDLE_S = 2.0
+LEADS_LOCK_S = 4.0
 # Postgres drops a lock connection whose peer is gone after idle + interval * count seconds.
 KEEPALIVE = {"tcp_keepalives_idle": 5, "tcp_keepalives_interval": 2, "tcp_keepalives_count": 3}
 
@@ -188,20 +199,42 @@ async def current_leader(db: AsyncSession) -> LeaderRecord | None:
 
 
 async def leads(db: AsyncSession, replica_id: str) -> bool:
-    """Whether ``replica_id`` leads now, by the store: the ``leader`` row names it and its lock's
-    backend holds the lock (always, on SQLite: its one process leads). On Postgres the row stays
-    locked (``FOR UPDATE``) until ``db``'s transaction ends, so a replica taking the lead, which
-    rewrites the row first, waits for that transaction: what it writes comes before the new
-    leader reads anything."""
+    """Whether ``replica_id`` leads now, by the store (see ``lead_token``)."""
+    return await lead_token(db, replica_id) is not None
+
+
+async def lead_token(db: AsyncSession, replica_id: str) -> tuple[int, datetime] | None:
+    """Whether ``replica_id`` leads now, by the store: its *fencing token* if so, else None. It
+    leads if the ``leader`` row names it and its lock's backend holds the lock (always, on
+    SQLite: its one process leads, token ``SQLITE_TOKEN``). The token (the
+    lock's backend pid and when it took the lead) is new at every take: a replica that lost the
+    lead and took it again has another, so an act begun under one lead (a weight swap) can
+    check that it ends under the same one. On Postgres the row stays locked (``FOR UPDATE``)
+    until ``db``'s transaction ends, so a replica taking the lead, which rewrites the row
+    first, waits for that transaction: what it writes comes before the new leader reads
+    anything. The transaction is ended by Postgres once idle ``LEADS_IDLE_S``, and its
+    statements wait at most ``LEADS_LOCK_S`` for a lock (then raise): a replica cut off inside
+    it does not hold the row, and so the lead, for long."""
     if db.get_bind().dialect.name != "postgresql":
-        return True
+        return SQLITE_TOKEN
+    for name, seconds in (
+        ("idle_in_transaction_session_timeout", LEADS_IDLE_S),
+        ("lock_timeout", LEADS_LOCK_S),
+    ):
+        await db.execute(text(f"SET LOCAL {name} = {int(seconds * 1000)}"))
     row = (
         await db.execute(
-            select(Leader.replica_id, Leader.backend_pid)
+            select(Leader.replica_id, Leader.backend_pid, Leader.since)
             .where(Leader.id == LEADER_ROW)
             .with_for_update()
         )
     ).one_or_none()
-    if row is None or row.replica_id != replica_id:
-        return False
-    return row.backend_pid in set((await db.execute(_HOLDER)).scalars().all())
+    if row is None or row.replica_id != replica_id or row.backend_pid is None:
+        return None
+    if row.backend_pid not in set((await db.execute(_HOLDER)).scalars().all()):
+        return None
+    return (row.backend_pid, row.since)
+
+
+# SQLite's one serving process always leads, under one lead for its life.
+SQLITE_TOKEN = (0, datetime.min)

@@ -10,6 +10,7 @@ tiny model) and one Postgres database. The lock is read where Postgres keeps it 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import threading
 import time
@@ -21,9 +22,13 @@ import psycopg
 import pytest
 import uvicorn
 from openai import AsyncOpenAI
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.pool import NullPool
 
 from server.rl.weights import FAILPOINT
-from server.store.database import upgrade
+from server.store import leadership
+from server.store.database import async_url, upgrade
 from server.store.leadership import LOCK_KEY
 from tests.api.api_support import ADMIN_KEY, app_settings
 from tests.api.conftest import ThreadedEngine
@@ -90,6 +95,12 @@ class Replica:
 def lock_holders(url: str) -> list[int]:
     with psycopg.connect(url, autocommit=True) as db:
         return [row[0] for row in db.execute(HOLDERS).fetchall()]
+
+
+def backend_alive(url: str, pid: int | None) -> bool:
+    with psycopg.connect(url, autocommit=True) as db:
+        found = db.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,))
+        return bool(found.fetchone()[0])
 
 
 def wait_for(condition, timeout: float, what: str) -> float:
@@ -607,3 +618,198 @@ def test_followers_keep_out_an_engine_back_at_version_0_when_another_run_is_at_0
             3.0,
             "the engine back at version 1",
         )
+
+
+class CutOffLeader:
+    """A replica cut off from the store inside ``leadership.leads``'s transaction, as its
+    backend sees it: the leader row locked by that transaction (its own code: the SET LOCALs
+    and the FOR UPDATE), the connection then silent. Postgres may end it; the end is kept."""
+
+    def __init__(self, url: str, replica_id: str) -> None:
+        self.url, self.replica_id = url, replica_id
+        self.held, self.release = threading.Event(), threading.Event()
+        self.ended: BaseException | None = None
+        self.pid: int | None = None
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._hold()), daemon=True)
+
+    async def _hold(self) -> None:
+        engine = create_async_engine(async_url(self.url), poolclass=NullPool)
+        try:
+            async with AsyncSession(engine) as db, db.begin():
+                self.pid = (await db.execute(text("SELECT pg_backend_pid()"))).scalar()
+                await leadership.leads(db, self.replica_id)
+                self.held.set()
+                await asyncio.to_thread(self.release.wait, 120)
+        except Exception as exc:  # Postgres ended the idle transaction
+            self.ended = exc
+        finally:
+            self.held.set()
+            await engine.dispose()
+
+    def __enter__(self) -> CutOffLeader:
+        self.thread.start()
+        assert self.held.wait(30)
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.release.set()
+        self.thread.join(timeout=30)
+
+
+@pytest.mark.timeout(180)
+def test_a_leader_cut_off_holding_the_leader_row_does_not_stop_a_takeover(start_replicas):
+    """The old leader's store connection cut off inside a ``leads`` transaction (the leader row
+    locked, its backend idle in the transaction): the replica taking over rewrites that row
+    first, and must not wait on it until Postgres notices the dead peer (hours). On the code
+    before, the takeover blocked 5 s, dropped the lock, and tried again, for as long as the
+    row stayed locked (here: 120 s, so not within the bound)."""
+    url, (first, second) = start_replicas(2, health_interval_s=0.2)
+    with CutOffLeader(url, first.app.state.ctx.replica_id) as cut_off:
+        first.stop()  # its election gives the lock up; its store transaction stays open
+        took = wait_for(lambda: leaders([second]) == [second], 8.0, "the second to lead")
+        print(f"takeover past a cut-off holder of the leader row: {took:.2f} s")
+        # Postgres ended the cut-off transaction's session (idle past LEADS_IDLE_S).
+        assert not backend_alive(url, cut_off.pid)
+    assert second.get("/admin/leader").json()["leader"]["url"] == second.url
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("table", ["leader", "runs"])
+def test_a_store_that_holds_the_swap_resumes_the_engines_within_a_bound(
+    start_replicas, engine, tiny_model_dir, table
+):
+    """The store made slow under a swap: another connection holds the ``leader`` row (the
+    check before the pause waits on it) or the run's row (the version's record, with the
+    engines paused and loaded, waits on it). The swap must answer 503 lost_leadership within a
+    few seconds (weights.STORE_WAIT_S, the lock wait leadership.LEADS_LOCK_S), the engine
+    resumed and nothing recorded, not wait for the store (the code before waited as long as
+    the lock was held: here 60 s, and answered 200 then)."""
+    url, (leader, follower) = start_replicas(2, health_interval_s=0.2)
+    run_id = leader.app.state.ctx.default_run_id
+    release = threading.Event()
+    locked = threading.Event()
+
+    def hold() -> None:
+        with psycopg.connect(url) as db:
+            if table == "leader":
+                db.execute("SELECT * FROM leader FOR UPDATE")
+            else:
+                db.execute("SELECT * FROM runs WHERE id = %s FOR UPDATE", (run_id,))
+            locked.set()
+            release.wait(60)
+            db.rollback()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert locked.wait(30)
+        started = time.monotonic()
+        reply = leader.post("/admin/weights", json={"model_path": str(tiny_model_dir)})
+        took = time.monotonic() - started
+    finally:
+        release.set()
+        holder.join(timeout=30)
+    print(f"a swap on a store holding the {table} row answered in {took:.2f} s")
+    assert reply.status_code == 503, reply.text
+    assert reply.json()["error"]["code"] == "lost_leadership", reply.text
+    assert "did not confirm the lead" in reply.json()["error"]["message"]
+    # 4 s of lock wait, 5 s at most for the check: 20 s leaves a loaded machine its margin.
+    assert took < 20.0
+    assert engine.service.scheduler.paused is None  # resumed
+    assert _versions_of(follower) == [0]  # nothing recorded
+    retry = leader.post("/admin/weights", json={"model_path": str(tiny_model_dir), "version": 1})
+    assert retry.status_code == 200, retry.text
+    assert _versions_of(follower) == [1]
+
+
+@pytest.mark.timeout(180)
+def test_a_swap_naming_the_version_served_with_other_weights_is_409(
+    start_replicas, engine, tiny_model_dir, tmp_path
+):
+    """The retry shortcut (the version asked is the one served: 200, no swap) holds only for
+    the weights that version was loaded from: another path for it, or a run's retry after
+    another run swapped to the same number, is 409 weights_conflict and nothing is swapped (the
+    code before answered 200 with nothing loaded). Also on a replica that took the lead and has
+    swapped nothing itself (it knows the last swap by the store)."""
+    _, (leader, follower) = start_replicas(2, health_interval_s=0.2)
+    copy = tmp_path / "other-weights"
+    shutil.copytree(tiny_model_dir, copy)
+    first = {"model_path": str(tiny_model_dir), "version": 1}
+    assert follower.post("/admin/weights", json=first).status_code == 200
+
+    def refused(replica: Replica, body: dict, says: str) -> None:
+        reply = replica.post("/admin/weights", json=body)
+        assert reply.status_code == 409, reply.text
+        error = reply.json()["error"]
+        assert (error["code"], error["type"], error["param"]) == (
+            "weights_conflict",
+            "conflict_error",
+            "version",
+        ), error
+        assert says in error["message"], error["message"]
+
+    refused(follower, {"model_path": str(copy), "version": 1}, "not " + repr(str(copy)))
+    assert len(leader.app.state.ctx.pool.swaps) == 1
+    again = follower.post("/admin/weights", json=first)  # the true retry still answers
+    assert again.status_code == 200 and again.json()["pause_seconds"] == 0.0, again.text
+
+    made = leader.post("/rl/runs", json={"name": "other", "config": {}})
+    assert made.status_code == 201, made.text
+    other = made.json()["id"]
+    swapped = leader.post("/admin/weights", json={"run_id": other, "model_path": str(copy)})
+    assert swapped.status_code == 200 and swapped.json()["policy_version"] == 1, swapped.text
+    assert len(leader.app.state.ctx.pool.swaps) == 2
+    refused(follower, first, "the last swap was run " + other)
+    assert len(leader.app.state.ctx.pool.swaps) == 2
+
+    leader.stop()
+    wait_for(lambda: follower.leading, 5.0, "the follower to lead")
+    wait_for(
+        lambda: [e["healthy"] for e in follower.get("/admin/engines").json()] == [True],
+        5.0,
+        "the engine in the new leader's rotation",
+    )
+    refused(follower, first, f"run {other} also records it")
+    assert follower.app.state.ctx.pool.swaps == []
+    assert _versions_of(follower) == [1]
+
+
+@pytest.mark.timeout(180)
+def test_a_leader_that_loses_and_retakes_the_lead_mid_swap_records_nothing(
+    start_replicas, engine, tiny_model_dir, monkeypatch
+):
+    """ABA: the lead lost and taken again by the same replica while its swap holds the engine
+    paused (its lock's connection cut; one replica, so it takes the lead back at its next
+    checks). By replica id it leads at every check, but under another lead than the one it
+    paused the engines under: 503 lost_leadership, nothing recorded, the engine resumed (the
+    code before compared replica ids and answered 200)."""
+    monkeypatch.setenv(FAILPOINT, "paused:6")
+    url, (only,) = start_replicas(1, health_interval_s=0.2)
+
+    async def swap_and_retake() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=120, headers=ADMIN) as http:
+            swapping = asyncio.create_task(
+                http.post(f"{only.url}/admin/weights", json={"model_path": str(tiny_model_dir)})
+            )
+            while engine.service.scheduler.paused is None:
+                assert not swapping.done(), swapping.result().text
+                await asyncio.sleep(0.01)
+            (holder,) = lock_holders(url)
+            with psycopg.connect(url, autocommit=True) as db:
+                db.execute("SELECT pg_terminate_backend(%s)", (holder,))
+            deadline = time.monotonic() + 5.0  # the failpoint holds the swap 6 s
+            while lock_holders(url) in ([], [holder]) or not only.leading:
+                assert time.monotonic() < deadline, "the lead was not taken back within 5 s"
+                await asyncio.sleep(0.05)
+            assert not swapping.done()  # taken back while the swap still holds the engine
+            return await swapping
+
+    reply = asyncio.run(swap_and_retake())
+    assert reply.status_code == 503, reply.text
+    assert reply.json()["error"]["code"] == "lost_leadership"
+    assert engine.service.scheduler.paused is None
+    assert _versions_of(only) == [0]
+    monkeypatch.undo()
+    retry = only.post("/admin/weights", json={"model_path": str(tiny_model_dir), "version": 1})
+    assert retry.status_code == 200, retry.text
+    assert _versions_of(only) == [1]
