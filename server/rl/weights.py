@@ -41,8 +41,6 @@ from typing import Any
 
 import httpx
 from pydantic import BaseModel
-from sqlalchemy import select
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.context import ServerContext
 from server.engine_client.client import EngineError, EngineRejected
@@ -66,8 +64,7 @@ from server.rl.schemas import (
     WeightsOut,
 )
 from server.store import leadership, runs
-from server.store.database import first_line
-from server.store.tables import Run
+from server.store.database import Db, first_line
 
 log = logging.getLogger(__name__)
 
@@ -201,10 +198,11 @@ async def _served(ctx: ServerContext, run_id: str, version: int, model_path: str
         run = await runs.get_run(db, run_id)
         if run is None or run.policy_version != version:
             return False
-        same_version = select(Run.id, Run.weights_path).where(
-            Run.policy_version == version, Run.id != run_id
-        )
-        others = [o for o in (await db.execute(same_version)).all() if o.weights_path != model_path]
+        others = [
+            o
+            for o in await runs.others_at_version(db, version, run_id)
+            if o.weights_path != model_path
+        ]
     refusal = f"The engines serve version {version}, but"
     if run.weights_path != model_path:
         raise WeightsConflict(
@@ -279,7 +277,7 @@ async def _confirm_lead(
     ctx: ServerContext,
     then: str,
     lead: LeadToken | None = None,
-    record: Callable[[AsyncSession], Awaitable[None]] | None = None,
+    record: Callable[[Db], Awaitable[None]] | None = None,
 ) -> LeadToken:
     """This replica still leads (by its last election check and by the store), or 503; its
     lead's fencing token. With ``lead``, under that same lead (one lost and taken again since,

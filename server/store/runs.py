@@ -74,6 +74,12 @@ async def policy_versions(db: AsyncSession) -> list[tuple[str, int]]:
     return [(run_id, int(version)) for run_id, version in rows.all()]
 
 
+async def others_at_version(db: AsyncSession, version: int, run_id: str) -> list[Run]:
+    """The runs other than ``run_id`` whose policy version is ``version``."""
+    query = select(Run).where(Run.policy_version == version, Run.id != run_id)
+    return list(await db.scalars(query))
+
+
 async def set_policy_version(
     db: AsyncSession, run_id: str, version: int, weights_path: str | None
 ) -> None:
