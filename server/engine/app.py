@@ -236,7 +236,7 @@ async def probe_weights(body: WeightsProbeIn) -> JSONResponse:
     """Whether the file at ``path`` holds ``token`` here (server/common/weights_probe.py)."""
     if (problem := weights_probe.name_problem(body.path)) is not None:
         return _bad_request(problem)
-    problem = await asyncio.to_thread(weights_probe.read_problem, body.path, body.token)
+    problem = await weights_probe.read_problem_within(body.path, body.token)
     return JSONResponse({"success": problem is None, "message": problem or "readable"})
 
 

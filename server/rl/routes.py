@@ -350,9 +350,13 @@ async def weight_group(body: WeightGroupIn, ctx: Ctx, _: AdminDep, request: Requ
     "/weights/probe",
     response_model=weights_probe.WeightsProbeOut,
     summary="Whether this server and its engines can read a file the trainer wrote",
-    responses=documented(422),
+    responses=documented(422, 502, 503),
 )
-async def probe_weights(body: weights_probe.WeightsProbeIn, ctx: Ctx, _: AdminDep) -> Any:
+async def probe_weights(
+    body: weights_probe.WeightsProbeIn, ctx: Ctx, _: AdminDep, request: Request
+) -> Any:
+    if not ctx.pool.leading:  # the leader checks a publish's files: it is the one to ask
+        return leaders_answer(await weights.forward(ctx, request.url.path, body, request.headers))
     return await weights_probe.probe(ctx, body)
 
 

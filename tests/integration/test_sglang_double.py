@@ -170,7 +170,10 @@ def test_the_weights_probe_says_sglang_engines_cannot_be_checked(proxy, doubles,
     answer = reply.json()
     assert answer["readable"] is True and answer["server"]["readable"] is True
     assert {e["url"] for e in answer["engines"]} == {d.url for d in doubles.values()}
-    assert all(not e["checked"] and "SGLang" in e["problem"] for e in answer["engines"])
+    by_url = {e["url"]: e for e in answer["engines"]}
+    blind = by_url.pop(doubles["blind"].url)  # no context: out of rotation, not loaded, not asked
+    assert blind["answered"] is False and "not asked" in blind["problem"], blind
+    assert all(not e["checked"] and "SGLang" in e["problem"] for e in by_url.values()), answer
 
 
 # ----- an engine that refuses a request the proxy let through -------------------------------
