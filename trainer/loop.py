@@ -152,7 +152,8 @@ class Trainer:
         check_installed(config.tracking)  # a configured tracker is there before anything runs
         self.config = config
         self.server = server
-        self.output = Path(config.output_dir)
+        # once, on the driver: every path sent to the workers and the server is absolute
+        self.output = Path(config.output_dir).resolve()
         self.output.mkdir(parents=True, exist_ok=True)
         self.checkpoints = Checkpoints(self.output, config.keep_checkpoints)
         run = server.run(config.run_id) if config.run_id else server.default_run()

@@ -41,7 +41,7 @@ class Publisher:
         self.server = server
         self.run_id = run_id
         self.workers = workers
-        self.weights_dir = output_dir / "weights"
+        self.weights_dir = output_dir / "weights"  # absolute: resolved once, on the driver
         self.metadata: dict | None = None
         self.group_name = GROUP_PREFIX + secrets.token_hex(4)
 
@@ -57,7 +57,7 @@ class Publisher:
     def _publish_disk(self, version: int) -> None:
         path = self.weights_dir / f"v{version:06d}"
         self.workers.call("save_weights", str(path))
-        self.server.publish(self.run_id, str(path.resolve()), version, self.config.timeout_s)
+        self.server.publish(self.run_id, str(path), version, self.config.timeout_s)
         versions = sorted(self.weights_dir.glob("v*"))
         for old in versions[: -self.config.keep_versions]:
             shutil.rmtree(old, ignore_errors=True)
@@ -65,7 +65,8 @@ class Publisher:
     def check_readable(self) -> None:
         """``disk``: the server and every engine must read what rank 0 writes under
         ``output_dir/weights/``; raise :class:`WeightsUnreadable`, saying what is needed,
-        when one cannot. Engines that cannot be asked (SGLang) are logged as unchecked."""
+        when one cannot. Engines that cannot be asked (SGLang) are logged as unchecked, and
+        engines that did not answer (down, or slow) as unknown: a warning, not a stop."""
         if self.config.mode != "disk":
             return
         token = secrets.token_hex(16)
@@ -81,10 +82,20 @@ class Publisher:
                 "publish.mode=disk: could not check that %s read %s (no probe route); they "
                 "must see that path", ", ".join(unchecked), self.weights_dir,
             )  # fmt: skip
-        failed = [r for r in readers if r["checked"] and not r["readable"]]
+        silent = [r for r in readers if r["checked"] and not r.get("answered", True)]
+        for reader in silent:
+            log.warning(
+                "publish.mode=disk: could not check that %s reads %s (%s); it must see that "
+                "path, or its first publish fails", reader["url"], self.weights_dir,
+                reader["problem"],
+            )  # fmt: skip
+        failed = [
+            r for r in readers if r["checked"] and r.get("answered", True) and not r["readable"]
+        ]
         if failed:
             raise WeightsUnreadable(unreadable_message(path, failed))
-        log.info("publish.mode=disk: the server and %d engine(s) read %s", len(readers) - 1, path)
+        read = sum(r["readable"] for r in answer["engines"])
+        log.info("publish.mode=disk: the server and %d engine(s) read %s", read, path)
 
     def _publish_distributed(self, version: int) -> None:
         if self.metadata is None:

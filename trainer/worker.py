@@ -352,12 +352,13 @@ class Worker:
 
     def write_probe(self, weights_dir: str, token: str) -> str | None:
         """Rank 0 (the writer of every published version) writes the publish probe under
-        ``weights_dir``; its path (None on the other ranks)."""
+        ``weights_dir`` (absolute: the driver's, as every publish's path); its path (None on the
+        other ranks)."""
         if self.rank != 0:
             return None
         from server.common.weights_probe import PROBE_NAME
 
-        path = Path(weights_dir).resolve() / PROBE_NAME
+        path = Path(weights_dir) / PROBE_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(PROBE_NAME + ".tmp")
         tmp.write_text(token)

@@ -11,6 +11,7 @@ trains.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -72,6 +73,34 @@ def test_an_engine_on_the_trainers_disk_passes_the_check_and_trains(tiny_model_d
             server = Server(proxy)
             sessions = [server.episode(reward=float(i % 2)) for i in range(2)]
             log = finish(start_trainer(server, out, "batch_size=2", "max_steps=1"), 400)
+            assert "publish.mode=disk: the server and 1 engine(s) read" in log
+            assert [r["step"] for r in metrics(out)] == [1]
+            assert {server.statuses()[s] for s in sessions} == {"consumed"}
+    finally:
+        shared.stop()
+
+
+def test_an_engine_down_at_start_is_warned_of_and_the_trainer_trains(tiny_model_dir, tmp_path):
+    """One engine of two down at start (nothing listens at its address): the probe asks only
+    the engines a publish loads, so the trainer warns that the down one could not be checked
+    and trains (the old probe asked it, and the trainer stopped, saying the path was not
+    shared). The output_dir is given relative to the trainer's working directory: the driver
+    makes it absolute once, for the probe and every publish alike."""
+    out = tmp_path / "train"
+    shared = engine(tiny_model_dir, tmp_path)
+    down = f"http://127.0.0.1:{free_port()}"
+    try:
+        engines = f"{shared.url},{down}"
+        with ProxyProcess(tiny_model_dir, tmp_path / "server", "--engines", engines) as proxy:
+            server = Server(proxy)
+            sessions = [server.episode(reward=float(i % 2)) for i in range(2)]
+            relative = os.path.relpath(out, ROOT)  # the trainer runs in ROOT
+            trainer = start_trainer(
+                server, out, "batch_size=2", "max_steps=1", f"output_dir={relative}"
+            )
+            log = finish(trainer, 400)
+            assert f"could not check that {down} reads {out / 'weights'}" in log
+            assert "not asked" in log
             assert "publish.mode=disk: the server and 1 engine(s) read" in log
             assert [r["step"] for r in metrics(out)] == [1]
             assert {server.statuses()[s] for s in sessions} == {"consumed"}
