@@ -39,6 +39,9 @@ Limit = Annotated[int, Query(ge=1, le=1000, description="Items per page.")]
 Offset = Annotated[int, Query(ge=0, le=MAX_INT, description="Items to skip.")]
 StepNumber = Annotated[int, Query(ge=0, le=MAX_INT, description="A trainer step number.")]
 FilePath = Annotated[str, StringConstraints(min_length=1, max_length=4096), NoNul]
+# A path the store records (a run's weights_path: VARCHAR(1000)), refused before it is used.
+STORED_PATH_LENGTH = 1000
+StoredPath = Annotated[str, StringConstraints(min_length=1, max_length=STORED_PATH_LENGTH), NoNul]
 # A host name (RFC 1123 labels) or an IPv4/IPv6 address, as a socket can be given it.
 Host = Annotated[
     str, StringConstraints(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9._:-]+$")

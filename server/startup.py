@@ -160,15 +160,18 @@ async def take_part(ctx: ServerContext, election: Election) -> None:
     if leading and not pool.leading:
         version = await version_on_takeover(ctx)
         pool.leading = True  # whatever the engines answer: one that hangs is the pool's to judge
+        pool.last_swap = None  # what the engines hold is known by the store only
         if version is not None:
             pool.expected_version = version
         wait = ctx.settings.leader_check_s + 5.0
-        await asyncio.gather(
-            *(asyncio.wait_for(e.client.resume(), wait) for e in pool.engines),
-            return_exceptions=True,
-        )
+        if not pool.update_lock.locked():  # else this replica's own swap holds them paused
+            await asyncio.gather(
+                *(asyncio.wait_for(e.client.resume(), wait) for e in pool.engines),
+                return_exceptions=True,
+            )
         log.info("took the lead: the engines are expected at version %s", version)
     elif pool.leading and not leading:
+        pool.last_swap = None
         log.warning("now following: the engines' versions are read from the store")
     pool.leading = leading
 

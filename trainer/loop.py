@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -153,7 +154,8 @@ class Trainer:
         self.config = config
         self.server = server
         # once, on the driver: every path sent to the workers and the server is absolute
-        self.output = Path(config.output_dir).resolve()
+        # absolute, symlinks kept: the path other nodes mount may differ from this one's target
+        self.output = Path(os.path.abspath(config.output_dir))
         self.output.mkdir(parents=True, exist_ok=True)
         self.checkpoints = Checkpoints(self.output, config.keep_checkpoints)
         run = server.run(config.run_id) if config.run_id else server.default_run()

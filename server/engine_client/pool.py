@@ -138,6 +138,9 @@ class EnginePool:
         self._round_robin = itertools.count()
         self.update_lock = asyncio.Lock()  # one weight swap at a time
         self.swaps: list[dict] = []  # run_id, version, pause_seconds, at: one per swap
+        # (run_id, version) of the last swap this replica made since it took the lead (None:
+        # none, or one whose outcome is not known): what a retried swap is checked against
+        self.last_swap: tuple[str, int] | None = None
         # The version every engine must serve to be in rotation (None: any); a follower's is
         # the least it may serve.
         self.expected_version: int | None = None

@@ -232,9 +232,11 @@ async def _events(
             tail += renderer.finish(index, deltas, reason)
         count_malformed_calls(ctx, plan, completions)
         await record(ctx.writer, ctx.tokenizer, state, plan.prompt, served, plan.log)
+        last = frame(
+            renderer, [*tail, *renderer.end(outputs.usage(len(plan.prompt.ids), completions))]
+        )
     except Exception:
         if unsent:  # the error event that follows needs the start before it
             yield unsent
         raise
-    end = renderer.end(outputs.usage(len(plan.prompt.ids), completions))
-    yield unsent + frame(renderer, [*tail, *end]) + closing
+    yield unsent + last + closing

@@ -21,12 +21,12 @@ from server.bounds import (
     NAME_LENGTH,
     Count,
     DtypeName,
-    FilePath,
     Host,
     Id,
     Name,
     NoNul,
     Shape,
+    StoredPath,
 )
 from server.store.run_config import MAX_COUNT, REWARD_BOUND, RunConfig, Seconds
 from server.store.tables import DROP_REASON_LENGTH
@@ -440,8 +440,10 @@ class DistributedWeightsIn(BaseModel):
 class WeightsIn(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model_path: FilePath | None = Field(
-        None, description="A Hugging Face directory the engines can read."
+    model_path: StoredPath | None = Field(
+        None,
+        description="A Hugging Face directory the engines can read (at most 1,000 characters: "
+        "the run records it).",
     )
     distributed: DistributedWeightsIn | None = Field(
         None,

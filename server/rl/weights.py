@@ -63,7 +63,7 @@ from server.rl.schemas import (
     WeightsIn,
     WeightsOut,
 )
-from server.store import leadership, runs
+from server.store import database, leadership, runs
 from server.store.database import Db, first_line
 
 log = logging.getLogger(__name__)
@@ -153,6 +153,7 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
         paused = await asyncio.gather(
             *(e.client.pause("abort") for e in engines), return_exceptions=True
         )
+        pool.last_swap = None  # until this one is known to be done
         try:
             results = await _swap(ctx, engines, body, run.id, version, lead)
         finally:
@@ -170,6 +171,7 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
                 )
     swap = {"run_id": run.id, "version": version, "pause_seconds": pause_seconds, "at": time.time()}
     pool.swaps.append(swap)
+    pool.last_swap = (run.id, version)
     ctx.metrics.weight_swap_pause_seconds.observe(pause_seconds)
     await ctx.admission.notify()
     log.info("published version %d (paused %.3fs)", version, pause_seconds)
@@ -209,10 +211,10 @@ async def _served(ctx: ServerContext, run_id: str, version: int, model_path: str
             f"{refusal} run {run_id} loaded it from {run.weights_path!r}, not {model_path!r}: "
             f"nothing was swapped. {_NEW_VERSION}"
         )
-    last = ctx.pool.swaps[-1] if ctx.pool.swaps else None
-    if last is not None and (last["run_id"], last["version"]) != (run_id, version):
+    last = ctx.pool.last_swap
+    if last is not None and last != (run_id, version):
         raise WeightsConflict(
-            f"{refusal} the last swap was run {last['run_id']}'s to version {last['version']}, "
+            f"{refusal} the last swap was run {last[0]}'s to version {last[1]}, "
             f"not run {run_id}'s: nothing was swapped. {_NEW_VERSION}"
         )
     if last is None and others:
@@ -284,15 +286,19 @@ async def _confirm_lead(
     even by this replica, is another: 503); with ``record``, what it writes in the transaction
     that found it leading. A store that fails or takes more than STORE_WAIT_S counts as a lost
     lead (nothing recorded)."""
+    # SQLite: the one server always leads, and waits on a lock as long as its busy timeout
+    bound = STORE_WAIT_S if database.is_shared(ctx.settings.database_url) else None
     if ctx.pool.leading:
         try:
-            async with asyncio.timeout(STORE_WAIT_S), ctx.sessionmaker() as db, db.begin():
+            async with asyncio.timeout(bound), ctx.sessionmaker() as db, db.begin():
                 token = await leadership.lead_token(db, ctx.replica_id)
                 if token is not None and (lead is None or lead == token):
                     if record is not None:
                         await record(db)
                     return token
         except Exception as exc:  # slow, locked, or away: this replica cannot act as leader
+            if not isinstance(exc, TimeoutError) and database.store_fault(exc) is None:
+                raise  # a bug or a refused value, not the store's state: not a lost lead
             problem = "no answer" if isinstance(exc, TimeoutError) else first_line(exc)
             log.warning("the store did not confirm the lead within %g s: %s", STORE_WAIT_S, problem)
             raise _lost_lead(

@@ -72,6 +72,11 @@ def sqlite_file(url: str) -> Path | None:
     return Path(parsed.database)
 
 
+def is_shared(url: str) -> bool:
+    """A store that several servers may share (PostgreSQL); SQLite is one server's."""
+    return make_url(url).get_backend_name() == "postgresql"
+
+
 class StoreInUse(RuntimeError):
     """Another ``proxrl serve`` serves this SQLite store."""
 

@@ -123,6 +123,11 @@ FORMS = {
     # An agent's fixed key beside the session's id in the path: the id decides.
     "path": lambda k, s: (f"/sessions/{s}/v1/chat/completions", {"authorization": "Bearer sk-x"}),
     "path, no key": lambda k, s: (f"/sessions/{s}/v1/messages", {}),
+    # A run's key, which all its sessions share, beside the session's id: the id decides.
+    "x-session-id": lambda k, s: (
+        "/v1/chat/completions",
+        {"authorization": "Bearer rk-run", "x-session-id": s},
+    ),
 }
 
 

@@ -345,12 +345,14 @@ backend replicas
 
 # The request's session, as HAProxy 2.6 can name it: the id in a path-form request's path
 # (/sessions/{id}/v1/...: there the id is the credential, and an agent may send a fixed key of
-# its own), else its key: Authorization's (without "Bearer"), else x-api-key's (Anthropic's
-# clients). A later rule that matches overrides an earlier one. The same key in either header
+# its own), else the session id in X-Session-Id (sent beside a run's or the admin's key, which
+# many sessions share), else its key: Authorization's (without "Bearer"), else x-api-key's
+# (Anthropic's clients). A later rule that matches overrides an earlier one. The same key in either header
 # hashes the same. tests/integration/test_lb_affinity.py holds the docs' blocks to these lines.
 AFFINITY = """\
     http-request set-var(txn.affinity) req.hdr(x-api-key)
     http-request set-var(txn.affinity) req.hdr(authorization),regsub("^Bearer +","",i) if { req.hdr(authorization) -m found }
+    http-request set-var(txn.affinity) req.hdr(x-session-id) if { req.hdr(x-session-id) -m found }
     http-request set-var(txn.affinity) path,field(3,/) if { path_beg /sessions/ }
     balance hash var(txn.affinity)
     hash-type consistent"""  # noqa: E501 (HAProxy's lines, as the docs show them)

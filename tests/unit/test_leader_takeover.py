@@ -79,3 +79,64 @@ def test_a_leader_takes_a_newer_version_from_the_store_and_never_an_older_one():
         return seen
 
     assert asyncio.run(scenario()) == [2, 2, 5, 5, 4]
+
+
+def test_a_replica_forgets_its_last_swap_when_the_lead_changes(monkeypatch):
+    """The retry shortcut checks a retried swap against the last swap this replica made *since
+    it took the lead*: one from an earlier lead says nothing of what the engines hold after
+    another leader's swaps (the code before kept it, so run A's retry of version 5 was answered
+    200 while the engines held run B's version 5)."""
+
+    async def version(_ctx) -> int:
+        return 5
+
+    monkeypatch.setattr(startup, "store_version", version)
+
+    async def scenario() -> list[tuple[str, int] | None]:
+        pool = EnginePool([], health_interval=60.0)
+        ctx = SimpleNamespace(pool=pool, settings=SimpleNamespace(leader_check_s=0.2))
+        seen = []
+        for leads in (False, True):  # loses the lead, then takes it again
+            pool.last_swap = ("run-a", 5)
+            election = SimpleNamespace(check=lambda leads=leads: asyncio.sleep(0, result=leads))
+            await startup.take_part(ctx, election)  # type: ignore[arg-type]
+            seen.append(pool.last_swap)
+        await pool.stop()
+        return seen
+
+    assert asyncio.run(scenario()) == [None, None]
+
+
+def test_a_replica_taking_the_lead_during_its_own_swap_leaves_the_engines_to_it(monkeypatch):
+    """A replica that lost the lead mid-swap and takes it back while its swap still holds the
+    engines paused does not resume them under the load (the swap resumes them when it ends):
+    with the update lock held, no engine is asked, so a hung one costs no wait."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)  # accepts, never answers: a resume would wait out its bound
+    url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+
+    async def version(_ctx) -> int:
+        return 1
+
+    monkeypatch.setattr(startup, "store_version", version)
+
+    async def scenario() -> tuple[bool, float]:
+        pool = EnginePool([url], generate_timeout=5.0, health_interval=60.0)
+        pool.leading = False
+        ctx = SimpleNamespace(pool=pool, settings=SimpleNamespace(leader_check_s=0.2))
+        election = SimpleNamespace(check=lambda: asyncio.sleep(0, result=True))
+        started = time.monotonic()
+        try:
+            async with pool.update_lock:  # its swap
+                await startup.take_part(ctx, election)  # type: ignore[arg-type]
+        finally:
+            await pool.stop()
+        return pool.leading, time.monotonic() - started
+
+    try:
+        leading, took = asyncio.run(scenario())
+    finally:
+        hung.close()
+    assert leading
+    assert took < 1.0, took  # not the resume's 5.2 s bound
