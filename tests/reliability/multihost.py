@@ -347,8 +347,9 @@ backend replicas
 # (/sessions/{id}/v1/...: there the id is the credential, and an agent may send a fixed key of
 # its own), else the session id in X-Session-Id (sent beside a run's or the admin's key, which
 # many sessions share), else its key: Authorization's (without "Bearer"), else x-api-key's
-# (Anthropic's clients). A later rule that matches overrides an earlier one. The same key in either header
-# hashes the same. tests/integration/test_lb_affinity.py holds the docs' blocks to these lines.
+# (Anthropic's clients). A later rule that matches overrides an earlier one. The same key in
+# either header hashes the same. tests/integration/test_lb_affinity.py holds the docs' blocks
+# to these lines.
 AFFINITY = """\
     http-request set-var(txn.affinity) req.hdr(x-api-key)
     http-request set-var(txn.affinity) req.hdr(authorization),regsub("^Bearer +","",i) if { req.hdr(authorization) -m found }
