@@ -156,9 +156,7 @@ def test_publishing_weights_that_do_not_load_is_a_400_and_serving_goes_on(api: A
     assert_error(reply, 404, code="run_not_found")
 
 
-def test_a_weights_path_longer_than_the_run_can_record_is_a_422_before_any_pause(
-    api: Api, engine
-):
+def test_a_weights_path_longer_than_the_run_can_record_is_a_422_before_any_pause(api: Api, engine):
     """A run records the path its version was loaded from (1,000 characters): a longer one was
     loaded, then failed at the record (Postgres: value too long) after the engines had been
     paused for it."""
