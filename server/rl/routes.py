@@ -350,7 +350,7 @@ async def weight_group(body: WeightGroupIn, ctx: Ctx, _: AdminDep, request: Requ
     "/weights/probe",
     response_model=weights_probe.WeightsProbeOut,
     summary="Whether this server and its engines can read a file the trainer wrote",
-    responses=documented(422, 502, 503),
+    responses=documented(400, 422, 502, 503),
 )
 async def probe_weights(
     body: weights_probe.WeightsProbeIn, ctx: Ctx, _: AdminDep, request: Request

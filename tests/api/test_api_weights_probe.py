@@ -219,6 +219,16 @@ def test_a_bad_probe_request_is_a_422(api, body):
     assert_error(reply, 422)
 
 
+def test_a_probe_body_that_is_not_json_is_a_documented_400(api):
+    """The fuzzer's case: bytes that are no JSON are a 400, which the schema must list (it
+    listed 422, 502 and 503 only)."""
+    headers = {"Content-Type": "application/json"}
+    reply = api.call("POST", "/admin/weights/probe", content=b"\xbf\xbd\xd3\x98y", headers=headers)
+    assert_error(reply, 400)
+    documented = api.ok("GET", "/openapi.json", key=None)["paths"]["/admin/weights/probe"]
+    assert "400" in documented["post"]["responses"]
+
+
 def test_the_probe_is_the_admins(api, tmp_path):
     body = {"path": str(tmp_path / PROBE_NAME), "token": "x"}
     run = api.new_run()
