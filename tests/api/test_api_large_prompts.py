@@ -212,17 +212,23 @@ def test_no_body_under_the_limits_holds_the_others(api: Api):
         ("95,000 messages", "/v1/chat/completions", chat(one * 95_000), 413, "request_too_large"),
     ]
     for name, path, content, status, code in cases:
-        held, health, reply = _lag_while(api, path, content, key)
-        print(f"{name} on {path}: {reply.status_code}; loop held {held * 1000:.0f} ms, "
-              f"/health up to {health * 1000:.0f} ms")  # fmt: skip
-        assert reply.status_code == status, reply.text[:300]
-        if code is not None:
-            assert reply.json()["error"]["code"] == code, reply.text[:300]
         # On top of what the machine's load alone holds the loop and /health (measured the
         # same way with no request: 3.5 ms and 20 ms on a calm machine, 100 ms and more at a
-        # load of 15, where the fixed bound alone failed on old and new code alike).
-        assert held < 0.25 + calm_held, (name, path, held, calm_held)
-        assert health < 0.25 + calm_health, (name, path, health, calm_health)
+        # load of 15, where the fixed bound alone failed on old and new code alike). A case
+        # over the bound is measured once more and the better of the two counts: work on the
+        # loop holds it every time (the old code: 1.7-2.0 s, each time), while a burst of the
+        # machine's other work (CI's other test worker) held it 0.9 s once, in one run of many.
+        for attempt in (1, 2):
+            held, health, reply = _lag_while(api, path, content, key)
+            print(f"{name} on {path} ({attempt}): {reply.status_code}; loop held {held * 1000:.0f} ms, "
+                  f"/health up to {health * 1000:.0f} ms")  # fmt: skip
+            assert reply.status_code == status, reply.text[:300]
+            if code is not None:
+                assert reply.json()["error"]["code"] == code, reply.text[:300]
+            if held < 0.25 + calm_held and health < 0.25 + calm_health:
+                break
+        assert held < 0.25 + calm_held, (name, path, held, calm_held, attempt)
+        assert health < 0.25 + calm_health, (name, path, health, calm_health, attempt)
     assert api.session(session["session_id"])["turns"] == []
 
 
