@@ -220,8 +220,10 @@ def test_no_body_under_the_limits_holds_the_others(api: Api):
         # machine's other work (CI's other test worker) held it 0.9 s once, in one run of many.
         for attempt in (1, 2):
             held, health, reply = _lag_while(api, path, content, key)
-            print(f"{name} on {path} ({attempt}): {reply.status_code}; loop held {held * 1000:.0f} ms, "
-                  f"/health up to {health * 1000:.0f} ms")  # fmt: skip
+            print(
+                f"{name} on {path} ({attempt}): {reply.status_code}; "
+                f"loop held {held * 1000:.0f} ms, /health up to {health * 1000:.0f} ms"
+            )
             assert reply.status_code == status, reply.text[:300]
             if code is not None:
                 assert reply.json()["error"]["code"] == code, reply.text[:300]
