@@ -109,7 +109,26 @@ async def stream_events(client: httpx.AsyncClient, url: str, body: dict, on_chun
     return events
 
 
-class ProxyProcess(_Serve):
+class AdminSessions:
+    """Sessions made and read with the admin key, for anything with a proxy's ``url`` and
+    ``admin`` headers."""
+
+    url: str
+    admin: dict[str, str]
+
+    def session(self, **body) -> dict:
+        """A new session (admin key): its id, api_key and base_url."""
+        reply = httpx.post(f"{self.url}/rl/sessions", json=body, headers=self.admin, timeout=60)
+        assert reply.status_code == 201, reply.text
+        return reply.json()
+
+    def get_session(self, session_id: str) -> dict:
+        reply = httpx.get(f"{self.url}/rl/sessions/{session_id}", headers=self.admin, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+
+class ProxyProcess(AdminSessions, _Serve):
     """``proxrl serve`` as a real process on loopback (it starts its own embedded engines
     unless ``--engines`` is among ``extra``) with the admin key ``ADMIN_KEY``, offline, its
     whole output in ``data_dir/proxy-{port}.log``; stopped on exit."""
@@ -125,17 +144,6 @@ class ProxyProcess(_Serve):
         super().__init__(
             model_dir, data_dir, self.ADMIN_KEY, *extra, log_path=log_path, cwd=ROOT, port=port
         )
-
-    def session(self, **body) -> dict:
-        """A new session (admin key): its id, api_key and base_url."""
-        reply = httpx.post(f"{self.url}/rl/sessions", json=body, headers=self.admin, timeout=60)
-        assert reply.status_code == 201, reply.text
-        return reply.json()
-
-    def get_session(self, session_id: str) -> dict:
-        reply = httpx.get(f"{self.url}/rl/sessions/{session_id}", headers=self.admin, timeout=60)
-        assert reply.status_code == 200, reply.text
-        return reply.json()
 
 
 class RestClient:

@@ -35,12 +35,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.reliability import multihost
 from tests.reliability.multihost import ADMIN_KEY, Host, Network, Replica
-from tests.support import ROOT
+from tests.support import ROOT, AdminSessions
 from tests.trainer_runs import Server, metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -100,7 +99,7 @@ class RayNode:
             shutil.rmtree(temp, ignore_errors=True)
 
 
-class Proxy:
+class Proxy(AdminSessions):
     """What ``tests.trainer_runs.Server`` needs of a proxy, for the replica on its host."""
 
     ADMIN_KEY = ADMIN_KEY
@@ -108,16 +107,6 @@ class Proxy:
     def __init__(self, url: str) -> None:
         self.url = url
         self.admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-
-    def session(self, **body) -> dict:
-        reply = httpx.post(f"{self.url}/rl/sessions", json=body, headers=self.admin, timeout=60)
-        assert reply.status_code == 201, reply.text
-        return reply.json()
-
-    def get_session(self, session_id: str) -> dict:
-        reply = httpx.get(f"{self.url}/rl/sessions/{session_id}", headers=self.admin, timeout=60)
-        assert reply.status_code == 200, reply.text
-        return reply.json()
 
 
 @dataclass
