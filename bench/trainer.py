@@ -84,9 +84,10 @@ from bench.common import new_sessions, positive_int  # noqa: E402
 from server.common.processes import ProxyProcess  # noqa: E402
 from server.common.weight_transfer import read_checkpoint  # noqa: E402
 from trainer import attention  # noqa: E402
-from trainer.batching import pack, packed, padded, shift_logprobs  # noqa: E402
+from trainer.batching import packed, padded, shift_logprobs  # noqa: E402
 from trainer.config import AlgorithmConfig  # noqa: E402
 from trainer.model import output_embedding_name  # noqa: E402
+from trainer.plan import pack  # noqa: E402
 from trainer.worker import write_model_dir  # noqa: E402
 
 RESULTS_DIR = ROOT / "bench" / "results"

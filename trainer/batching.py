@@ -1,12 +1,10 @@
-"""Padding-free packing: rows of tokens into token-budget micro-batches, and back to logprobs.
+"""Padding-free packing of rows into tensors, and back to per-token logprobs and entropies.
 
-Planning works on row lengths only: `minibatches` cuts a step's rows into PPO minibatches,
-`balance` spreads a minibatch over data-parallel workers, `pack` fills each worker's
-micro-batches up to a token budget. `packed` then concatenates the rows of one micro-batch into
-a single ``[1, T]`` sequence whose ``position_ids`` restart at 0 on every row, so an attention
-implementation that honours them (transformers does, for a forward without attention mask and
-without KV cache) keeps rows apart, and no compute is spent on padding. `padded` builds the
-padded ``[B, L]`` equivalent, for benchmarks to compare against.
+`packed` concatenates the rows of one micro-batch (which rows: ``trainer/plan.py``, on row
+lengths alone) into a single ``[1, T]`` sequence whose ``position_ids`` restart at 0 on every
+row, so an attention implementation that honours them (transformers does, for a forward without
+attention mask and without KV cache) keeps rows apart, and no compute is spent on padding.
+`padded` builds the padded ``[B, L]`` equivalent, for benchmarks to compare against.
 
 Alignment, as the store writes it: in a row, ``logprobs[i]``, ``loss_mask[i]`` and
 ``versions[i]`` describe token ``input_ids[i]`` given the tokens before it; position 0 of a row
@@ -19,79 +17,12 @@ This module knows nothing about models, losses or workers: it moves indices and 
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-
-def _check_lengths(lengths: Sequence[int]) -> None:
-    for i, length in enumerate(lengths):
-        if length < 1:
-            raise ValueError(f"row {i} has length {length}; every row needs at least one token")
-
-
-def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Row indices per micro-batch, first-fit decreasing, each micro-batch <= ``max_tokens``.
-
-    Rows are taken longest first (ties by index) and go to the first micro-batch they fit in. A
-    row longer than ``max_tokens`` gets a micro-batch of its own (the trainer limits rows
-    separately, by ``algorithm.max_tokens_per_row``). Micro-batches come in the order they were
-    opened; indices within one are ascending.
-    """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-    _check_lengths(lengths)
-    bins: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        slot = next((b for b, room in enumerate(free) if lengths[i] <= room), None)
-        if slot is None:
-            bins.append([])
-            free.append(max(max_tokens, lengths[i]))
-            slot = len(bins) - 1
-        bins[slot].append(i)
-        free[slot] -= lengths[i]
-    return [sorted(rows) for rows in bins]
-
-
-def balance(lengths: Sequence[int], parts: int) -> list[list[int]]:
-    """Row indices per data-parallel worker, token counts as equal as greedy allows.
-
-    Longest row first (ties by index) to the lightest part (ties by part index): the classic
-    LPT rule, within 4/3 of the best possible largest part. A part is empty only when there are
-    fewer rows than parts. Indices within a part are ascending.
-    """
-    if parts < 1:
-        raise ValueError(f"parts must be positive, got {parts}")
-    _check_lengths(lengths)
-    loads = [(0, part) for part in range(parts)]
-    shares: list[list[int]] = [[] for _ in range(parts)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        load, part = heapq.heappop(loads)
-        shares[part].append(i)
-        heapq.heappush(loads, (load + lengths[i], part))
-    return [sorted(share) for share in shares]
-
-
-def minibatches(n_rows: int, count: int) -> list[list[int]]:
-    """``count`` contiguous runs of row indices, sizes differing by at most one (larger first).
-
-    ``count`` is clipped to ``n_rows`` so no minibatch is empty; no rows give no minibatches.
-    """
-    if count < 1:
-        raise ValueError(f"count must be positive, got {count}")
-    if n_rows < 0:
-        raise ValueError(f"n_rows must not be negative, got {n_rows}")
-    count = min(count, n_rows)
-    out: list[list[int]] = []
-    start = 0
-    for k in range(count):
-        size = n_rows // count + (1 if k < n_rows % count else 0)
-        out.append(list(range(start, start + size)))
-        start += size
-    return out
+from trainer.plan import check_lengths
 
 
 @dataclass(frozen=True)
@@ -149,7 +80,7 @@ def packed(
     if not rows:
         raise ValueError("nothing to pack: no rows")
     lengths = [len(row) for row in rows]
-    _check_lengths(lengths)
+    check_lengths(lengths)
     input_ids = torch.cat([torch.as_tensor(row, dtype=torch.long) for row in rows])
     position_ids = torch.cat([torch.arange(length) for length in lengths])
     sequence_ids = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths))
@@ -243,3 +174,20 @@ def shift_entropy(logits: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tenso
         entropy = torch.special.entr(torch.softmax(chunk, dim=-1)).sum(-1)
         out[begin + 1 : begin + 1 + chunk.shape[0]] = entropy
     return out.masked_fill(starts, 0.0)
+
+
+def shift_entropy_with_grad(logits: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """`shift_entropy`, differentiable: for an entropy bonus in the loss. Keeps the ``[T, V]``
+    log-softmax for the backward (the price of the bonus; `shift_entropy` keeps nothing).
+    A zero probability (a logit of -inf) contributes 0 and sends no NaN back."""
+    if logits.ndim != 2:
+        raise ValueError(f"expected logits [T, V], got {tuple(logits.shape)}")
+    num_tokens = logits.shape[0]
+    starts = _row_starts(cu_seqlens, num_tokens)
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    logp = torch.log_softmax(logits[:-1], dim=-1)
+    # p log p with log p floored at the dtype's lowest: 0 * finite where p = 0, so no 0 * inf
+    entropy = -(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
+    shifted = torch.cat([entropy.new_zeros(min(1, num_tokens)), entropy])
+    return torch.where(starts, torch.zeros_like(shifted), shifted)

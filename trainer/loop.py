@@ -424,7 +424,7 @@ class Trainer:
             algo.ppo_minibatches,
             algo.max_tokens_per_microbatch,
         )
-        per_rank = [(minibatches, plan.tokens, algo) for minibatches in plan.per_rank]
+        per_rank = [(mbs, plan.tokens, plan.sequences, algo) for mbs in plan.per_rank]
         return combine(self.workers.call_each("train_step", per_rank))
 
     def drop(self, claimed: Claimed, batch: Batch) -> set[str]:

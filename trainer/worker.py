@@ -17,7 +17,7 @@ import os
 import shutil
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +34,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.constants import default_pg_timeout
 
 from trainer import failpoints
-from trainer.batching import PackedBatch, packed, shift_entropy, shift_logprobs
+from trainer.algorithm import train_step as algorithm_step
+from trainer.backend import EntropyMode, Forward
+from trainer.batching import packed, shift_entropy, shift_entropy_with_grad, shift_logprobs
 from trainer.config import AlgorithmConfig, OptimConfig
-from trainer.loss import decoupled_ppo_loss
 from trainer.model import checkpoint_names, load_sharded_model, output_embedding_name
+from trainer.plan import MicroBatch
 
 # Files of a model directory that are not weights: copied next to every published version.
 MODEL_FILES = (
@@ -50,17 +52,6 @@ MODEL_FILES = (
     "vocab.json",
     "merges.txt",
 )
-
-
-@dataclass
-class MicroBatch:
-    """Rows packed together on one worker; per-token lists align with ``rows``."""
-
-    rows: list[list[int]] = field(default_factory=list)
-    loss_mask: list[list[int]] = field(default_factory=list)
-    behaviour: list[list[float]] = field(default_factory=list)
-    advantages: list[list[float]] = field(default_factory=list)
-    fresh: list[list[int]] = field(default_factory=list)  # loss tokens at staleness 0
 
 
 @dataclass(frozen=True)
@@ -149,10 +140,10 @@ class Worker:
         self.model = load_sharded_model(settings.model_dir, self.device)
         # tied embeddings: one tensor the state dict names twice; published and sent once
         self.output_embedding = output_embedding_name(self.model)
-        self.reference = None
+        self.reference_model = None
         if settings.algorithm.kl_coef > 0:
-            self.reference = load_sharded_model(settings.model_dir, self.device)
-            self.reference.requires_grad_(False)
+            self.reference_model = load_sharded_model(settings.model_dir, self.device)
+            self.reference_model.requires_grad_(False)
         optim = settings.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -166,14 +157,46 @@ class Worker:
             "device": str(self.device),
         }
 
-    # ----- forward ----------------------------------------------------------------------------
+    # ----- the backend (trainer/backend.py) ---------------------------------------------------
 
-    def _forward(
-        self, model: torch.nn.Module, micro: MicroBatch, entropy: bool = False
-    ) -> tuple[torch.Tensor, PackedBatch, torch.Tensor | None]:
+    def forward(
+        self, micro: MicroBatch, *, grad: bool = False, entropy: EntropyMode = "none"
+    ) -> Forward:
+        with torch.set_grad_enabled(grad):
+            return self._forward(self.model, micro, entropy)
+
+    def reference(self, micro: MicroBatch) -> torch.Tensor | None:
+        if self.reference_model is None:
+            return None
+        with torch.no_grad():
+            return self._forward(self.reference_model, micro, "none").logprobs
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # FSDP2 averages gradients over workers; each worker's loss is a share of the global sum.
+        (loss * self.world_size).backward()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> float:
+        clip = self.settings.optim.grad_clip
+        limit = clip if clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
+        full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        return float(full)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _forward(self, model: torch.nn.Module, micro: MicroBatch, entropy: EntropyMode) -> Forward:
         """Logprob of each packed token given the tokens before it in its row (0 at row starts),
-        the packed batch, and with ``entropy`` the entropy of the distribution that predicted
-        each token (no gradient; from the same logits, which die with this call)."""
+        and the entropy of the distribution that predicted it, as ``entropy`` asks."""
         rows = micro.rows or [[0]]  # an empty micro-batch still runs so collectives line up
         batch = packed(rows)
         input_ids = batch.input_ids.to(self.device)
@@ -186,16 +209,21 @@ class Worker:
         ).logits
         assert self.algorithm.temperature is not None, "resolve the run's temperature first"
         logits = logits[0].float() / self.algorithm.temperature
-        entropies = shift_entropy(logits.detach(), cu_seqlens) if entropy else None
-        return shift_logprobs(logits, input_ids[0], cu_seqlens), batch, entropies
+        entropies = None
+        if entropy == "grad":
+            entropies = shift_entropy_with_grad(logits, cu_seqlens)
+        elif entropy == "detached":
+            entropies = shift_entropy(logits.detach(), cu_seqlens)
+        logprobs = shift_logprobs(logits, input_ids[0], cu_seqlens)
+        return Forward(logprobs, entropies, batch.sequence_ids.to(self.device))
 
     @torch.no_grad()
     def logprobs(self, micros: list[MicroBatch]) -> list[list[list[float]]]:
         """Per micro-batch, per row, the current policy's logprob of each token."""
         out = []
         for micro in micros:
-            values, batch, _ = self._forward(self.model, micro)
-            out.append(split_rows(values, batch.cu_seqlens, len(micro.rows)))
+            values = self._forward(self.model, micro, "none").logprobs
+            out.append(split_rows(values, [len(row) for row in micro.rows]))
         return out
 
     # ----- the update -------------------------------------------------------------------------
@@ -204,117 +232,44 @@ class Worker:
         self,
         minibatches: list[list[MicroBatch]],
         tokens: list[int],
+        sequences: list[int] | None = None,
         algorithm: AlgorithmConfig | None = None,
-    ) -> dict[str, float]:
-        """One training step: proximal logprobs, then one optimizer step per PPO minibatch.
+    ) -> dict[str, Any]:
+        """One training step of ``trainer/algorithm.py`` on this worker (collective).
 
-        ``tokens[i]`` is the number of loss tokens in minibatch ``i`` over all workers, so each
-        micro-batch's loss is already a share of the global token mean. Returns this worker's
-        sums (summed over its micro-batches; the driver adds the workers'), ``grad_norms`` (one
-        per minibatch, before clipping: the same on every worker) and its phase seconds.
-        ``algorithm`` (default: the settings') is the whole algorithm of this step.
+        ``tokens[i]`` and ``sequences[i]`` count the loss tokens and the rows holding any in
+        minibatch ``i`` over all workers (`StepPlan`); left out, the workers count ``sequences``
+        together (one all-reduce). ``algorithm`` (default: the settings') is the whole algorithm
+        of this step. Returns this worker's sums (see ``algorithm.train_step``).
         """
         self.algorithm = algorithm or self.settings.algorithm
-        started = time.perf_counter()
-        flat = [micro for minibatch in minibatches for micro in minibatch]
-        proximal = self._proximal(flat)
-        self._synchronize()
-        proximal_seconds = time.perf_counter() - started
-        totals: dict[str, Any] = self._mismatch(flat, proximal)
-        failpoints.reach("mid_step", self.step_count + 1, Path("."), f"paused-at-rank{self.rank}")
-        grad_norms = []
-        index = 0
-        for minibatch, count in zip(minibatches, tokens, strict=True):
-            self._set_lr()
-            self.optimizer.zero_grad(set_to_none=True)
-            for micro in minibatch:
-                stats = self._backward(micro, proximal[index], max(count, 1))
-                index += 1
-                for key, value in stats.items():
-                    totals[key] = totals.get(key, 0.0) + value
-            grad_norms.append(self._clip_gradients())
-            self.optimizer.step()
-        self.step_count += 1
-        self._synchronize()
-        totals["grad_norms"] = grad_norms
-        totals["seconds"] = time.perf_counter() - started
-        totals["proximal_seconds"] = proximal_seconds
-        return totals
-
-    def _synchronize(self) -> None:
-        """Wait for queued GPU work, so that phase timings measure it."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _proximal(self, micros: list[MicroBatch]) -> list[torch.Tensor | None]:
-        """Logprobs under the weights at the start of the step (decoupled PPO's pi_prox)."""
-        if not self.algorithm.decoupled:
-            return [None] * len(micros)  # plain PPO: the behaviour policy is the proximal one
-        with torch.no_grad():
-            return [self._forward(self.model, micro)[0] for micro in micros]
-
-    def _mismatch(
-        self, micros: list[MicroBatch], proximal: list[torch.Tensor | None]
-    ) -> dict[str, float]:
-        """Engine-vs-trainer logprob gap: the sum of |log pi_prox - log pi_behav| over the loss
-        tokens the step's own starting policy sampled (there both sides ran the same weights),
-        and their count. Only with decoupled PPO, where pi_prox is computed anyway."""
-        gap, count = 0.0, 0.0
-        for micro, prox in zip(micros, proximal, strict=True):
-            if prox is None or not micro.rows:
-                continue
-            fresh = _flat(micro.fresh, torch.float32, self.device)
-            behaviour = _flat(micro.behaviour, torch.float32, self.device)
-            gap += float(((prox.float() - behaviour).abs() * fresh).sum())
-            count += float(fresh.sum())
-        return {"mismatch_sum": gap, "mismatch_tokens": count}
-
-    def _backward(
-        self, micro: MicroBatch, proximal: torch.Tensor | None, total_tokens: int
-    ) -> dict[str, float]:
-        logprobs, batch, entropy = self._forward(self.model, micro, entropy=True)
-        assert entropy is not None
-        device = self.device
-        if micro.rows:
-            mask = _flat(micro.loss_mask, torch.float32, device)
-            behaviour = _flat(micro.behaviour, torch.float32, device)
-            advantages = _flat(micro.advantages, torch.float32, device)
-        else:
-            mask = behaviour = advantages = torch.zeros_like(logprobs)
-        reference = None
-        if self.reference is not None:
-            with torch.no_grad():
-                reference = self._forward(self.reference, micro)[0]
-        loss, stats = decoupled_ppo_loss(
-            logprobs,
-            proximal,
-            behaviour,
-            advantages,
-            mask,
-            total_tokens=total_tokens,
-            algorithm=self.algorithm,
-            sequence_ids=batch.sequence_ids.to(device),
-            reference_logprobs=reference,
+        if sequences is None:
+            sequences = self._count_sequences(minibatches)
+        step = self.step_count + 1
+        marker = f"paused-at-rank{self.rank}"
+        stats = algorithm_step(
+            self,
+            minibatches,
+            tokens,
+            sequences,
+            self.algorithm,
+            lr=self.scheduled_lr(),
+            after_proximal=lambda: failpoints.reach("mid_step", step, Path("."), marker),
         )
-        # FSDP2 averages gradients over workers; each worker's loss is a share of the global sum.
-        (loss * self.world_size).backward()
-        out = {key: float(value) for key, value in stats.items()}
-        out["loss_sum"] = float(loss.detach())
-        out["entropy_sum"] = float((entropy * mask).sum())
-        return out
+        self.step_count += 1
+        return stats
 
-    def _set_lr(self) -> None:
+    def _count_sequences(self, minibatches: list[list[MicroBatch]]) -> list[int]:
+        """Per minibatch, the rows holding a loss token, over all workers (collective)."""
+        counts = torch.tensor([rows_with_loss(minibatch) for minibatch in minibatches])
+        dist.all_reduce(counts)
+        return [int(count) for count in counts]
+
+    def scheduled_lr(self) -> float:
+        """This step's learning rate: the run's, after a linear warm-up."""
         warmup = self.settings.optim.warmup_steps
         scale = min(1.0, (self.step_count + 1) / warmup) if warmup > 0 else 1.0
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.settings.lr * scale
-
-    def _clip_gradients(self) -> float:
-        clip = self.settings.optim.grad_clip
-        limit = clip if clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
-        full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        return float(full)
+        return self.settings.lr * scale
 
     # ----- weights out ------------------------------------------------------------------------
 
@@ -428,14 +383,17 @@ class Worker:
             dist.destroy_process_group()
 
 
-def _flat(rows: list[list[Any]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor([value for row in rows for value in row], dtype=dtype, device=device)
+def rows_with_loss(micros: list[MicroBatch]) -> int:
+    return sum(1 for micro in micros for mask in micro.loss_mask if any(mask))
 
 
-def split_rows(values: torch.Tensor, cu_seqlens: torch.Tensor, count: int) -> list[list[float]]:
-    bounds = cu_seqlens.tolist()
-    flat = values.tolist()
-    return [flat[bounds[i] : bounds[i + 1]] for i in range(count)]
+def split_rows(values: torch.Tensor, lengths: list[int]) -> list[list[float]]:
+    """Packed per-token values back into rows of ``lengths``."""
+    flat, start, out = values.tolist(), 0, []
+    for length in lengths:
+        out.append(flat[start : start + length])
+        start += length
+    return out
 
 
 def write_model_dir(

@@ -19,15 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer import batching
-from trainer.batching import (
-    balance,
-    minibatches,
-    pack,
-    packed,
-    padded,
-    shift_entropy,
-    shift_logprobs,
-)
+from trainer.batching import packed, padded, shift_entropy, shift_logprobs
+from trainer.plan import balance, minibatches, pack
 
 TOL64 = 1e-12
 

@@ -1,0 +1,154 @@
+"""One training step of the RL algorithm, on any `Backend`: proximal recompute, minibatches, loss.
+
+`train_step` is the update of decoupled PPO (AReaL, arXiv 2505.24298) and of its special cases:
+
+1. proximal: with ``algorithm.decoupled``, the logprobs of every micro-batch under the weights
+   at the start of the step (pi_prox, no gradient), before any minibatch moves them;
+2. the engine-vs-trainer mismatch on the tokens the step's own starting weights sampled;
+3. per PPO minibatch: per micro-batch a forward with gradient, the objective on the packed
+   tokens (`LossInputs`), a backward; then one optimizer step.
+
+The objective is whatever the table in ``trainer/objectives`` names; this module builds its
+inputs and adds up its statistics. It reaches the model only through the `Backend` calls, so it
+knows nothing about FSDP, torch.distributed, Ray or devices: the same step runs on the sharded
+workers and on a plain float64 model in a test. It returns this worker's sums; the driver adds
+the workers' (``trainer/figures.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from trainer.backend import Backend
+from trainer.config import AlgorithmConfig
+from trainer.loss import decoupled_ppo_loss
+from trainer.plan import MicroBatch
+
+
+def train_step(
+    backend: Backend,
+    minibatches: Sequence[Sequence[MicroBatch]],
+    tokens: Sequence[int],
+    sequences: Sequence[int],
+    algorithm: AlgorithmConfig,
+    *,
+    lr: float,
+    after_proximal: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """One step: the proximal logprobs, then one optimizer step per minibatch at ``lr``.
+
+    ``tokens[i]`` and ``sequences[i]`` are the loss tokens and the rows holding any in
+    minibatch ``i`` over all workers (`StepPlan`), so each micro-batch's loss is already its
+    share of the whole minibatch's. Returns this worker's sums over its micro-batches (the
+    objective's statistics, ``loss_sum``, ``entropy_sum``, ``mismatch_sum`` and
+    ``mismatch_tokens``), ``grad_norms`` (one per minibatch, before clipping) and the wall
+    times ``seconds`` and ``proximal_seconds``. ``after_proximal`` runs once the proximal
+    logprobs are in, before any update (the crash tests' ``mid_step`` point).
+    """
+    started = time.perf_counter()
+    flat = [micro for minibatch in minibatches for micro in minibatch]
+    proximal = proximal_logprobs(backend, flat, algorithm)
+    backend.synchronize()
+    proximal_seconds = time.perf_counter() - started
+    totals: dict[str, Any] = mismatch(flat, proximal)
+    if after_proximal is not None:
+        after_proximal()
+    grad_norms = []
+    index = 0
+    for minibatch, token_count, sequence_count in zip(minibatches, tokens, sequences, strict=True):
+        backend.set_lr(lr)
+        backend.zero_grad()
+        for micro in minibatch:
+            stats = accumulate(
+                backend,
+                micro,
+                proximal[index],
+                algorithm,
+                total_tokens=max(token_count, 1),
+                total_sequences=max(sequence_count, 1),
+            )
+            index += 1
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value
+        grad_norms.append(backend.step())
+    backend.synchronize()
+    totals["grad_norms"] = grad_norms
+    totals["seconds"] = time.perf_counter() - started
+    totals["proximal_seconds"] = proximal_seconds
+    return totals
+
+
+def proximal_logprobs(
+    backend: Backend, micros: Sequence[MicroBatch], algorithm: AlgorithmConfig
+) -> list[torch.Tensor | None]:
+    """Logprobs under the weights at the start of the step (decoupled PPO's pi_prox); None
+    each for plain PPO, where the behaviour policy is the proximal one."""
+    if not algorithm.decoupled:
+        return [None] * len(micros)
+    return [backend.forward(micro).logprobs for micro in micros]
+
+
+def mismatch(
+    micros: Sequence[MicroBatch], proximal: Sequence[torch.Tensor | None]
+) -> dict[str, float]:
+    """Engine-vs-trainer logprob gap: the sum of |log pi_prox - log pi_behav| over the loss
+    tokens the step's own starting policy sampled (there both sides ran the same weights),
+    and their count. Only with decoupled PPO, where pi_prox is computed anyway."""
+    gap, count = 0.0, 0.0
+    for micro, prox in zip(micros, proximal, strict=True):
+        if prox is None or not micro.rows:
+            continue
+        fresh = per_token(micro.fresh, prox)
+        behaviour = per_token(micro.behaviour, prox)
+        gap += float(((prox - behaviour).abs() * fresh).sum())
+        count += float(fresh.sum())
+    return {"mismatch_sum": gap, "mismatch_tokens": count}
+
+
+def accumulate(
+    backend: Backend,
+    micro: MicroBatch,
+    proximal: torch.Tensor | None,
+    algorithm: AlgorithmConfig,
+    *,
+    total_tokens: int,
+    total_sequences: int,
+) -> dict[str, float]:
+    """Forward, objective and backward of one micro-batch; its statistics as floats."""
+    entropy_grad = getattr(algorithm, "entropy_coef", 0.0) > 0
+    forward = backend.forward(micro, grad=True, entropy="grad" if entropy_grad else "detached")
+    logprobs, entropy = forward.logprobs, forward.entropy
+    assert entropy is not None
+    if micro.rows:
+        mask = per_token(micro.loss_mask, logprobs)
+        behaviour = per_token(micro.behaviour, logprobs)
+        advantages = per_token(micro.advantages, logprobs)
+    else:  # the one-token stand-in row of an empty micro-batch: no loss token
+        mask = behaviour = advantages = torch.zeros_like(logprobs)
+    loss, stats = decoupled_ppo_loss(
+        logprobs,
+        proximal,
+        behaviour,
+        advantages,
+        mask,
+        total_tokens=total_tokens,
+        algorithm=algorithm,
+        sequence_ids=forward.sequence_ids,
+        reference_logprobs=backend.reference(micro),
+    )
+    backend.backward(loss)
+    out = {key: float(value) for key, value in stats.items()}
+    out["loss_sum"] = float(loss.detach())
+    out["entropy_sum"] = float((entropy.detach() * mask).sum())
+    return out
+
+
+def per_token(rows: Sequence[Sequence[float]], like: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's per-token lists, concatenated as its packed tokens are, in ``like``'s
+    dtype and on its device."""
+    flat = [value for row in rows for value in row]
+    return torch.tensor(flat, dtype=like.dtype, device=like.device)
