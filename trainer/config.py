@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -21,6 +22,8 @@ from typing import Any, Literal
 import yaml
 
 from trainer.advantages import ESTIMATORS, EstimatorName
+
+ObjectiveName = Literal["ppo"]  # the keys of trainer.objectives.OBJECTIVES (a test checks)
 
 
 class ConfigError(ValueError):
@@ -86,7 +89,42 @@ class AlgorithmConfig:
         "token_mask",
         "What the cap does: truncate the weight, or mask the token / the whole sequence.",
     )
-    kl_coef: float = option(0.0, "Weight (>= 0) of the k3 KL to the initial (reference) policy.")
+    kl_coef: float = option(
+        0.0,
+        "Weight (>= 0) of the KL term to the initial (reference) policy in the loss, estimated "
+        "per token by kl_estimator.",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = option(
+        "k3",
+        "Estimator of the KL term (Schulman 2020), with r = pi_ref / pi at the sampled token. "
+        "k3 = r - 1 - log r: its value estimates KL(pi || ref), its gradient in the loss is "
+        "that of KL(ref || pi) (forward KL). k2 = (log r)^2 / 2: gradient of KL(pi || ref) "
+        "(reverse KL). k1 = -log r: value unbiased for KL(pi || ref), but its expected "
+        "gradient in the loss is 0 (it regularises nothing; reported for comparison).",
+    )
+    objective: ObjectiveName = option(  # noqa: RUF009 (a Literal alias)
+        "ppo",
+        "Policy objective (trainer/objectives/, one module each). ppo: decoupled PPO, token "
+        "ratio and clip (AReaL).",
+    )
+    aggregation: Literal["token_mean", "sequence_mean", "constant"] = option(
+        "token_mean",
+        "How per-token loss terms become the loss. token_mean: sum over the minibatch's loss "
+        "tokens / their number. sequence_mean: the mean over each row's loss tokens, then over "
+        "rows (GRPO, arXiv 2402.03300, eq. 3). constant: sum over a row's tokens / "
+        "aggregation_constant, then the mean over rows (Dr. GRPO, arXiv 2503.20783).",
+    )
+    aggregation_constant: float | None = option(
+        None,
+        "aggregation=constant: the constant normaliser (> 0) of each row's token sum, e.g. "
+        "the generation budget in tokens (Dr. GRPO uses the max answer length). Only with "
+        "aggregation=constant.",
+    )
+    entropy_coef: float = option(
+        0.0,
+        "Entropy bonus (>= 0): the loss less entropy_coef times the policy's entropy over the "
+        "loss tokens, aggregated as the loss is. 0: off (entropy is only reported).",
+    )
     stale: Literal["keep", "mask", "drop"] = option(
         "keep",
         "Tokens sampled more than max_staleness versions before the trained one. keep: train "
@@ -389,8 +427,20 @@ def check_algorithm(algo: AlgorithmConfig) -> None:  # noqa: C901, PLR0912  # a 
         raise ConfigError(name + "dual_clip", "must be > 1 (or null)")
     if algo.behaviour_cap is not None and algo.behaviour_cap <= 1:
         raise ConfigError(name + "behaviour_cap", "must be > 1 (or null for no cap)")
-    if algo.kl_coef < 0:
+    if not algo.kl_coef >= 0:
         raise ConfigError(name + "kl_coef", "must be >= 0")
+    if not 0 <= algo.entropy_coef < math.inf:
+        raise ConfigError(name + "entropy_coef", f"must be >= 0, got {algo.entropy_coef}")
+    if (algo.aggregation == "constant") != (algo.aggregation_constant is not None):
+        raise ConfigError(
+            name + "aggregation_constant",
+            "is needed with aggregation=constant, and only there",
+        )
+    if algo.aggregation_constant is not None and not 0 < algo.aggregation_constant < math.inf:
+        raise ConfigError(
+            name + "aggregation_constant",
+            f"must be > 0 and finite, got {algo.aggregation_constant}",
+        )
     _positive(algo.ppo_minibatches, name + "ppo_minibatches")
     _positive(algo.max_tokens_per_microbatch, name + "max_tokens_per_microbatch")
     if algo.max_tokens_per_row is not None:

@@ -18,20 +18,36 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer.config import AlgorithmConfig, ConfigError
-from trainer.loss import STAT_NAMES, decoupled_ppo_loss, k3_kl
+from trainer.loss import decoupled_ppo_loss
+from trainer.objectives import STAT_NAMES, LossInputs, policy_loss
+from trainer.objectives.kl import k3_kl
 
 TOL = 1e-12
 ARGUMENTS = ("sequence_ids", "reference_logprobs", "total_tokens")
 
 
 def ppo_loss(logprobs, proximal, behaviour, advantages, mask, **options):
-    """`decoupled_ppo_loss` with the algorithm's options given as keywords (no cap unless
-    asked: the reference's default), as the worker passes its frozen AlgorithmConfig."""
+    """`policy_loss` of the "ppo" entry with the algorithm's options given as keywords (no cap
+    unless asked: the reference's default), as the trainer passes its frozen AlgorithmConfig.
+    Without sequence_ids every token is a row of its own."""
     arguments = {k: options.pop(k) for k in ARGUMENTS if k in options}
     algorithm = AlgorithmConfig(**{"behaviour_cap": None, **options})
-    return decoupled_ppo_loss(
-        logprobs, proximal, behaviour, advantages, mask, algorithm=algorithm, **arguments
+    sequence_ids = arguments.get("sequence_ids")
+    if sequence_ids is None:
+        sequence_ids = torch.arange(logprobs.shape[-1])
+    inputs = LossInputs(
+        logprobs=logprobs,
+        proximal=proximal,
+        behaviour=behaviour,
+        advantages=advantages,
+        loss_mask=mask,
+        sequence_ids=sequence_ids,
+        entropy=None,
+        reference=arguments.get("reference_logprobs"),
+        total_tokens=arguments["total_tokens"],
+        total_sequences=1.0,  # token_mean does not use it
     )
+    return policy_loss(inputs, algorithm)
 
 
 @dataclass
@@ -94,7 +110,7 @@ def reference_loss(  # noqa: PLR0915  # the loss spelt out, token by token
         keep = [keep[i] and seq[i] not in bad for i in range(n)]
 
     total, grad = 0.0, [0.0] * n
-    stats = dict.fromkeys(STAT_NAMES, 0.0)
+    stats = dict.fromkeys(STAT_NAMES, 0.0)  # clipped_sequences etc.: 0 under ppo, no entropy
     for i in range(n):
         r = math.exp(lp[i] - prox[i])
         a = adv[i]
@@ -126,6 +142,8 @@ def reference_loss(  # noqa: PLR0915  # the loss spelt out, token by token
 
 
 def run(case: Case, total_tokens: float, **options):
+    if options.get("kl_coef"):  # a KL term needs the reference's logprobs
+        options.setdefault("reference_logprobs", case.reference)
     logprobs = case.logprobs.clone().requires_grad_(True)
     loss, stats = ppo_loss(
         logprobs,
@@ -172,6 +190,8 @@ OPTIONS = [
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_loss_gradient_and_stats_match_the_reference(options, seed):
     case = random_case(seed)
+    if options.get("kl_coef"):
+        options = {**options, "reference_logprobs": case.reference}
     stats = assert_matches_reference(case, total_tokens=100.0, **options)
     # the random case reaches every region the options switch on
     assert stats["clipped_tokens"] > 0
@@ -343,19 +363,18 @@ def test_a_prompt_token_over_the_cap_masks_nothing():
     assert stats["kept_tokens"].item() == 2
 
 
-def test_sequence_mask_needs_sequence_ids():
+def test_the_old_entry_point_is_the_ppo_entry_and_sequence_mask_needs_sequence_ids():
+    """trainer/loss.py, kept for callers that predate the table, gives the table's result."""
     case = behaviour_case()
+    algorithm = AlgorithmConfig(behaviour_cap=2.0, behaviour_mode="sequence_mask")
+    arguments = (case.logprobs, case.proximal, case.behaviour, case.advantages, case.mask)
     with pytest.raises(ValueError, match="sequence_ids"):
-        ppo_loss(
-            case.logprobs,
-            case.proximal,
-            case.behaviour,
-            case.advantages,
-            case.mask,
-            total_tokens=4,
-            behaviour_cap=2.0,
-            behaviour_mode="sequence_mask",
-        )
+        decoupled_ppo_loss(*arguments, total_tokens=4, algorithm=algorithm)
+    old, _ = decoupled_ppo_loss(
+        *arguments, total_tokens=4, algorithm=algorithm, sequence_ids=case.sequence_ids
+    )
+    new, _, _ = run(case, 4.0, behaviour_cap=2.0, behaviour_mode="sequence_mask")
+    assert old.item() == new.item()
 
 
 def test_no_gradient_reaches_proximal_behaviour_or_advantages():
