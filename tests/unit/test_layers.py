@@ -258,3 +258,62 @@ def loaded_by(module: str) -> set[str]:
 def test_the_proxy_loads_neither_torch_ray_nor_transformers(module):
     heavy = sorted(name for name in loaded_by(module) if name.split(".")[0] in HEAVY)
     assert not heavy, f"import {module} loads {heavy[:10]}"
+
+
+# The algorithm (trainer/algorithm.py) and the step's plan reach the model only through
+# trainer/backend.py: neither they nor any module of ours they import (transitively) names
+# torch.distributed, FSDP or Ray. The plan is plain data: no torch at all.
+BACKEND_ONLY = ("torch.distributed", "ray")
+PURE = ("trainer.plan", "trainer.algorithm")
+
+
+def imported_by(module: str) -> list[Import]:
+    """Every import of ``module`` and of the modules of ours it imports, transitively."""
+    modules = our_modules()
+    seen, todo, found = {module}, [module], []
+    while todo:
+        current = todo.pop()
+        for item in imports_of(current, modules[current]):
+            found.append(item)
+            if item.target in modules and item.target not in seen:
+                seen.add(item.target)
+                todo.append(item.target)
+    return found
+
+
+def reaches_a_backend(item: Import) -> bool:
+    target = item.target
+    return "fsdp" in target.lower() or any(
+        target == name or target.startswith(name + ".") for name in BACKEND_ONLY
+    )
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_the_algorithm_and_the_plan_import_no_distributed_backend(module):
+    found = sorted(
+        {f"{i.module} -> {i.target}" for i in imported_by(module) if reaches_a_backend(i)}
+    )
+    assert not found, f"{module} reaches the backend's machinery: {found}"
+
+
+def test_the_backend_check_catches_what_it_forbids():
+    def caught(target: str) -> bool:
+        return reaches_a_backend(Import("trainer.algorithm", target, lazy=True))
+
+    assert caught("torch.distributed")
+    assert caught("torch.distributed.fsdp")
+    assert caught("ray")
+    assert not caught("torch")
+    assert not caught("trainer.backend")
+    # trainer.publish names none of them itself, only through the modules it imports
+    assert not any(
+        reaches_a_backend(i)
+        for i in imported_by("trainer.publish")
+        if i.module == "trainer.publish"
+    )
+    assert any(reaches_a_backend(i) for i in imported_by("trainer.publish"))
+
+
+def test_the_plan_loads_no_torch():
+    heavy = sorted(name for name in loaded_by("trainer.plan") if name.split(".")[0] in HEAVY)
+    assert not heavy, f"import trainer.plan loads {heavy[:10]}"
