@@ -15,6 +15,7 @@ from fastapi.routing import APIRoute
 from server import auth
 from server.context import ServerContext
 from server.errors import AuthenticationRequired, InvalidKey
+from server.proxy.prompts import REQUEST_BYTES
 
 # A JSON body past this is parsed and validated on a worker thread (``BodyOffLoop``).
 OFF_LOOP_BYTES = 256 * 1024
@@ -35,6 +36,7 @@ class BodyOffLoop(APIRoute):
 
         async def route(request: Request) -> Response:
             body = await request.body()
+            REQUEST_BYTES.set(len(body))  # a small body's prompt is made on the loop
             if len(body) <= OFF_LOOP_BYTES or not is_json(request):
                 return await handler(request)
             value = await anyio.to_thread.run_sync(_validated, field, body)
