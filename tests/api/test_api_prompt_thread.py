@@ -77,7 +77,9 @@ def test_the_largest_inline_prompt_holds_the_loop_briefly(api: Api, made):
     """A body just under the bound: its prompt is made on the loop in a few milliseconds. Here
     it took 1-3 ms; the bound below is generous for a shared 2-core machine, and far under the
     seconds a 28 MB prompt held the loop before prompt threads."""
-    text = "the quick brown fox jumps over the lazy dog " * ((prompts.INLINE_PROMPT_BYTES - 200) // 44)
+    text = "the quick brown fox jumps over the lazy dog " * (
+        (prompts.INLINE_PROMPT_BYTES - 200) // 44
+    )
     send(api, "/v1/chat/completions", text)
     ((where, seconds),) = made
     assert where, "made on a prompt thread"
