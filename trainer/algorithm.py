@@ -25,7 +25,7 @@ import torch
 
 from trainer.backend import Backend
 from trainer.config import AlgorithmConfig
-from trainer.loss import decoupled_ppo_loss
+from trainer.objectives import LossInputs, policy_loss
 from trainer.plan import MicroBatch
 
 
@@ -44,10 +44,11 @@ def train_step(
     ``tokens[i]`` and ``sequences[i]`` are the loss tokens and the rows holding any in
     minibatch ``i`` over all workers (`StepPlan`), so each micro-batch's loss is already its
     share of the whole minibatch's. Returns this worker's sums over its micro-batches (the
-    objective's statistics, ``loss_sum``, ``entropy_sum``, ``mismatch_sum`` and
-    ``mismatch_tokens``), ``grad_norms`` (one per minibatch, before clipping) and the wall
-    times ``seconds`` and ``proximal_seconds``. ``after_proximal`` runs once the proximal
-    logprobs are in, before any update (the crash tests' ``mid_step`` point).
+    objective's, named in ``trainer.objectives.STAT_NAMES``, and ``loss_sum``,
+    ``mismatch_sum``, ``mismatch_tokens``), ``grad_norms`` (one per minibatch, before
+    clipping) and the wall times ``seconds`` and ``proximal_seconds``. ``after_proximal``
+    runs once the proximal logprobs are in, before any update (the crash tests' ``mid_step``
+    point).
     """
     started = time.perf_counter()
     flat = [micro for minibatch in minibatches for micro in minibatch]
@@ -119,31 +120,32 @@ def accumulate(
     total_sequences: int,
 ) -> dict[str, float]:
     """Forward, objective and backward of one micro-batch; its statistics as floats."""
-    entropy_grad = getattr(algorithm, "entropy_coef", 0.0) > 0
-    forward = backend.forward(micro, grad=True, entropy="grad" if entropy_grad else "detached")
-    logprobs, entropy = forward.logprobs, forward.entropy
-    assert entropy is not None
+    bonus = algorithm.entropy_coef > 0  # else no [T, V] is kept for an entropy gradient
+    forward = backend.forward(micro, grad=True, entropy="grad" if bonus else "detached")
+    logprobs = forward.logprobs
     if micro.rows:
-        mask = per_token(micro.loss_mask, logprobs)
+        mask = per_token(micro.loss_mask, logprobs) > 0
         behaviour = per_token(micro.behaviour, logprobs)
         advantages = per_token(micro.advantages, logprobs)
     else:  # the one-token stand-in row of an empty micro-batch: no loss token
-        mask = behaviour = advantages = torch.zeros_like(logprobs)
-    loss, stats = decoupled_ppo_loss(
-        logprobs,
-        proximal,
-        behaviour,
-        advantages,
-        mask,
-        total_tokens=total_tokens,
-        algorithm=algorithm,
+        mask = torch.zeros_like(logprobs, dtype=torch.bool)
+        behaviour = advantages = torch.zeros_like(logprobs)
+    inputs = LossInputs(
+        logprobs=logprobs,
+        proximal=proximal,
+        behaviour=behaviour,
+        advantages=advantages,
+        loss_mask=mask,
         sequence_ids=forward.sequence_ids,
-        reference_logprobs=backend.reference(micro),
+        entropy=forward.entropy,
+        reference=backend.reference(micro),
+        total_tokens=float(total_tokens),
+        total_sequences=float(total_sequences),
     )
+    loss, stats = policy_loss(inputs, algorithm)
     backend.backward(loss)
     out = {key: float(value) for key, value in stats.items()}
     out["loss_sum"] = float(loss.detach())
-    out["entropy_sum"] = float((entropy.detach() * mask).sum())
     return out
 
 
