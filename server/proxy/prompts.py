@@ -71,8 +71,8 @@ MAX_READINGS = 256
 PROMPT_THREADS = 4
 # A request whose body is at most this many bytes has its prompt made on the event loop: the
 # hand-off to a prompt thread and back costs more CPU than rendering, tokenizing and splicing
-# such a prompt (about 0.15 ms against 0.1-0.6 ms here), and holds the loop under a millisecond.
-INLINE_PROMPT_BYTES = 16 * 1024
+# such a prompt (about 0.15 ms a request), and holds the loop a few milliseconds at most.
+INLINE_PROMPT_BYTES = 4 * 1024
 # The body size of the request being served (set by the route, ``server.deps.BodyOffLoop``);
 # unknown (None): the prompt thread, as for a large body.
 REQUEST_BYTES: ContextVar[int | None] = ContextVar("proxrl_request_bytes", default=None)
