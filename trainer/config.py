@@ -23,7 +23,7 @@ import yaml
 
 from trainer.advantages import ESTIMATORS, EstimatorName
 
-ObjectiveName = Literal["ppo"]  # the keys of trainer.objectives.OBJECTIVES (a test checks)
+ObjectiveName = Literal["ppo", "gspo", "sapo", "m2po"]  # OBJECTIVES keys (a test checks)
 
 
 class ConfigError(ValueError):
@@ -104,8 +104,24 @@ class AlgorithmConfig:
     )
     objective: ObjectiveName = option(  # noqa: RUF009 (a Literal alias)
         "ppo",
-        "Policy objective (trainer/objectives/, one module each). ppo: decoupled PPO, token "
-        "ratio and clip (AReaL).",
+        "Policy objective (trainer/objectives/, one module each; docs/architecture/"
+        "algorithms.md). ppo: decoupled PPO, token ratio and clip (AReaL). gspo: sequence-level "
+        "ratio and clip (GSPO, arXiv 2507.18071). sapo: a soft sigmoid gate in place of the "
+        "clip (SAPO, arXiv 2511.20347). m2po: stale tokens masked by the second moment of "
+        "their log ratio, no clip (M2PO, arXiv 2510.01161).",
+    )
+    sapo_tau_pos: float = option(
+        1.0, "objective=sapo: the gate's temperature (> 0) for tokens with positive advantage."
+    )
+    sapo_tau_neg: float = option(
+        1.05,
+        "objective=sapo: the gate's temperature (> 0) for tokens with advantage <= 0 (the "
+        "paper takes it above sapo_tau_pos).",
+    )
+    m2po_tau: float = option(
+        0.04,
+        "objective=m2po: bound (> 0) on the mean of (log pi / pi_behav)^2 over the tokens "
+        "kept; the tokens with the largest values are masked until it holds (paper: 0.04).",
     )
     aggregation: Literal["token_mean", "sequence_mean", "constant"] = option(
         "token_mean",
@@ -441,6 +457,15 @@ def check_algorithm(algo: AlgorithmConfig) -> None:  # noqa: C901, PLR0912  # a 
             name + "aggregation_constant",
             f"must be > 0 and finite, got {algo.aggregation_constant}",
         )
+    for field_name in ("sapo_tau_pos", "sapo_tau_neg", "m2po_tau"):
+        value = getattr(algo, field_name)
+        if not 0 < value < math.inf:
+            raise ConfigError(name + field_name, f"must be > 0 and finite, got {value}")
+    defaults = AlgorithmConfig.__dataclass_fields__
+    for field_name in ("sapo_tau_pos", "sapo_tau_neg", "m2po_tau"):
+        owner = field_name.split("_")[0]
+        if algo.objective != owner and getattr(algo, field_name) != defaults[field_name].default:
+            raise ConfigError(name + field_name, f"applies only to objective={owner}")
     _positive(algo.ppo_minibatches, name + "ppo_minibatches")
     _positive(algo.max_tokens_per_microbatch, name + "max_tokens_per_microbatch")
     if algo.max_tokens_per_row is not None:

@@ -115,6 +115,11 @@ def test_masked_tokens_with_absurd_values_change_nothing(seed, name, where, valu
         ({"kl_coef": math.nan}, "algorithm.kl_coef"),
         ({"kl_estimator": "k4"}, "algorithm.kl_estimator"),
         ({"aggregation": "sum"}, "algorithm.aggregation"),
+        ({"objective": "sapo", "sapo_tau_pos": 0.0}, "algorithm.sapo_tau_pos"),
+        ({"objective": "sapo", "sapo_tau_neg": math.inf}, "algorithm.sapo_tau_neg"),
+        ({"sapo_tau_neg": 2.0}, "algorithm.sapo_tau_neg"),  # not under objective=ppo
+        ({"objective": "m2po", "m2po_tau": -0.1}, "algorithm.m2po_tau"),
+        ({"objective": "gspo", "m2po_tau": 0.1}, "algorithm.m2po_tau"),
         ({"aggregation": "constant"}, "algorithm.aggregation_constant"),
         ({"aggregation_constant": 10.0}, "algorithm.aggregation_constant"),
         (

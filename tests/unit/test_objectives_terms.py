@@ -88,6 +88,7 @@ def algorithm_for(aggregation, constant, entropy_coef=0.0, **options):
 
 def loss_and_grads(inputs: LossInputs, algorithm: AlgorithmConfig):
     logprobs = inputs.logprobs.detach().clone().requires_grad_(True)
+    assert inputs.entropy is not None
     entropy = inputs.entropy.detach().clone().requires_grad_(True)
     given = LossInputs(**{**inputs.__dict__, "logprobs": logprobs, "entropy": entropy})
     loss, stats = policy_loss(given, algorithm)

@@ -1,7 +1,10 @@
 """Policy objectives, one table: ``algorithm.objective`` names an entry of `OBJECTIVES`, one
 module each; `policy_loss` is the one call the trainer makes.
 
-    ppo   decoupled PPO, token ratio and clip (AReaL)          trainer/objectives/ppo.py
+    ppo   decoupled PPO, token ratio and clip (AReaL, arXiv 2505.24298)    ppo.py
+    gspo  sequence-level ratio and clip (GSPO, arXiv 2507.18071)           gspo.py
+    sapo  soft sigmoid gate instead of the clip (SAPO, arXiv 2511.20347)   sapo.py
+    m2po  second-moment masking of stale tokens, no clip (M2PO, 2510.01161) m2po.py
 
 Cross-cutting options apply to every entry (trainer/objectives/terms.py): the aggregation of
 per-token terms (token_mean, sequence_mean, constant), the KL to the reference with its
@@ -18,12 +21,15 @@ from __future__ import annotations
 from torch import Tensor
 
 from trainer.config import AlgorithmConfig
+from trainer.objectives.gspo import gspo
 from trainer.objectives.inputs import STAT_NAMES, LossInputs, Objective, check_inputs
+from trainer.objectives.m2po import m2po
 from trainer.objectives.ppo import ppo
+from trainer.objectives.sapo import sapo
 
 __all__ = ["OBJECTIVES", "STAT_NAMES", "LossInputs", "Objective", "policy_loss"]
 
-OBJECTIVES: dict[str, Objective] = {"ppo": ppo}
+OBJECTIVES: dict[str, Objective] = {"ppo": ppo, "gspo": gspo, "sapo": sapo, "m2po": m2po}
 
 
 def policy_loss(inputs: LossInputs, algorithm: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
