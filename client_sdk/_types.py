@@ -146,7 +146,8 @@ class Row(TypedDict):
     """Each turn in the row: completion_id, turn_index, start, end (its sampled tokens are
     input_ids[start:end]), reward (its own, or None), temperature (what it was sampled at, or
     None), alternative (True when the session did not go on from it: a choice of a retried
-    request, or one the next request did not continue)."""
+    request, or one the next request did not continue), finish_reason (why its answer ended:
+    "length" when the length limit cut it, else "stop" or "tool_calls")."""
 
 
 class SessionDetail(TypedDict):

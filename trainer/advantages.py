@@ -8,6 +8,11 @@ reward nor later turns' rewards; its return is its own reward, and without one i
 position is that of the path turn its request led to. The caller decides which turns have
 returns; this module maps those floats to advantages.
 
+**Rewards first.** Before returns are computed, each reward as recorded (a turn's own, the
+session's) may be shaped: DAPO's soft overlong penalty (`overlong_penalty`) is added to a turn's
+own reward, then the reward is multiplied by the run's scale and clipped (`shaped_reward`). The
+caller applies them; the returns see only the shaped rewards.
+
 **Estimators.** Each is one entry of `ESTIMATORS`. Returns are compared position by position
 along the path: the pool at position t holds the group's returns at t, and a session whose path
 ended before t stands in with its *outcome* (its last path return), as a finished episode's
@@ -17,7 +22,23 @@ result. Each return G at t becomes A = (G - b) / s:
     dr_grpo       pool: the group's returns at t    b = mean                         s = 1
     rloo          pool: the group's returns at t    b = mean of the other sessions'  s = 1
     reinforce_pp  pool: the batch's returns at t    b = mean                         s = scale
+    lite_ppo      pool: the group's returns at t    b = mean                         s = batch scale
+    reinforce_pp_baseline  (as lite_ppo)            b = mean                         s = batch scale
+                                                                     of G - its group's mean
     running       the task                          b = running mean of outcomes     s = 1
+
+``scale`` is the std of the pool's values plus eps; ``batch scale`` the std of the batch's
+values at t (every group's pool at t together) plus eps. lite_ppo (Liu et al. 2025, "Tricks or
+Traps?", arXiv 2508.08221, section 4.1: group-level mean, batch-level std) takes the std of
+the returns themselves; reinforce_pp_baseline (REINFORCE++-baseline, Hu et al., arXiv
+2501.03262: subtract the group mean, then normalise by the batch's std of what is left) takes
+the std of each return less its group's mean. They are not one formula: the batch std of the
+returns holds the spread *between* groups' means too, the other only the spread within
+groups; they agree when every group has the same mean (one group in the batch, say).
+REINFORCE++-baseline also subtracts the batch mean of the group-centred values, which is 0 by
+construction (each group's centred values sum to 0): it changes nothing but rounding, and is
+left out. ``advantage_std`` picks the std's form: ``population`` (divide by N: GRPO's paper and
+the default) or ``sample`` (Bessel's N - 1, as TRL and verl compute it).
 
 With one reward per session and no discount every return of a session is its reward, so every
 position gives exactly the per-session GRPO (Dr. GRPO, RLOO, REINFORCE++) advantage, whatever
@@ -39,8 +60,9 @@ sessions that reach the same outcome R once, at the end, after paths of at most 
 |A| <= 1 - discount^L (<= L * (1 - discount)), which goes to 0 as the discount goes to 1, and a
 tiny spread of outcomes never magnifies a large spread of lengths. At discount 1, D = 0 and A
 is the usual (G - mean) / (std + eps), bit for bit: no advantage then exceeds sqrt(N - 1) in
-size, N the values in its position's pool (the largest z-score N numbers can reach; std is the
-population std).
+size, N the values in its position's pool (the largest z-score N numbers can reach under the
+population std; (N - 1) / sqrt(N) under the sample std). The batch-scaled estimators split the
+same way, with the batch's statistics of U (spread, mean |U|) in place of the pool's.
 
 **No contrast, no signal.** A pool of fewer than two sessions has nothing to compare with, and a
 pool whose values are all equal has no spread: every estimator but `running` gives 0 there.
@@ -58,11 +80,14 @@ of its settings (discount, momentum) are checked once, by the trainer's config.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-EstimatorName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "running"]
+EstimatorName = Literal[
+    "grpo", "dr_grpo", "rloo", "reinforce_pp", "lite_ppo", "reinforce_pp_baseline", "running"
+]
+StdForm = Literal["population", "sample"]  # divide the squared deviations by N, or N - 1
 NO_KEY = ""  # the running-baseline key of sessions without task (and group) key
 
 
@@ -83,6 +108,32 @@ def turn_returns(
         following = rewards[t] + discount * following
         returns[t] = following
     return returns
+
+
+# --- rewards before returns: DAPO's length penalty, scale, clip --------------------------------
+
+
+def overlong_penalty(length: int, max_tokens: int, cache_tokens: int) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13) of an answer
+    of ``length`` tokens: 0 up to L_max - L_cache, then falling linearly,
+    ((L_max - L_cache) - length) / L_cache, to -1 at L_max, and -1 beyond."""
+    free = max_tokens - cache_tokens
+    if length <= free:
+        return 0.0
+    if length <= max_tokens:
+        return (free - length) / cache_tokens
+    return -1.0
+
+
+def shaped_reward(reward: float, scale: float, clip: float | None) -> float:
+    """A reward multiplied by ``scale``, then clipped to [-clip, clip]: clipping after scaling
+    keeps the bound in the units the returns are computed in, whatever the scale. A reward
+    that is not a finite number is returned as it is (clipping would hide it; the caller
+    refuses it)."""
+    if not math.isfinite(reward):
+        return reward
+    value = reward * scale
+    return value if clip is None else min(max(value, -clip), clip)
 
 
 # --- one pool: baselines and scales ---------------------------------------------------------
@@ -132,14 +183,24 @@ def _mean(values: Sequence[float]) -> float:
     return math.fsum(values) / len(values)
 
 
-def _std(values: Sequence[float]) -> float:
-    """Population standard deviation, scaled so that no square overflows."""
+@dataclass(frozen=True)
+class Norm:
+    """How the normalised estimators scale: eps added to the std, and the std's form."""
+
+    eps: float = 1e-6
+    std: StdForm = "population"
+
+
+def _std(values: Sequence[float], form: StdForm = "population") -> float:
+    """Standard deviation (population: over N; sample: over N - 1), scaled so that no square
+    overflows. One value has no sample std: 0."""
     mean = _mean(values)
     deviations = [x - mean for x in values]
     largest = max(abs(d) for d in deviations)
-    if largest == 0:
+    count = len(values) - (1 if form == "sample" else 0)
+    if largest == 0 or count <= 0:
         return 0.0
-    return largest * math.sqrt(math.fsum((d / largest) ** 2 for d in deviations) / len(values))
+    return largest * math.sqrt(math.fsum((d / largest) ** 2 for d in deviations) / count)
 
 
 def _contrast(pool: Pool) -> bool:
@@ -148,33 +209,67 @@ def _contrast(pool: Pool) -> bool:
     return len(pool.returns) >= 2 and max(values) != min(values)
 
 
-def normalised(pool: Pool, eps: float) -> Shifts:
+def _scaled(pool: Pool, spread: float, size: float, norm: Norm) -> Shifts:
+    """(G - mean) / (spread + eps) over the pool's values, ``spread`` the std of the values the
+    estimator scales by (U at discount 1: G itself); under a discount, split (see the module
+    docstring): the outcomes' part over spread + eps, what the discount took off each return
+    over max(spread, size), ``size`` the mean |U| of the same values."""
+    returns, undiscounted = _values(pool.returns), _values(pool.undiscounted)
+    if returns == undiscounted:  # no discount at work: the usual z-score, bit for bit
+        return dict.fromkeys(pool.returns, Shift(_mean(returns), spread + norm.eps))
+    unit = max(spread, size)
+    if unit == 0:  # every outcome 0: nothing to measure the discount's part in
+        return dict.fromkeys(pool.returns)
+    discounted_by = [g - u for g, u in zip(returns, undiscounted, strict=True)]
+    outcome = (_mean(undiscounted), spread + norm.eps)
+    return dict.fromkeys(pool.returns, Shift(_mean(discounted_by), unit, outcome))
+
+
+def _size(values: Sequence[float]) -> float:
+    return _mean([abs(v) for v in values])
+
+
+def normalised(pool: Pool, batch: Sequence[Pool], norm: Norm) -> Shifts:
     """(G - mean) / (std + eps) over every value of the pool; under a discount, split (see the
     module docstring): the outcomes' z-score, plus what the discount took off each return
     measured in the outcomes' own size, never in its own spread."""
     if not _contrast(pool):
         return dict.fromkeys(pool.returns)
-    returns, undiscounted = _values(pool.returns), _values(pool.undiscounted)
-    if returns == undiscounted:  # no discount at work: the usual z-score, bit for bit
-        return dict.fromkeys(pool.returns, Shift(_mean(returns), _std(returns) + eps))
-    spread = _std(undiscounted)
-    size = _mean([abs(u) for u in undiscounted])
-    unit = max(spread, size)
-    if unit == 0:  # every outcome 0: nothing to measure the discount's part in
+    undiscounted = _values(pool.undiscounted)
+    return _scaled(pool, _std(undiscounted, norm.std), _size(undiscounted), norm)
+
+
+def batch_scaled(pool: Pool, batch: Sequence[Pool], norm: Norm) -> Shifts:
+    """(G - group mean) / (batch std + eps): the pool's mean, the std of every value at this
+    position in the batch (LitePPO); split under a discount as `normalised` is."""
+    if not _contrast(pool):
         return dict.fromkeys(pool.returns)
-    discounted_by = [g - u for g, u in zip(returns, undiscounted, strict=True)]
-    outcome = (_mean(undiscounted), spread + eps)
-    return dict.fromkeys(pool.returns, Shift(_mean(discounted_by), unit, outcome))
+    everything = [u for other in batch for u in _values(other.undiscounted)]
+    return _scaled(pool, _std(everything, norm.std), _size(everything), norm)
 
 
-def centred(pool: Pool, eps: float) -> Shifts:
+def batch_scaled_centred(pool: Pool, batch: Sequence[Pool], norm: Norm) -> Shifts:
+    """(G - group mean) / (batch std of G - group mean, + eps) (REINFORCE++-baseline): the
+    spread within groups only; split under a discount as `normalised` is."""
+    if not _contrast(pool):
+        return dict.fromkeys(pool.returns)
+    centred_values = []
+    for other in batch:
+        values = _values(other.undiscounted)
+        mean = _mean(values)
+        centred_values += [u - mean for u in values]
+    everything = [u for other in batch for u in _values(other.undiscounted)]
+    return _scaled(pool, _std(centred_values, norm.std), _size(everything), norm)
+
+
+def centred(pool: Pool, batch: Sequence[Pool], norm: Norm) -> Shifts:
     """G - mean over every value of the pool."""
     if not _contrast(pool):
         return dict.fromkeys(pool.returns)
     return dict.fromkeys(pool.returns, Shift(_mean(_values(pool.returns))))
 
 
-def leave_one_out(pool: Pool, eps: float) -> Shifts:
+def leave_one_out(pool: Pool, batch: Sequence[Pool], norm: Norm) -> Shifts:
     """G - mean of the values of the pool's *other* sessions."""
     if not _contrast(pool):
         return dict.fromkeys(pool.returns)
@@ -184,20 +279,36 @@ def leave_one_out(pool: Pool, eps: float) -> Shifts:
     }
 
 
+# A pool's shifts, given every pool of the batch at the same position (itself among them).
+ShiftsOf = Callable[[Pool, Sequence[Pool], Norm], Shifts]
+
+
 @dataclass(frozen=True)
 class Estimator:
     """One advantage estimator: how sessions pool, and how a pool becomes shifts."""
 
     pools: Literal["group", "batch", "task"]
-    shifts: Callable[[Pool, float], Shifts] | None  # None: the task's running baseline
+    shifts: ShiftsOf | None  # None: the task's running baseline
     help: str
+    uses_std: bool = False  # divides by a std (advantage_std applies)
 
 
 ESTIMATORS: dict[str, Estimator] = {
-    "grpo": Estimator("group", normalised, "group mean and std"),
+    "grpo": Estimator("group", normalised, "group mean and std", uses_std=True),
     "dr_grpo": Estimator("group", centred, "group mean, no std (Dr. GRPO)"),
     "rloo": Estimator("group", leave_one_out, "mean of the group's other sessions"),
-    "reinforce_pp": Estimator("batch", normalised, "batch mean and std (REINFORCE++)"),
+    "reinforce_pp": Estimator(
+        "batch", normalised, "batch mean and std (REINFORCE++)", uses_std=True
+    ),
+    "lite_ppo": Estimator(
+        "group", batch_scaled, "group mean, batch std of the returns (LitePPO)", uses_std=True
+    ),
+    "reinforce_pp_baseline": Estimator(
+        "group",
+        batch_scaled_centred,
+        "group mean, batch std of the group-centred returns (REINFORCE++-baseline)",
+        uses_std=True,
+    ),
     "running": Estimator("task", None, "per-task running mean, for online sessions without groups"),
 }
 
@@ -345,12 +456,17 @@ def _estimator(name: str) -> Estimator:
     return spec
 
 
+def _extent(sessions: Sequence[SessionReturns], members: Iterable[int]) -> int:
+    """One past the last position along the members' paths."""
+    return max(max(max(s.positions) + 1, s.length or 0) for s in map(sessions.__getitem__, members))
+
+
 def _position_pools(
-    sessions: Sequence[SessionReturns], members: list[int]
+    sessions: Sequence[SessionReturns], members: list[int], last: int | None = None
 ) -> Iterator[tuple[int, Pool]]:
-    """The pool of each position along the members' paths."""
-    last = max(max(max(s.positions) + 1, s.length or 0) for s in map(sessions.__getitem__, members))
-    for position in range(last):
+    """The pool of each position along the members' paths (up to ``last``, if given: past
+    their paths every member stands in with its outcome)."""
+    for position in range(_extent(sessions, members) if last is None else last):
         present = [i for i in members if sessions[i].at(position)]
         yield (
             position,
@@ -363,15 +479,25 @@ def _position_pools(
 
 def _by_position(
     sessions: Sequence[SessionReturns],
-    members: list[int],
-    shifts_of: Callable[[Pool, float], Shifts],
-    eps: float,
+    groups: Iterable[list[int]],
+    shifts_of: ShiftsOf,
+    norm: Norm,
 ) -> dict[tuple[int, int], Shift | None]:
-    """The shift of each (session, position), from the pool of each position."""
+    """The shift of each (session, position), from the pool of each group at each position
+    (and every group's pool at that position, for the estimators that scale by the batch: a
+    group whose paths have all ended is there too, its sessions standing in with their
+    outcomes, as in reinforce_pp's one pool)."""
+    groups = list(groups)
+    last = _extent(sessions, [i for members in groups for i in members])
+    at: dict[int, list[Pool]] = {}
+    for members in groups:
+        for position, pool in _position_pools(sessions, members, last):
+            at.setdefault(position, []).append(pool)
     out: dict[tuple[int, int], Shift | None] = {}
-    for position, pool in _position_pools(sessions, members):
-        for i, shift in shifts_of(pool, eps).items():
-            out[(i, position)] = shift
+    for position, pools in at.items():
+        for pool in pools:
+            for i, shift in shifts_of(pool, pools, norm).items():
+                out[(i, position)] = shift
     return out
 
 
@@ -401,8 +527,10 @@ def session_advantages(
     estimator: str,
     baseline: RunningBaseline | None,
     eps: float = 1e-6,
+    std: StdForm = "population",
 ) -> list[list[float]]:
-    """Per session, the advantage of each of its returns (see the module docstring).
+    """Per session, the advantage of each of its returns (see the module docstring); ``eps``
+    and ``std`` (the std's form) are the normalised estimators'.
 
     The running baseline is read for the whole batch first and updated afterwards, with the
     outcome of every session it served, in batch order: sessions of one batch never baseline
@@ -413,9 +541,9 @@ def session_advantages(
         raise ValueError("the 'running' estimator needs a RunningBaseline")
     estimated, running = _pools(sessions, spec.pools)
     shifts: dict[tuple[int, int], Shift | None] = {}
-    for members in estimated.values():
+    if estimated:
         assert spec.shifts is not None
-        shifts.update(_by_position(sessions, members, spec.shifts, eps))
+        shifts = _by_position(sessions, estimated.values(), spec.shifts, Norm(eps, std))
     served: list[int] = []
     for key, members in running.items():
         if baseline is None:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
-from trainer.advantages import ESTIMATORS, EstimatorName
+from trainer.advantages import ESTIMATORS, EstimatorName, StdForm
 
 ObjectiveName = Literal["ppo", "gspo", "sapo", "m2po"]  # OBJECTIVES keys (a test checks)
 
@@ -187,6 +187,42 @@ class AlgorithmConfig:
         "masked under both: argmax is a point mass, which no importance weight corrects. null: "
         "the run's `off_temperature` (default mask); a value is written into the run's config "
         "at start.",
+    )
+    # --- rewards into advantages: the std's form, reward shaping, DAPO's overlong rules ---
+    advantage_std: StdForm = option(  # noqa: RUF009 (a Literal alias)
+        "population",
+        "The std of the estimators that divide by one (grpo, reinforce_pp, lite_ppo, "
+        "reinforce_pp_baseline): population (over N, GRPO's paper) or sample (Bessel's N - 1, "
+        "as TRL and verl compute it).",
+    )
+    reward_scale: float = option(
+        1.0,
+        "Every reward (each turn's, with its overlong penalty, and the session's) is "
+        "multiplied by this (> 0) before returns are computed; then clipped (reward_clip).",
+    )
+    reward_clip: float | None = option(
+        None,
+        "Clip every reward to [-reward_clip, reward_clip] (> 0) after reward_scale, so the bound "
+        "is in the units the returns use whatever the scale. null: no clip.",
+    )
+    overlong_filter: bool = option(
+        False,
+        "DAPO's overlong filtering (arXiv 2503.14476): the tokens of a turn cut by the length "
+        "limit (finish_reason length) are masked out of the loss, counted as masked tokens "
+        "with cause overlong; the session's other turns still train (a session with nothing "
+        "left is dropped, with the reason).",
+    )
+    overlong_max_tokens: int | None = option(
+        None,
+        "DAPO's soft overlong punishment (eq. 13): L_max, the answer length in tokens beyond "
+        "which a turn's reward gets -1. With overlong_cache_tokens; null: off.",
+    )
+    overlong_cache_tokens: int | None = option(
+        None,
+        "DAPO's soft overlong punishment: L_cache, the window below overlong_max_tokens where "
+        "the penalty falls linearly from 0 to -1 ((L_max - L_cache - |y|) / L_cache), in "
+        "[1, overlong_max_tokens]. The penalty is added to the turn's own reward before "
+        "reward_scale and reward_clip.",
     )
 
     def __post_init__(self) -> None:
@@ -478,6 +514,34 @@ def check_algorithm(algo: AlgorithmConfig) -> None:  # noqa: C901, PLR0912  # a 
             "does nothing under advantage=running (no groups: a 0 is a coincidence, not a "
             "group without contrast); use a group estimator or turn it off",
         )
+    check_rewards(algo)
+
+
+def check_rewards(algo: AlgorithmConfig) -> None:
+    """The bounds of the settings that turn rewards into advantages."""
+    name = "algorithm."
+    if algo.advantage_std != "population" and not ESTIMATORS[algo.advantage].uses_std:
+        raise ConfigError(
+            name + "advantage_std",
+            f"does nothing under advantage={algo.advantage} (it divides by no std)",
+        )
+    if not 0 < algo.reward_scale < math.inf:
+        raise ConfigError(name + "reward_scale", f"must be > 0 and finite, got {algo.reward_scale}")
+    if algo.reward_clip is not None and not 0 < algo.reward_clip < math.inf:
+        raise ConfigError(name + "reward_clip", f"must be > 0 and finite, got {algo.reward_clip}")
+    longest, cache = algo.overlong_max_tokens, algo.overlong_cache_tokens
+    if (longest is None) != (cache is None):
+        raise ConfigError(
+            name + ("overlong_cache_tokens" if cache is None else "overlong_max_tokens"),
+            "the soft overlong penalty needs both overlong_max_tokens and overlong_cache_tokens",
+        )
+    if longest is not None and cache is not None:
+        _positive(longest, name + "overlong_max_tokens")
+        if not 1 <= cache <= longest:
+            raise ConfigError(
+                name + "overlong_cache_tokens",
+                f"must be in [1, overlong_max_tokens ({longest})], got {cache}",
+            )
 
 
 def _check_choices(config: Any, prefix: str) -> None:

@@ -13,15 +13,21 @@ and whether the session continued them (``alternative``). This module decides, p
 - **masked tokens, counted by cause**: under ``stale=mask``, tokens more than ``max_staleness``
   updates behind (`staleness.versions_behind`); greedy turns, always; turns sampled at another
   temperature than the training one under ``off_temperature=mask``; alternatives without a
-  reward of their own. Under ``stale=keep`` (the default) nothing is masked for staleness: the
+  reward of their own; under ``overlong_filter`` (DAPO), turns the length limit cut (their
+  ``finish_reason`` is ``length``; a server that does not say is taken as not cut), masked
+  rather than dropped because a session's other turns are still good samples (a session with
+  nothing else to train is dropped as any fully masked one is, and so leaves its group's
+  statistics). Under ``stale=keep`` (the default) nothing is masked for staleness: the
   server's admission bound limits how far generation runs ahead, and the loss's behaviour
   weight pi_prox / pi_behav corrects what is stale;
 - **off-policy tokens**: under ``off_temperature=off_policy`` a turn sampled at another
   temperature keeps its stored logprob as the behaviour logprob (the distribution it was really
   drawn from). A greedy turn has no such distribution (argmax is a point mass, which no
   importance weight corrects), so it is masked under either setting;
-- **advantages**: discounted returns along the session's path, a rewarded alternative's own
-  reward, then the run's estimator (`advantages`) over the returns of the turns that train
+- **advantages**: each reward shaped first (a turn's own reward plus DAPO's soft overlong
+  penalty of its length, then ``reward_scale``, then ``reward_clip``; the session's reward
+  scaled and clipped), discounted returns along the session's path, a rewarded alternative's
+  own reward, then the run's estimator (`advantages`) over the returns of the turns that train
   (with the same returns undiscounted, from which the normalised estimators take their scale).
 
 Every loss token a batch saw is trained, masked (``Batch.masked``) or dropped with its session
@@ -46,8 +52,10 @@ from trainer.advantages import (
     RunningBaseline,
     SessionReturns,
     contrasted,
+    overlong_penalty,
     pool_sizes,
     session_advantages,
+    shaped_reward,
     turn_returns,
 )
 from trainer.config import AlgorithmConfig
@@ -59,6 +67,8 @@ SAME_TEMPERATURE = 1e-6  # temperatures this close are the same distribution
 
 # Why loss tokens were masked out: the keys of Batch.masked.
 STALE, GREEDY, OFF_TEMPERATURE, ALTERNATIVE = "stale", "greedy", "off_temperature", "alternative"
+OVERLONG = "overlong"  # a turn cut by the length limit, under overlong_filter (DAPO)
+CUT_BY_LENGTH = "length"  # the finish_reason of a turn the length limit cut
 
 
 @dataclass
@@ -100,6 +110,7 @@ class Batch:
     session_ids: list[str]  # every claimed session, trained or dropped
     dropped: dict[str, str] = field(default_factory=dict)  # session id -> why
     # per session with turns: its outcome, undiscounted (its path's rewards and the session's)
+    # (as recorded: before the overlong penalty, reward_scale and reward_clip)
     rewards: list[float] = field(default_factory=list)
     returns: list[float] = field(default_factory=list)  # the same sessions' discounted G_0
     staleness: list[int] = field(default_factory=list)  # updates behind, per trained token
@@ -161,6 +172,7 @@ class _Turn:
     reward: float | None
     temperature: float | None
     alternative: bool
+    finish_reason: str | None = None  # None: the server did not say
     position: int = 0  # where along the session's path it falls
     value: float | None = None  # its return (None: an alternative without a reward of its own)
     undiscounted: float | None = None  # the same return at discount 1
@@ -175,6 +187,7 @@ class _Session:
     turns: list[_Turn]
     length: int  # turns on the path
     outcome: float | None  # the last path turn's return (the same at any discount)
+    recorded: float = 0.0  # its path's G_0 at discount 1 from its rewards as recorded (unshaped)
 
     @property
     def first(self) -> _Turn | None:
@@ -186,12 +199,6 @@ class _Session:
     def first_return(self) -> float:
         """Its path's G_0, discounted."""
         return 0.0 if self.first is None or self.first.value is None else self.first.value
-
-    @property
-    def reward(self) -> float:
-        """Its path's G_0 at discount 1: every reward of its path and the session's, summed."""
-        first = self.first
-        return 0.0 if first is None or first.undiscounted is None else first.undiscounted
 
     def unmasked(self) -> Tally:
         """Its loss tokens when it is dropped before masking: an alternative without a return
@@ -209,8 +216,24 @@ class _Session:
         return tally
 
 
-def _session(data: dict[str, Any], discount: float) -> _Session:
-    """The session's turns, each with its return and its position along the path."""
+def _turn_reward(turn: _Turn, algorithm: AlgorithmConfig) -> float | None:
+    """A turn's own reward as the returns see it: its recorded reward plus, under the soft
+    overlong penalty, the penalty of its length (an alternative without a reward of its own
+    gets none: it trains nothing), then scaled and clipped."""
+    reward = turn.reward
+    longest, cache = algorithm.overlong_max_tokens, algorithm.overlong_cache_tokens
+    if longest is not None and cache is not None and (reward is not None or not turn.alternative):
+        penalty = overlong_penalty(turn.end - turn.start, longest, cache)
+        if penalty:
+            reward = (0.0 if reward is None else float(reward)) + penalty
+    if reward is None:
+        return None
+    return shaped_reward(float(reward), algorithm.reward_scale, algorithm.reward_clip)
+
+
+def _session(data: dict[str, Any], algorithm: AlgorithmConfig) -> _Session:
+    """The session's turns, each with its return (from its shaped rewards) and its position
+    along the path."""
     turns: list[_Turn] = []
     for r, row in enumerate(data["rows"]):
         for turn in row["turns"]:
@@ -223,20 +246,28 @@ def _session(data: dict[str, Any], discount: float) -> _Session:
                     reward=turn.get("reward"),
                     temperature=turn.get("temperature"),
                     alternative=bool(turn.get("alternative", False)),
+                    finish_reason=turn.get("finish_reason"),
                 )
             )
     path = sorted((t for t in turns if not t.alternative), key=lambda t: t.order)
-    rewards = [t.reward for t in path]
-    returns = turn_returns(rewards, data.get("reward"), discount)
-    undiscounted = turn_returns(rewards, data.get("reward"), 1.0)
+    session_reward = data.get("reward")
+    if session_reward is not None:
+        session_reward = shaped_reward(
+            float(session_reward), algorithm.reward_scale, algorithm.reward_clip
+        )
+    rewards = [_turn_reward(t, algorithm) for t in path]
+    returns = turn_returns(rewards, session_reward, algorithm.discount)
+    undiscounted = turn_returns(rewards, session_reward, 1.0)
     for position, turn in enumerate(path):
         turn.position = position
         turn.value, turn.undiscounted = returns[position], undiscounted[position]
     for turn in turns:
         if turn.alternative:  # where its request stood on the path
             turn.position = sum(1 for t in path if t.order < turn.order)
-            turn.value = turn.undiscounted = None if turn.reward is None else float(turn.reward)
-    return _Session(data, turns, len(path), returns[-1] if returns else None)
+            turn.value = turn.undiscounted = _turn_reward(turn, algorithm)
+    recorded = turn_returns([t.reward for t in path], data.get("reward"), 1.0)
+    outcome = returns[-1] if returns else None
+    return _Session(data, turns, len(path), outcome, recorded[0] if recorded else 0.0)
 
 
 # --- why a session cannot train -------------------------------------------------------------
@@ -287,6 +318,8 @@ def _nothing_to_train(masked: Counter[str], empty: int, rules: Rules) -> str:
         )
     if masked[ALTERNATIVE]:
         parts.append(f"{masked[ALTERNATIVE]} in alternatives the session did not continue")
+    if masked[OVERLONG]:
+        parts.append(f"{masked[OVERLONG]} in answers cut by the length limit (overlong_filter)")
     if not parts:
         return f"no_trainable_tokens: its {empty} turn(s) sampled no token"
     return "no_trainable_tokens: every sampled token was masked: " + ", ".join(parts)
@@ -326,6 +359,19 @@ class _Masked:
     off_policy: int = 0
 
 
+def _turn_cause(turn: _Turn, rule: str, rules: Rules) -> str | None:
+    """Why every token of the turn is masked, if one reason holds for the whole turn."""
+    if turn.value is None:
+        return ALTERNATIVE
+    if rule == "greedy":
+        return GREEDY
+    if rule == "mask":
+        return OFF_TEMPERATURE
+    if rules.algorithm.overlong_filter and turn.finish_reason == CUT_BY_LENGTH:
+        return OVERLONG
+    return None
+
+
 def _mask(session: _Session, rules: Rules) -> _Masked:
     """The session's rows with every mask applied; marks which turns still train."""
     out = _Masked([_sample(session.data["session_id"], row) for row in session.data["rows"]])
@@ -333,18 +379,13 @@ def _mask(session: _Session, rules: Rules) -> _Masked:
     for turn in session.turns:
         row = out.rows[turn.row]
         rule = _temperature_rule(turn.temperature, rules)
+        whole_turn = _turn_cause(turn, rule, rules)
         for i in range(turn.start, turn.end):
             if not row.loss_mask[i]:
                 continue
             behind = rules.behind(row.versions[i])
-            cause = None
-            if turn.value is None:
-                cause = ALTERNATIVE
-            elif rule == "greedy":
-                cause = GREEDY
-            elif rule == "mask":
-                cause = OFF_TEMPERATURE
-            elif mask_stale and behind > rules.max_staleness:
+            cause = whole_turn
+            if cause is None and mask_stale and behind > rules.max_staleness:
                 cause = STALE
             if cause is not None:
                 row.loss_mask[i] = 0
@@ -421,9 +462,9 @@ def build_batch(
     batch = Batch(samples=[], session_ids=[s["session_id"] for s in sessions])
     kept: list[tuple[_Session, _Masked]] = []
     for data in sessions:
-        session = _session(data, algorithm.discount)
+        session = _session(data, algorithm)
         if session.turns:
-            batch.rewards.append(session.reward)
+            batch.rewards.append(session.recorded)
             batch.returns.append(session.first_return)
         reason = _drop_before_masking(session, rules)
         if reason is not None:
@@ -441,7 +482,9 @@ def build_batch(
             continue
         kept.append((session, masked))
     returns = [_returns(session) for session, _ in kept]
-    advantages = session_advantages(returns, algorithm.advantage, baseline)
+    advantages = session_advantages(
+        returns, algorithm.advantage, baseline, std=algorithm.advantage_std
+    )
     no_contrast = _without_contrast(returns, advantages, rules, baseline)
     for k, ((session, masked), values) in enumerate(zip(kept, advantages, strict=True)):
         if k in no_contrast:

@@ -45,7 +45,9 @@ ROW_TURNS = (
     "The turns in the row, in order, each {completion_id, turn_index, start, end (its sampled "
     "tokens are input_ids[start:end]), reward (its own reward or null), temperature (what it "
     "was sampled at; null if unknown), alternative (true when the session did not go on from "
-    "it: a choice of a retried request, or a choice the next request did not continue)}."
+    "it: a choice of a retried request, or a choice the next request did not continue), "
+    "finish_reason (why its answer ended: length when the length limit cut it, else stop or "
+    "tool_calls)}."
 )
 
 

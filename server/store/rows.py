@@ -43,6 +43,7 @@ class TurnTokens:
     reward: float | None = None
     surface: str = "chat"  # the API its request came through (chat, completions, ...)
     conversation: int = 0  # the session's conversation it belongs to
+    finish_reason: str | None = None  # why its answer ended: "length" when the limit cut it
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Row:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # behaviour logprobs; 0.0 on prompt
     versions: list[int] = field(default_factory=list)  # PROMPT_VERSION on prompt positions
-    # completion_id, turn_index, start, end, reward, temperature, alternative
+    # completion_id, turn_index, start, end, reward, temperature, alternative, finish_reason
     turns: list[dict] = field(default_factory=list)
 
 
@@ -199,6 +200,7 @@ def assemble_rows(turns: list[TurnTokens]) -> list[Row]:
                 "reward": turn.reward,
                 "temperature": turn.temperature,
                 "alternative": turn.completion_id in off_path,
+                "finish_reason": turn.finish_reason,
             }
         )
     return [rows[index] for index in sorted(rows)]

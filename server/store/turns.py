@@ -330,6 +330,7 @@ def tokens_of(turn: Turn, reward: float | None = None) -> TurnTokens:
         reward=reward,
         surface=turn.surface,
         conversation=turn.conversation,
+        finish_reason=turn.finish_reason,
     )
 
 

@@ -65,7 +65,7 @@ def test_assemble_rows_masks_prompts_and_keeps_turns():
     assert first.loss_mask == [0, 0, 1, 1, 0, 0, 1]
     assert first.logprobs == [0.0, 0.0, -0.5, -0.5, 0.0, 0.0, -0.5]
     assert first.versions == [PROMPT_VERSION] * 2 + [0, 0] + [PROMPT_VERSION] * 2 + [1]
-    on_path = {"temperature": 1.0, "alternative": False}
+    on_path = {"temperature": 1.0, "alternative": False, "finish_reason": None}
     assert first.turns == [
         {"completion_id": "a", "turn_index": 0, "start": 2, "end": 4, "reward": None, **on_path},
         {"completion_id": "b", "turn_index": 1, "start": 6, "end": 7, "reward": 0.5, **on_path},
