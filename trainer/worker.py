@@ -6,8 +6,11 @@ the driver calls it on all workers at once, and gives every worker the same numb
 micro-batches (``MicroBatch`` may be empty; an empty one still runs a forward and backward so
 the collectives line up).
 
-The worker knows how to turn packed token rows into logprobs and a decoupled-PPO update; it
-knows nothing about sessions, rewards, the server or Ray (``cluster`` wraps it in an actor).
+The worker is the training backend (``trainer/backend.py``: a forward to per-token logprobs
+on packed rows, backward, optimizer step) and the holder of the weights (export, broadcast,
+checkpoints). The update itself, proximal logprobs, minibatches and the objective, is
+``trainer/algorithm.py``'s, which `train_step` hands itself to. It knows nothing about
+sessions, rewards, the server or Ray (``cluster`` wraps it in an actor).
 """
 
 from __future__ import annotations
