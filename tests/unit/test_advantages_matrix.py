@@ -38,6 +38,7 @@ from trainer.advantages import (
     turn_returns,
 )
 from trainer.config import AlgorithmConfig, ConfigError, load_config
+from trainer.figures import masked_tokens
 from trainer.rollouts import OVERLONG, Rules, build_batch
 
 TOL = 1e-12
@@ -388,6 +389,7 @@ def test_overlong_filter_masks_cut_answers_and_counts_them():
     a = next(s for s in on.samples if s.session_id == "a")
     assert sum(a.loss_mask) == 3  # its first turn still trains
     assert on.sampled_tokens == off.sampled_tokens  # every token accounted for
+    assert masked_tokens(on, None) == {OVERLONG: 9}  # the step's figure masked/overlong
 
 
 def test_the_soft_overlong_penalty_is_added_to_the_turn_s_reward():
@@ -487,6 +489,7 @@ def test_everything_is_off_by_default():
         ("lite_ppo", {"advantage": "lite_ppo"}),
         ("reinforce_pp_baseline", {"advantage": "reinforce_pp_baseline"}),
         ("dapo_overlong", {"overlong_filter": True, "overlong_max_tokens": 256}),
+        ("dapo_overlong_penalty", {"overlong_filter": False, "overlong_cache_tokens": 64}),
         ("reward_shaping", {"reward_scale": 0.5, "reward_clip": 1.0}),
         ("grpo_sample_std", {"advantage_std": "sample"}),
     ],
