@@ -264,9 +264,10 @@ class Worker:
 
     def _count_sequences(self, minibatches: list[list[MicroBatch]]) -> list[int]:
         """Per minibatch, the rows holding a loss token, over all workers (collective)."""
-        counts = torch.tensor([rows_with_loss(minibatch) for minibatch in minibatches])
-        dist.all_reduce(counts)
-        return [int(count) for count in counts]
+        counts = [rows_with_loss(minibatch) for minibatch in minibatches]
+        total = torch.tensor(counts, device=self.device)  # NCCL reduces device tensors only
+        dist.all_reduce(total)
+        return [int(count) for count in total.tolist()]
 
     def scheduled_lr(self) -> float:
         """This step's learning rate: the run's, after a linear warm-up."""

@@ -234,9 +234,16 @@ def test_a_step_on_a_plain_backend_is_the_papers_step_in_float64(tiny_model_dir,
         assert 0 < stats["behaviour_masked_tokens"] < stats["tokens"]
 
 
-def test_the_fsdp_worker_and_the_plain_backend_make_the_same_step(tiny_model_dir):
+@pytest.mark.parametrize("counted_by_workers", [False, True])
+def test_the_fsdp_worker_and_the_plain_backend_make_the_same_step(
+    tiny_model_dir, counted_by_workers
+):
+    """Also with the rows holding loss tokens left for the workers to count (a sequence mean
+    divides by them): the same step as with the plan's count."""
     optim = OptimConfig(grad_clip=1.0)
     algorithm = replace(ALGORITHMS["decoupled_capped"], entropy_coef=0.01)
+    if counted_by_workers:
+        algorithm = replace(algorithm, aggregation="sequence_mean")
     settings = WorkerSettings(
         model_dir=str(tiny_model_dir), lr=1e-3, optim=optim, algorithm=algorithm,
         seed=0, device="cpu", threads=1,
@@ -260,7 +267,8 @@ def test_the_fsdp_worker_and_the_plain_backend_make_the_same_step(tiny_model_dir
         plain = train_step(
             backend, plan.per_rank[0], plan.tokens, plan.sequences, algorithm, lr=1e-3
         )
-        sharded = worker.train_step(plan.per_rank[0], plan.tokens, plan.sequences, algorithm)
+        sequences = None if counted_by_workers else plan.sequences
+        sharded = worker.train_step(plan.per_rank[0], plan.tokens, sequences, algorithm)
         state = worker.full_state()
     finally:
         worker.shutdown()
