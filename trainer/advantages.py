@@ -18,27 +18,27 @@ along the path: the pool at position t holds the group's returns at t, and a ses
 ended before t stands in with its *outcome* (its last path return), as a finished episode's
 result. Each return G at t becomes A = (G - b) / s:
 
-    grpo          pool: the group's returns at t    b = mean                         s = scale
-    dr_grpo       pool: the group's returns at t    b = mean                         s = 1
-    rloo          pool: the group's returns at t    b = mean of the other sessions'  s = 1
-    reinforce_pp  pool: the batch's returns at t    b = mean                         s = scale
-    lite_ppo      pool: the group's returns at t    b = mean                         s = batch scale
-    reinforce_pp_baseline  (as lite_ppo)            b = mean                         s = batch scale
-                                                                     of G - its group's mean
-    running       the task                          b = running mean of outcomes     s = 1
+    grpo                   pool: the group's at t   b = mean                        s = scale
+    dr_grpo                pool: the group's at t   b = mean                        s = 1
+    rloo                   pool: the group's at t   b = the other sessions' mean    s = 1
+    reinforce_pp           pool: the batch's at t   b = mean                        s = scale
+    lite_ppo               pool: the group's at t   b = mean                        s = batch
+    reinforce_pp_baseline  pool: the group's at t   b = mean                        s = centred
+    running                the task                 b = running mean of outcomes    s = 1
 
-``scale`` is the std of the pool's values plus eps; ``batch scale`` the std of the batch's
-values at t (every group's pool at t together) plus eps. lite_ppo (Liu et al. 2025, "Tricks or
-Traps?", arXiv 2508.08221, section 4.1: group-level mean, batch-level std) takes the std of
-the returns themselves; reinforce_pp_baseline (REINFORCE++-baseline, Hu et al., arXiv
-2501.03262: subtract the group mean, then normalise by the batch's std of what is left) takes
-the std of each return less its group's mean. They are not one formula: the batch std of the
-returns holds the spread *between* groups' means too, the other only the spread within
-groups; they agree when every group has the same mean (one group in the batch, say).
-REINFORCE++-baseline also subtracts the batch mean of the group-centred values, which is 0 by
-construction (each group's centred values sum to 0): it changes nothing but rounding, and is
-left out. ``advantage_std`` picks the std's form: ``population`` (divide by N: GRPO's paper and
-the default) or ``sample`` (Bessel's N - 1, as TRL and verl compute it).
+A pool holds returns. ``scale`` is the std of the pool's values plus eps; ``batch`` the std of
+the batch's values at t (every group's pool at t together) plus eps; ``centred`` the std over
+the batch at t of each value less its group's mean, plus eps. lite_ppo is LitePPO's
+normalisation (Liu et al. 2025, "Part I: Tricks or Traps?", arXiv 2508.08221: group-level
+mean, batch-level std); reinforce_pp_baseline is REINFORCE++-baseline (Hu et al., arXiv
+2501.03262: subtract the group mean, then normalise by the batch's std of what is left). They
+are not one formula: the batch std of the returns holds the spread *between* groups' means
+too, the other only the spread within groups; they agree when every group has the same mean
+(one group in the batch, say). REINFORCE++-baseline also subtracts the batch mean of the
+group-centred values, which is 0 by construction (each group's centred values sum to 0): it
+changes nothing but rounding, and is left out. ``advantage_std`` picks the std's form:
+``population`` (divide by N: GRPO's paper, and the default) or ``sample`` (Bessel's N - 1, as
+TRL and verl compute it).
 
 With one reward per session and no discount every return of a session is its reward, so every
 position gives exactly the per-session GRPO (Dr. GRPO, RLOO, REINFORCE++) advantage, whatever

@@ -1,8 +1,8 @@
 """The advantage and reward side of the algorithm matrix (issue 28), each against a float64
 reference written from its paper's definition, not from trainer/advantages.py:
 
-- LitePPO (Liu et al. 2025, "Part I: Tricks or Traps?", arXiv 2508.08221, section 4.1, the
-  advantage normalisation it keeps: group-level mean, batch-level std):
+- LitePPO (Liu et al. 2025, "Part I: Tricks or Traps?", arXiv 2508.08221, the advantage
+  normalisation it keeps: group-level mean, batch-level std):
   A_i = (r_i - mean_group(r)) / (std_batch(r) + eps);
 - REINFORCE++-baseline (Hu et al., arXiv 2501.03262, "REINFORCE++ w/ baseline": subtract the
   group mean, then normalise globally): A'_i = r_i - mean_group(r),
@@ -498,3 +498,34 @@ def test_the_example_configs_load(name, expected):
     config = load_config(EXAMPLES / f"{name}.yaml", ["server=http://127.0.0.1:8000"])
     for key, value in expected.items():
         assert getattr(config.algorithm, key) == value, key
+
+
+# --- shaping through the batch, for any rewards ----------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.data(),
+    scale=st.sampled_from([0.5, 2.0, 4.0]) | st.floats(0.01, 100),
+    discount=st.sampled_from([1.0, 0.9]),
+)
+def test_scaling_every_reward_scales_dr_grpo_s_advantages(data, scale, discount):
+    """Dr. GRPO's advantage is G - mean G, linear in the rewards: scaling every reward by k
+    scales every advantage by k; a clip no reward reaches changes nothing."""
+    sessions = []
+    for k in range(data.draw(st.integers(2, 6))):
+        turns = [
+            (data.draw(st.integers(1, 3)), data.draw(st.none() | quarters), "stop")
+            for _ in range(data.draw(st.integers(1, 3)))
+        ]
+        sessions.append(claimed(f"s{k}", data.draw(st.none() | quarters), turns))
+    base = build_batch(sessions, rules(advantage="dr_grpo", discount=discount), None)
+    scaled = build_batch(
+        sessions, rules(advantage="dr_grpo", discount=discount, reward_scale=scale), None
+    )
+    loose = rules(advantage="dr_grpo", discount=discount, reward_scale=scale, reward_clip=3 * scale)
+    clipped = build_batch(sessions, loose, None)  # |reward| <= 2 before the scale: never clipped
+    assert base.rewards == scaled.rewards  # the figures keep the rewards as recorded
+    for b, s, c in zip(base.samples, scaled.samples, clipped.samples, strict=True):
+        assert close(s.advantages, [scale * a for a in b.advantages], 1e-12)
+        assert c.advantages == s.advantages
