@@ -3,8 +3,9 @@
 ``Trainer.run`` reads top to bottom like the recipe. Generation never waits for it: the server
 keeps serving while a step trains, and new weights are swapped into the engines in place.
 Each phase is a call into a module that owns it (``rollouts`` for what trains and why not,
-``plan`` and the workers for the update, ``publish``, ``checkpoint``, ``claims`` for leases,
-``figures`` for what is reported); this module only orders them and keeps the books.
+``plan`` and the workers (``algorithm`` on their backend) for the update, ``publish``,
+``checkpoint``, ``claims`` for leases, ``figures`` for what is reported); this module only
+orders them and keeps the books.
 """
 
 from __future__ import annotations
