@@ -156,3 +156,23 @@ def test_a_sequence_aggregation_without_sequences_is_refused():
     inputs = LossInputs(**{**random_inputs(2).__dict__, "total_sequences": 0.0})
     with pytest.raises(ValueError, match="total_sequences"):
         policy_loss(inputs, AlgorithmConfig(aggregation="sequence_mean"))
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+@pytest.mark.parametrize("behaviour", [-100.0, -1e4, -math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_a_loss_token_with_an_absurd_behaviour_logprob_sends_no_nan_back(
+    name, behaviour, dtype, cap
+):
+    """A *loss* token whose pi_prox / pi_behav overflows (a broken engine logprob): every
+    objective's loss and gradient stay finite, capped / masked or not."""
+    inputs = random_inputs(3, dtype=dtype)
+    poisoned = inputs.behaviour.clone()
+    poisoned[torch.nonzero(inputs.loss_mask)[0]] = behaviour
+    logprobs = inputs.logprobs.detach().clone().requires_grad_(True)
+    given = LossInputs(**{**inputs.__dict__, "behaviour": poisoned, "logprobs": logprobs})
+    loss, stats = policy_loss(given, AlgorithmConfig(objective=name, behaviour_cap=cap))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+    assert all(torch.isfinite(v) for v in stats.values())
