@@ -1,6 +1,6 @@
 """The cross-cutting terms of every objective, against float64 references written from their
 papers: the aggregations (token mean; GRPO's sequence mean, arXiv 2402.03300 eq. 3; Dr. GRPO's
-constant normaliser, arXiv 2503.20783 §3.2 / its Listing 1), the entropy bonus, and the KL
+constant normaliser, arXiv 2503.20783 Fig. 1 and its code), the entropy bonus, and the KL
 estimators (Schulman, "Approximating KL Divergence", 2020).
 
 Tolerances: float64 values and autograd gradients agree with the reference to 1e-12; exact

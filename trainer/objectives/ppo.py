@@ -1,4 +1,4 @@
-"""Decoupled PPO (AReaL, arXiv 2505.24298, eq. 5), the "ppo" objective. Per token, with
+"""Decoupled PPO (AReaL, arXiv 2505.24298, §5), the "ppo" objective. Per token, with
 ratio r = pi / pi_prox and advantage A:
 
     pg   = max(-A r, -A clip(r, 1 - eps_clip, 1 + eps_clip_high))   (dual clip: for A < 0, at
