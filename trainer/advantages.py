@@ -256,8 +256,9 @@ def batch_scaled_centred(pool: Pool, batch: Sequence[Pool], norm: Norm) -> Shift
     centred_values = []
     for other in batch:
         values = _values(other.undiscounted)
-        mean = _mean(values)
-        centred_values += [u - mean for u in values]
+        if values:  # a group none of whose sessions trains at this position brings nothing
+            mean = _mean(values)
+            centred_values += [u - mean for u in values]
     everything = [u for other in batch for u in _values(other.undiscounted)]
     return _scaled(pool, _std(centred_values, norm.std), _size(everything), norm)
 

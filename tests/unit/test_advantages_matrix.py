@@ -162,6 +162,24 @@ def test_a_lone_session_gets_nothing_but_counts_in_the_batch_std():
     assert close(got[0], lite_ppo(groups)[0])  # the batch std includes the 7.0
 
 
+def test_a_group_with_nothing_trained_at_a_position_brings_nothing_to_the_batch():
+    # g1's sessions train only their second turn (the first was masked): at position 0 their
+    # group's pool is empty (this crashed reinforce_pp_baseline before: the mean of nothing)
+    sessions = [
+        SessionReturns("g1", None, [1.0], positions=[1], length=2),
+        SessionReturns("g1", None, [0.0], positions=[1], length=2),
+        SessionReturns("g2", None, [1.0, 0.0]),
+        SessionReturns("g2", None, [0.0, 0.0]),
+    ]
+    baseline = session_advantages(sessions, "reinforce_pp_baseline", None)
+    spread_1 = statistics.pstdev([0.5, -0.5, 0.0, 0.0])  # position 1: g1 centred, g2 centred
+    assert close(baseline[0], [0.5 / (spread_1 + EPS)])
+    assert close(baseline[2], [0.5 / (0.5 + EPS), 0.0])  # position 0: g2 alone
+    lite = session_advantages(sessions, "lite_ppo", None)
+    assert close(lite[0], [0.5 / (statistics.pstdev([1.0, 0.0, 0.0, 0.0]) + EPS)])
+    assert close(lite[3], [-0.5 / (0.5 + EPS), 0.0])
+
+
 # --- the std's form ---------------------------------------------------------------------------
 
 
@@ -529,3 +547,84 @@ def test_scaling_every_reward_scales_dr_grpo_s_advantages(data, scale, discount)
     for b, s, c in zip(base.samples, scaled.samples, clipped.samples, strict=True):
         assert close(s.advantages, [scale * a for a in b.advantages], 1e-12)
         assert c.advantages == s.advantages
+
+
+@st.composite
+def cut_or_not(draw):
+    """Claimed sessions of one row each: turns of 0 to 6 sampled tokens, own rewards or none,
+    each cut by the length limit, stopped, or from a server that does not say."""
+    sessions = []
+    for k in range(draw(st.integers(0, 8))):
+        turns = [
+            (
+                draw(st.integers(0, 6)),
+                draw(st.none() | quarters),
+                draw(st.sampled_from(["length", "stop", "tool_calls", None])),
+            )
+            for _ in range(draw(st.integers(1, 3)))
+        ]
+        group = draw(st.sampled_from(["g1", "g2", "g3"]))
+        sessions.append(claimed(f"s{k}", draw(st.none() | quarters), turns, group))
+    return sessions
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sessions=cut_or_not(),
+    advantage=st.sampled_from(["grpo", "reinforce_pp", "lite_ppo", "reinforce_pp_baseline"]),
+    advantage_std=st.sampled_from(["population", "sample"]),
+    discount=st.sampled_from([1.0, 0.9]),
+    overlong_filter=st.booleans(),
+    penalty=st.none() | st.tuples(st.integers(1, 6), st.integers(1, 6)),
+    reward_scale=st.sampled_from([1.0, 0.5, 3.0]),
+    reward_clip=st.none() | st.sampled_from([0.5, 2.0]),
+    dynamic_sampling=st.booleans(),
+)
+def test_any_batch_under_the_new_options_is_samples_or_reasons(
+    sessions,
+    advantage,
+    advantage_std,
+    discount,
+    overlong_filter,
+    penalty,
+    reward_scale,
+    reward_clip,
+    dynamic_sampling,
+):
+    longest, cache = (None, None) if penalty is None else (max(penalty), min(penalty))
+    out = build_batch(
+        sessions,
+        rules(
+            advantage=advantage,
+            advantage_std=advantage_std,
+            discount=discount,
+            overlong_filter=overlong_filter,
+            overlong_max_tokens=longest,
+            overlong_cache_tokens=cache,
+            reward_scale=reward_scale,
+            reward_clip=reward_clip,
+            dynamic_sampling=dynamic_sampling,
+        ),
+        None,
+    )
+    trained = {s.session_id for s in out.samples}
+    for s in sessions:  # every session is trained or dropped with a reason, never both
+        assert (s["session_id"] in trained) != (s["session_id"] in out.dropped)
+    sampled = sum(len(s["rows"][0]["input_ids"]) - 2 for s in sessions)  # all but the prompt
+    assert out.sampled_tokens == sampled
+    cut = {
+        (s["session_id"], i)
+        for s in sessions
+        for t in s["rows"][0]["turns"]
+        for i in range(t["start"], t["end"])
+        if t.get("finish_reason") == "length"
+    }
+    # every session here is masked before any drop (no bad reward, row limit or stale drop),
+    # so every cut token is counted, whether its session then trains or is dropped
+    assert out.masked[OVERLONG] == (len(cut) if overlong_filter else 0)
+    for sample in out.samples:
+        for i, in_loss in enumerate(sample.loss_mask):
+            if in_loss:
+                assert math.isfinite(sample.advantages[i])
+                assert not (overlong_filter and (sample.session_id, i) in cut)
+    assert all(math.isfinite(r) for r in out.rewards)
