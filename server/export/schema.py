@@ -41,6 +41,11 @@ ROW_TURN = (
     Column("reward", "float", "Its own reward (null: none).", nullable=True),
     Column("temperature", "float", "What it was sampled at (null: unknown).", nullable=True),
     Column("alternative", "bool", "The session did not go on from it (a retry, another choice)."),
+    Column(
+        "finish_reason",
+        "string",
+        "Why its answer ended: length when the length limit cut it, else stop or tool_calls.",
+    ),
 )
 
 TURN = (
