@@ -6,7 +6,7 @@ float64, one `train_step` of two PPO minibatches (plain SGD, so an update is -lr
 gradient) must give the weights of a step written here from the paper's definition, each row
 forwarded alone with transformers' own attention:
 
-    decoupled PPO, AReaL (arXiv 2505.24298) section 5.2, Eq. 5: per loss token t,
+    decoupled PPO, AReaL (arXiv 2505.24298) §5, its decoupled objective: per loss token t,
         J_t = pi_prox / pi_behav * min(r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t),
         r_t = pi_theta / pi_prox, pi_prox the policy at the start of the step (no gradient);
     plain PPO, Schulman et al. 2017 (arXiv 1707.06347) Eq. 7: the same with pi_prox = pi_behav;
