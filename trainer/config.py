@@ -42,7 +42,7 @@ def option(default: Any, help: str, **kwargs: Any) -> Any:
 
 
 ESTIMATOR_HELP = (
-    "Advantage estimator (trainer/advantages.py; the README has the formulas): "
+    "Advantage estimator (trainer/advantages.py; docs/architecture/trainer.md has the formulas): "
     + "; ".join(f"{name}: {spec.help}" for name, spec in ESTIMATORS.items())
     + "."
 )
