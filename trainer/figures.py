@@ -145,6 +145,12 @@ def _update_figures(stats: dict[str, Any], tokens: int, reference_kl: bool) -> d
         "entropy": stats.get("entropy_sum", 0.0) / tokens_all,
         "clip_fraction": stats.get("clipped_tokens", 0.0) / tokens_all,
         "dual_clip_fraction": stats.get("dual_clipped_tokens", 0.0) / tokens_all,
+        # gspo clips whole rows: how many rows with loss tokens had their sequence ratio clipped
+        "clipped_sequences": stats.get("clipped_sequences", 0.0),
+        # m2po: the share of loss tokens masked to bound the second moment of the log ratio
+        "second_moment_masked_fraction": (
+            stats.get("second_moment_masked_tokens", 0.0) / tokens_all
+        ),
         "ratio_mean": stats.get("ratio_sum", 0.0) / kept,
         "approx_kl": stats.get("approx_kl_sum", 0.0) / kept,
         "behaviour_over_cap_fraction": stats.get("behaviour_over_cap_tokens", 0.0) / tokens_all,

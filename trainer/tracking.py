@@ -66,6 +66,8 @@ NAMES = {
     "ratio_mean": "policy/ratio_mean",
     "clip_fraction": "policy/clip_fraction",
     "dual_clip_fraction": "policy/dual_clip_fraction",
+    "clipped_sequences": "policy/clipped_sequences",
+    "second_moment_masked_fraction": "behaviour/second_moment_masked_fraction",
     "behaviour_weight_mean": "behaviour/weight_mean",
     "behaviour_over_cap_fraction": "behaviour/over_cap_fraction",
     "behaviour_masked_fraction": "behaviour/masked_fraction",
