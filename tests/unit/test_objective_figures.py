@@ -10,6 +10,8 @@ from the sequences' ratios where that is simple (gspo).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from trainer.config import AlgorithmConfig
@@ -37,9 +39,10 @@ def inputs(seed: int, drift: float) -> LossInputs:
     )
 
 
-def figures_of(stats: dict[str, torch.Tensor]) -> dict:
+def figures_of(stats: dict[str, torch.Tensor]) -> dict[str, Any]:
+    tokens = int(stats["tokens"])
     sums = {key: float(value) for key, value in stats.items()} | {"grad_norms": [1.0]}
-    return _update_figures(sums, int(sums["tokens"]), reference_kl=False)
+    return _update_figures(sums, tokens, reference_kl=False)
 
 
 def test_gspo_reports_its_clipped_sequences():
