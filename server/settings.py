@@ -217,6 +217,16 @@ class ServerSettings(BaseSettings):
         description="Longest a request's body may take to arrive once its headers have; then the "
         "connection is closed.",
     )
+    stream_interval_ms: float = Field(
+        20.0,
+        ge=0,
+        le=1000,
+        allow_inf_nan=False,
+        description="The latency bound of a streamed answer: its first tokens go out at once, "
+        "each later token waits at most this long for others to go out with it, in one chunk "
+        "(one write; a chunk's text is the tokens' text joined), and the end goes out at once. "
+        "0: every engine chunk goes out as it comes.",
+    )
     weights_check_timeout_s: float = Field(
         30.0,
         gt=0,

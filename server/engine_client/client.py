@@ -45,6 +45,24 @@ class Piece:
     all_versions: list[str] | None = None
 
 
+def joined(pieces: list[Piece]) -> Piece:
+    """Consecutive pieces of one request as one: their tokens, logprobs and versions in order
+    (top logprobs where every piece has them), the last one's end."""
+    if len(pieces) == 1:
+        return pieces[0]
+    ids = [token for piece in pieces for token in piece.ids]
+    top_everywhere = all(len(piece.top) == len(piece.ids) for piece in pieces)
+    return Piece(
+        ids=ids,
+        logprobs=[value for piece in pieces for value in piece.logprobs],
+        top=[entry for piece in pieces for entry in piece.top] if top_everywhere else [],
+        versions=[version for piece in pieces for version in piece.versions],
+        finish_reason=pieces[-1].finish_reason,
+        prompt_tokens=pieces[0].prompt_tokens,
+        all_versions=pieces[-1].all_versions,
+    )
+
+
 def _error_message(text: str) -> str:
     try:
         body = json.loads(text)
@@ -157,7 +175,9 @@ class EngineClient:
         return unavailable
 
     async def generate_stream(self, body: dict, incremental: bool) -> AsyncIterator[Piece]:
-        """Pieces as the engine streams them; the last one carries the finish reason."""
+        """Pieces as the engine streams them, read as they come: the events of one read (several
+        when the engine got ahead of this process) as one piece. The last carries the finish
+        reason."""
         seen = 0
         url = f"{self.url}/generate"
         try:
@@ -173,21 +193,36 @@ class EngineClient:
                 async for block in reply.content.iter_any():
                     buffer += block
                     *lines, buffer = buffer.split(b"\n")
-                    for line in lines:
-                        if not line.startswith(b"data: "):
-                            continue
-                        data = line[6:].decode()
-                        if data == "[DONE]":
-                            return
-                        chunk = json.loads(data)
-                        if "error" in chunk:
-                            raise in_band_error(self.url, chunk["error"])
-                        piece = piece_from_output(chunk, seen, cumulative=not incremental)
-                        seen += len(piece.ids)
-                        yield piece
+                    pieces, done, error = self._read(lines, seen, incremental)
+                    seen += sum(len(piece.ids) for piece in pieces)
+                    if pieces:  # the tokens before an error are kept (a resume starts after them)
+                        yield joined(pieces)
+                    if error is not None:
+                        raise error
+                    if done:
+                        return
         except _FAILURES as exc:
             raise self._failure(EngineUnavailable(f"{url} broke off: {exc!r}"), exc) from exc
         raise EngineUnavailable(f"{url} ended without [DONE]")
+
+    def _read(
+        self, lines: list[bytes], seen: int, incremental: bool
+    ) -> tuple[list[Piece], bool, EngineError | None]:
+        """The pieces of a stream's complete ``lines`` (``seen`` tokens came before them);
+        whether ``[DONE]`` came, and the in-band error that ended the stream, if one did."""
+        pieces: list[Piece] = []
+        for line in lines:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:]
+            if data == b"[DONE]":
+                return pieces, True, None
+            chunk = json.loads(data)
+            if "error" in chunk:
+                return pieces, False, in_band_error(self.url, chunk["error"])
+            pieces.append(piece_from_output(chunk, seen, cumulative=not incremental))
+            seen += len(pieces[-1].ids)
+        return pieces, False, None
 
     # ----- control --------------------------------------------------------------------------
 

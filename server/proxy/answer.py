@@ -18,14 +18,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from server.context import ServerContext
-from server.engine_client.client import Piece
+from server.engine_client.client import Piece, joined
 from server.errors import ProxrlError
 from server.proxy import outputs
 from server.proxy.generation import Completion, complete
 from server.proxy.plan import Plan
 from server.proxy.recording import Served, record
 from server.proxy.session_cache import SessionState
-from server.proxy.streaming import GuardedStream, drain, first_output, sse
+from server.proxy.streaming import Final, GuardedStream, drain, first_output, sse
 from server.proxy.tool_calls import StreamEvent, malformed_blocks
 
 Event = dict[str, Any] | str  # one SSE event's payload: JSON, or a bare string ("[DONE]")
@@ -72,29 +72,6 @@ class Renderer(Protocol):
 
 
 OnPiece = Callable[[int, Piece], None]
-
-# How long a streamed token may wait for others to go out with it, in one event: the latency a
-# stream adds to a token, at most, beyond its first (which goes out at once). Tokens that come
-# faster than this share events and writes, which is most of a streamed token's cost.
-STREAM_LINGER_S = 0.02
-
-
-def joined(pieces: list[Piece]) -> Piece:
-    """Consecutive pieces of one choice as one: their tokens, logprobs and versions in order
-    (top logprobs where every piece has them), the last one's end."""
-    if len(pieces) == 1:
-        return pieces[0]
-    ids = [token for piece in pieces for token in piece.ids]
-    top_everywhere = all(len(piece.top) == len(piece.ids) for piece in pieces)
-    return Piece(
-        ids=ids,
-        logprobs=[value for piece in pieces for value in piece.logprobs],
-        top=[entry for piece in pieces for entry in piece.top] if top_everywhere else [],
-        versions=[version for piece in pieces for version in piece.versions],
-        finish_reason=pieces[-1].finish_reason,
-        prompt_tokens=pieces[0].prompt_tokens,
-        all_versions=pieces[-1].all_versions,
-    )
 
 
 async def sample_all(
@@ -199,14 +176,16 @@ async def _events(
     closing: str,
 ) -> AsyncIterator[str]:
     """The stream: start, the deltas as they come (the first at once, then whatever came within
-    ``STREAM_LINGER_S`` in one write, each choice's tokens in one delta), then, once every
-    choice is recorded, their finishes, the end and ``closing`` (one write). The start goes out
+    the server's ``stream_interval_ms`` in one write, each choice's tokens in one delta), then,
+    once every choice is recorded, their finishes, the end and ``closing`` (one write, ``Final``;
+    with the last deltas too where the record is done before they are due). The start goes out
     with the first deltas: the first tokens are there when the stream starts
     (``first_output``). An answer of no token at all has no deltas: its start goes out with the
     end, or, when the stream fails first, before the error event (``guarded``)."""
     unsent = frame(renderer, renderer.start())
+    due = 0.0  # when ``unsent``'s deltas must be out, by the loop's clock
     try:
-        async for batch in drain(sampling, queue, STREAM_LINGER_S):
+        async for batch, deadline in drain(sampling, queue, ctx.settings.stream_interval_ms / 1000):
             pieces: dict[int, list[Piece]] = {}
             for index, piece in batch:
                 pieces.setdefault(index, []).append(piece)
@@ -216,9 +195,10 @@ async def _events(
                 out.append(
                     frame(renderer, renderer.delta(index, choices[index].push(piece.ids), piece))
                 )
-            unsent = ""
-            if any(out):
-                yield "".join(out)
+            unsent, due = "".join(out), deadline
+            if unsent and not sampling.done():  # the last deltas may wait for the end
+                yield unsent
+                unsent = ""
         completions = sampling.result()
         served: list[Served] = []
         tail: list[Event] = []
@@ -231,7 +211,16 @@ async def _events(
             reason = outputs.finish_reason(completion, choice.called)
             tail += renderer.finish(index, deltas, reason)
         count_malformed_calls(ctx, plan, completions)
-        await record(ctx.writer, ctx.tokenizer, state, plan.prompt, served, plan.log)
+        recording = asyncio.ensure_future(
+            record(ctx.writer, ctx.tokenizer, state, plan.prompt, served, plan.log)
+        )
+        try:
+            if unsent and not await _done_by(recording, due):
+                yield unsent  # not kept past their bound for the record's sake
+                unsent = ""
+            await recording
+        finally:
+            recording.cancel()  # the client left: as when the record was awaited here
         last = frame(
             renderer, [*tail, *renderer.end(outputs.usage(len(plan.prompt.ids), completions))]
         )
@@ -239,4 +228,12 @@ async def _events(
         if unsent:  # the error event that follows needs the start before it
             yield unsent
         raise
-    yield unsent + last + closing
+    yield Final(unsent + last + closing)
+
+
+async def _done_by(task: asyncio.Future, deadline: float) -> bool:
+    """Whether ``task`` is done by ``deadline`` (the loop's clock), waiting for it until then."""
+    left = deadline - asyncio.get_running_loop().time()
+    if not task.done() and left > 0:
+        await asyncio.wait({task}, timeout=left)
+    return task.done()

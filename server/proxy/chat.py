@@ -133,24 +133,18 @@ class ChatRenderer(outputs.OpenAIRenderer):
         ]
 
     def delta(self, index: int, deltas: list[StreamEvent], piece: Piece) -> list[dict]:
-        """One chunk: a choice entry per delta, the piece's logprobs on the first."""
-        out = [_delta(event) for event in deltas]
-        entries = None
+        """One chunk of one choice entry: the deltas as one (``_merged``), the piece's
+        logprobs."""
+        delta = _merged(deltas)
+        logprobs = None
         if self.plan.logprobs:
-            entries = self._entries(piece.ids, piece.logprobs, piece.top or [None] * len(piece.ids))
-            out = out or [{"content": ""}]
-        choices = []
-        for i, delta in enumerate(out):
-            choice: dict[str, Any] = {
-                "index": index,
-                "delta": delta,
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            if entries is not None and i == 0:
-                choice["logprobs"] = {"content": entries}
-            choices.append(choice)
-        return [self.chunk(choices)] if choices else []
+            tops = piece.top or [None] * len(piece.ids)  # type: ignore[list-item]
+            logprobs = {"content": self._entries(piece.ids, piece.logprobs, tops)}
+            delta = delta or {"content": ""}
+        if not delta:
+            return []
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+        return [self.chunk([choice])]
 
     def finish(self, index: int, deltas: list[StreamEvent], finish_reason: str) -> list[dict]:
         """A chunk per held-back delta, then one with the finish reason."""
@@ -160,6 +154,17 @@ class ChatRenderer(outputs.OpenAIRenderer):
             self.chunk([{"index": index, "delta": d, "logprobs": None, "finish_reason": reason}])
             for d, reason in last
         ]
+
+
+def _merged(events: list[StreamEvent]) -> dict:
+    """Events of one choice as one delta: reasoning and content each joined, tool calls in order
+    (a client gathers each field on its own, as OpenAI's SDK does: one chunk of coalesced tokens
+    holds what a chunk per token would, and a reader of the first choice entry misses none)."""
+    merged: dict[str, Any] = {}
+    for event in events:
+        for key, value in _delta(event).items():
+            merged[key] = merged[key] + value if key in merged else value
+    return merged
 
 
 def _delta(event: StreamEvent) -> dict:

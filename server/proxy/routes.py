@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse
 
 from server import auth
 from server.bounds import ID_LENGTH
@@ -30,14 +29,13 @@ from server.proxy.plan import Plan
 from server.proxy.responses_schema import ResponseRequest
 from server.proxy.schemas import ChatCompletionRequest, CompletionRequest
 from server.proxy.session_cache import SessionState
-from server.proxy.streaming import GuardedStream
+from server.proxy.streaming import SSE, SSEResponse
 
 router = APIRouter(tags=["OpenAI-compatible"], route_class=BodyOffLoop)
 # The error shapes of routes that answer in another API's (server.errors.ErrorShape).
 ERROR_SHAPES = [ERROR_SHAPE]
 SessionHeader = Annotated[str | None, Header(alias="X-Session-Id", max_length=ID_LENGTH)]
 SessionPath = Annotated[str, Path(min_length=1, max_length=ID_LENGTH)]
-SSE = "text/event-stream"
 # What a generation can answer: the JSON completion, or with stream: true its SSE events; bad
 # input is a 400 (OpenAI's status, validation included), no engine to serve it a 503.
 GENERATION = {
@@ -55,25 +53,11 @@ async def _open_session(
     return state
 
 
-class _Stream(StreamingResponse):
-    """An SSE answer whose sampling stops however the response ends (see GuardedStream)."""
-
-    def __init__(self, events: GuardedStream, headers: dict[str, str]) -> None:
-        super().__init__(events, media_type=SSE, headers=headers)
-        self.events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.events.stop()
-
-
 async def _answer(
     ctx: Ctx, state: SessionState, plan: Plan, renderer: answer.Renderer, stream: bool
 ) -> Any:
     if stream:
-        return _Stream(await answer.stream(ctx, state, plan, renderer), plan.headers)
+        return SSEResponse(await answer.stream(ctx, state, plan, renderer), plan.headers)
     return JSONResponse(await answer.respond(ctx, state, plan, renderer), headers=plan.headers)
 
 

@@ -1,6 +1,8 @@
-"""Server-sent events for the OpenAI-style streams: framing, pumping sampled pieces out, and
-what a failure means for the client (``api_error``: the same error before a stream starts, as
-a status code, and in it, as an error event)."""
+"""Server-sent events for the OpenAI-style streams: framing, pumping sampled pieces out in
+batches under a latency bound (``drain``), the response that writes them (``SSEResponse``: the
+stream's ``Final`` text in the same write as the body's end), and what a failure means for the
+client (``api_error``: the same error before a stream starts, as a status code, and in it, as an
+error event). It knows nothing of a surface's events or of what the pieces are."""
 
 from __future__ import annotations
 
@@ -8,6 +10,9 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from server.common import one_line_json
 from server.errors import INTERNAL_MESSAGE, ProxrlError
@@ -32,29 +37,35 @@ def sse(payload: dict | str, event: str | None = None) -> str:
     return f"data: {data}\n\n" if event is None else f"event: {event}\ndata: {data}\n\n"
 
 
+SSE = "text/event-stream"
 _DONE = object()
 
 
 async def drain(
-    work: asyncio.Task, queue: asyncio.Queue, linger_s: float = 0.0
-) -> AsyncIterator[list[Any]]:
-    """What ``work`` puts on ``queue``, in batches (one write each), until ``work`` is done. The
-    first batch is what is waiting when the first item comes; each later one what comes within
-    ``linger_s`` of its first item (less if ``work`` ends sooner): no item waits longer than
-    that to go out, and a stream of many small items makes few writes."""
+    work: asyncio.Task, queue: asyncio.Queue, bound_s: float = 0.0
+) -> AsyncIterator[tuple[list[Any], float]]:
+    """What ``work`` puts on ``queue``, in batches (one write each), until ``work`` is done; each
+    batch with its deadline, the loop time by which it must be out. The first batch is what is
+    waiting when the first item comes, due at once; each later one what comes within ``bound_s``
+    of its first item being taken up (less if ``work`` ends sooner), due ``bound_s`` after that:
+    no item waits longer than that to go out, and a stream of many small items makes few
+    writes. ``bound_s`` 0: every batch is what is waiting, at once."""
+    loop = asyncio.get_running_loop()
     work.add_done_callback(lambda _: queue.put_nowait(_DONE))
     first = True
     while True:
         batch = [await queue.get()]
-        if not first and linger_s > 0 and batch[0] is not _DONE and not work.done():
-            await asyncio.wait({work}, timeout=linger_s)
+        hold = 0.0 if first else bound_s
+        deadline = loop.time() + hold
+        if hold > 0 and batch[0] is not _DONE and not work.done():
+            await asyncio.wait({work}, timeout=hold)
         first = False
         while not queue.empty():
             batch.append(queue.get_nowait())
         done = batch[-1] is _DONE
         items = [item for item in batch if item is not _DONE]
         if items:
-            yield items
+            yield items, deadline
         if done:
             return
 
@@ -75,10 +86,15 @@ async def first_output(work: asyncio.Task, produced: asyncio.Event) -> None:
         work.result()
 
 
+class Final(str):
+    """A stream's last text (its end, or an error event, and the closing): ``SSEResponse`` sends
+    it with the end of the response body, in one write."""
+
+
 class GuardedStream:
     """An answer's events (``guarded``) and the work that produces them, which ``stop`` cancels;
     ``on_error`` frames an error in the surface's shape, ``closing`` is its last text (the
-    events end with it; after an error it follows the error's text).
+    events end with it, in a ``Final``; after an error it follows the error's text).
 
     The response calls ``stop`` however it ends: a client that leaves before the first chunk
     is written leaves the events' generator unstarted, and an unstarted generator never runs
@@ -116,7 +132,36 @@ async def guarded(
         async for event in events:
             yield event
     except Exception as exc:
-        yield on_error(api_error(exc)) + closing
+        yield Final(on_error(api_error(exc)) + closing)
     finally:
         if not work.done():
             work.cancel()
+
+
+class SSEResponse(StreamingResponse):
+    """An SSE answer whose work stops however the response ends (see ``GuardedStream``). Its
+    ``Final`` text goes out with the end of the body, in one write (Starlette's own response
+    sends the end after the last text, empty: a write more per stream)."""
+
+    media_type = SSE
+
+    def __init__(self, events: GuardedStream, headers: dict[str, str]) -> None:
+        super().__init__(events, headers=headers)
+        self.events = events
+
+    async def stream_response(self, send: Send) -> None:
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send({**start, "headers": self.raw_headers})
+        ended = False
+        async for text in self.body_iterator:
+            ended = isinstance(text, Final)
+            body = text.encode() if isinstance(text, str) else bytes(text)
+            await send({"type": "http.response.body", "body": body, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.events.stop()

@@ -1,4 +1,5 @@
-"""A stream coalesces tokens that come faster than ``STREAM_LINGER_S`` into few events, and
+"""A stream coalesces tokens that come faster than its bound (the server's
+``stream_interval_ms``, at its default) into few events, and
 loses, reorders and delays none of them beyond that bound (issue 27: a streamed request cost
 3.1x a non-streamed one, most of it per event).
 
@@ -20,10 +21,11 @@ import httpx
 import pytest
 
 from bench.common import StubEngine
-from server.proxy.answer import STREAM_LINGER_S
+from server.settings import ServerSettings
 from tests.support import ProxyProcess, stream_events
 
 TOKENS, CHUNK_MS = 40, 2.0
+STREAM_INTERVAL_S = ServerSettings.model_fields["stream_interval_ms"].default / 1000
 
 
 @pytest.mark.slow
@@ -63,9 +65,9 @@ def test_a_fast_stream_goes_out_in_few_events_and_whole(tiny_model_dir: Path, tm
     assert len(turn["completion_ids"]) == TOKENS
     assert text == turn["response"]["content"]
     assert logprobs == pytest.approx(turn["logprobs"], abs=1e-6)
-    # Past the first event (sent at once), each one waited STREAM_LINGER_S for more tokens,
+    # Past the first event (sent at once), each one waited STREAM_INTERVAL_S for more tokens,
     # unless the answer ended sooner: one per linger of the stream's time at most (as the client
     # saw it, from its first chunk to its last), and one that the answer's end cut short.
     seconds = arrivals[-1] - arrivals[0]
-    assert len(deltas) <= 2 + math.ceil(seconds / STREAM_LINGER_S), (len(deltas), seconds)
+    assert len(deltas) <= 2 + math.ceil(seconds / STREAM_INTERVAL_S), (len(deltas), seconds)
     assert len(deltas) < TOKENS / 4, len(deltas)
