@@ -5,7 +5,10 @@
 1. proximal: with ``algorithm.decoupled``, the logprobs of every micro-batch under the weights
    at the start of the step (pi_prox, no gradient), before any minibatch moves them;
 2. the engine-vs-trainer mismatch on the tokens the step's own starting weights sampled;
-3. per PPO minibatch: per micro-batch a forward with gradient, the objective on the packed
+3. with ``algorithm.kl_in_reward`` (REINFORCE++, arXiv 2501.03262), the KL to the reference as a
+   per-token reward: every micro-batch's advantages less beta times the KL still to come in its
+   row, then whitened over the whole batch (`kl_reward_advantages`);
+4. per PPO minibatch: per micro-batch a forward with gradient, the objective on the packed
    tokens (`LossInputs`), a backward; then one optimizer step.
 
 The objective is whatever the table in ``trainer/objectives`` names; this module builds its
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,7 +30,10 @@ import torch
 from trainer.backend import Backend
 from trainer.config import AlgorithmConfig
 from trainer.objectives import LossInputs, policy_loss
+from trainer.objectives.kl import kl_estimate
 from trainer.plan import MicroBatch
+
+WHITEN_EPS = 1e-8  # added to the batch std of the KL-shaped advantages (OpenRLHF's order)
 
 
 def train_step(
@@ -56,6 +63,14 @@ def train_step(
     backend.synchronize()
     proximal_seconds = time.perf_counter() - started
     totals: dict[str, Any] = mismatch(flat, proximal)
+    references: list[torch.Tensor | None] = [None] * len(flat)
+    advantages: list[torch.Tensor | None] = [None] * len(flat)
+    loss_algorithm = algorithm
+    if algorithm.kl_in_reward:
+        references = [backend.reference(micro) for micro in flat]
+        advantages = kl_reward_advantages(backend, flat, proximal, references, algorithm)
+        # the KL is in the reward, not the loss
+        loss_algorithm = replace(algorithm, kl_coef=0.0, kl_in_reward=False)
     if after_proximal is not None:
         after_proximal()
     grad_norms = []
@@ -68,9 +83,11 @@ def train_step(
                 backend,
                 micro,
                 proximal[index],
-                algorithm,
+                loss_algorithm,
                 total_tokens=max(token_count, 1),
                 total_sequences=max(sequence_count, 1),
+                advantages=advantages[index],
+                reference=references[index],
             )
             index += 1
             for key, value in stats.items():
@@ -110,6 +127,72 @@ def mismatch(
     return {"mismatch_sum": gap, "mismatch_tokens": count}
 
 
+def kl_reward_advantages(
+    backend: Backend,
+    micros: Sequence[MicroBatch],
+    proximal: Sequence[torch.Tensor | None],
+    references: Sequence[torch.Tensor | None],
+    algorithm: AlgorithmConfig,
+) -> list[torch.Tensor | None]:
+    """REINFORCE++'s KL in the reward (Hu et al., arXiv 2501.03262, §3: the token reward
+    r_t = 1[t = end] r(x, y) - beta KL_t, KL_t = log pi_old(a_t) / pi_ref(a_t); the advantage
+    is the return-to-go, undiscounted, then normalised over the global batch), per micro-batch:
+
+        A'_t = A_t - kl_coef * sum_{i >= t, i a loss token of t's row} KL_i
+        A''_t = (A'_t - mean) / (std + WHITEN_EPS),  mean and std over every loss token of the
+                step, all workers (population std; `Backend.reduce_sum`)
+
+    A_t is the driver's advantage of t's turn (the estimator's; with reinforce_pp and one
+    reward per session, the outcome normalised over the batch, so beta is in units of the
+    outcome's std, not of the raw reward as in the paper). A row is one linear history of a
+    session (its trained turns in order), so its later loss tokens are the future of t: the
+    paper's sum to the end of the response is, for a multi-turn row, the sum to the end of the
+    row. KL_i is ``kl_estimator``'s value (k1 is the paper's) of pi_old against the reference,
+    pi_old the policy at the step's start: the proximal logprobs where decoupled, else the
+    behaviour's (plain PPO's old policy). No gradient flows through any of it. None for an
+    empty micro-batch (no loss token)."""
+    assert all(reference is not None for reference in references), "kl_coef > 0 keeps a reference"
+    shaped: list[torch.Tensor | None] = []
+    for micro, prox, reference in zip(micros, proximal, references, strict=True):
+        assert reference is not None
+        if not micro.rows:
+            shaped.append(None)
+            continue
+        mask = per_token(micro.loss_mask, reference) > 0
+        old = prox if prox is not None else per_token(micro.behaviour, reference)
+        kl = kl_estimate(algorithm.kl_estimator, old.detach(), reference.detach(), mask)
+        rows = torch.split(kl, [len(row) for row in micro.rows])
+        to_go = torch.cat([row.flip(0).cumsum(0).flip(0) for row in rows])
+        penalised = per_token(micro.advantages, reference) - algorithm.kl_coef * to_go
+        shaped.append(torch.where(mask, penalised, torch.zeros_like(penalised)))
+    like = next((a for a in shaped if a is not None), references[0])
+    assert like is not None
+    kept = [
+        None if values is None else values[per_token(micro.loss_mask, values) > 0].double()
+        for micro, values in zip(micros, shaped, strict=True)
+    ]
+    count_and_sum = torch.zeros(2, dtype=torch.float64, device=like.device)
+    for values in kept:
+        if values is not None:
+            count_and_sum += torch.stack([values.new_tensor(values.numel()), values.sum()])
+    count, total = backend.reduce_sum(count_and_sum).tolist()
+    mean = total / max(count, 1.0)
+    squares = torch.zeros(1, dtype=torch.float64, device=like.device)
+    for values in kept:
+        if values is not None:
+            squares += ((values - mean) ** 2).sum()
+    std = (float(backend.reduce_sum(squares)) / max(count, 1.0)) ** 0.5
+    out: list[torch.Tensor | None] = []
+    for micro, values in zip(micros, shaped, strict=True):
+        if values is None:
+            out.append(None)
+            continue
+        mask = per_token(micro.loss_mask, values) > 0
+        whitened = (values - mean) / (std + WHITEN_EPS)
+        out.append(torch.where(mask, whitened, torch.zeros_like(whitened)))
+    return out
+
+
 def accumulate(
     backend: Backend,
     micro: MicroBatch,
@@ -118,15 +201,21 @@ def accumulate(
     *,
     total_tokens: int,
     total_sequences: int,
+    advantages: torch.Tensor | None = None,
+    reference: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Forward, objective and backward of one micro-batch; its statistics as floats."""
+    """Forward, objective and backward of one micro-batch; its statistics as floats.
+    ``advantages`` replace the micro-batch's own (the KL-shaped ones); a ``reference`` given
+    is not computed again."""
     bonus = algorithm.entropy_coef > 0  # else no [T, V] is kept for an entropy gradient
     forward = backend.forward(micro, grad=True, entropy="grad" if bonus else "detached")
     logprobs = forward.logprobs
     if micro.rows:
         mask = per_token(micro.loss_mask, logprobs) > 0
         behaviour = per_token(micro.behaviour, logprobs)
-        advantages = per_token(micro.advantages, logprobs)
+        if advantages is None:
+            advantages = per_token(micro.advantages, logprobs)
+        advantages = advantages.to(logprobs.dtype)
     else:  # the one-token stand-in row of an empty micro-batch: no loss token
         mask = torch.zeros_like(logprobs, dtype=torch.bool)
         behaviour = advantages = torch.zeros_like(logprobs)
@@ -138,7 +227,7 @@ def accumulate(
         loss_mask=mask,
         sequence_ids=forward.sequence_ids,
         entropy=forward.entropy,
-        reference=backend.reference(micro),
+        reference=reference if reference is not None else backend.reference(micro),
         total_tokens=float(total_tokens),
         total_sequences=float(total_sequences),
     )

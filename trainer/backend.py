@@ -75,3 +75,9 @@ class Backend(Protocol):
     def synchronize(self) -> None:
         """Wait for queued device work (so that wall times measure it)."""
         ...
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over all workers (a new tensor, on ``tensor``'s device and dtype):
+        how an algorithm takes a statistic of the whole batch, e.g. REINFORCE++'s global
+        advantage normalisation. A single worker returns it as it is."""
+        ...

@@ -102,6 +102,13 @@ class AlgorithmConfig:
         "(reverse KL). k1 = -log r: value unbiased for KL(pi || ref), but its expected "
         "gradient in the loss is 0 (it regularises nothing; reported for comparison).",
     )
+    kl_in_reward: bool = option(
+        False,
+        "REINFORCE++'s KL in the reward (arXiv 2501.03262): each loss token's advantage less "
+        "kl_coef times the kl_estimator KL (k1 is the paper's) of the step's starting policy to "
+        "the reference, summed over the row's later loss tokens, then whitened over the batch's "
+        "loss tokens (all workers); the KL is then not in the loss. Needs kl_coef > 0.",
+    )
     objective: ObjectiveName = option(  # noqa: RUF009 (a Literal alias)
         "ppo",
         "Policy objective (trainer/objectives/, one module each; docs/architecture/"
@@ -481,6 +488,8 @@ def check_algorithm(algo: AlgorithmConfig) -> None:  # noqa: C901, PLR0912  # a 
         raise ConfigError(name + "behaviour_cap", "must be > 1 (or null for no cap)")
     if not algo.kl_coef >= 0:
         raise ConfigError(name + "kl_coef", "must be >= 0")
+    if algo.kl_in_reward and algo.kl_coef == 0:
+        raise ConfigError(name + "kl_in_reward", "needs kl_coef > 0 (the KL's weight beta)")
     if not 0 <= algo.entropy_coef < math.inf:
         raise ConfigError(name + "entropy_coef", f"must be >= 0, got {algo.entropy_coef}")
     if (algo.aggregation == "constant") != (algo.aggregation_constant is not None):

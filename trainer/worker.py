@@ -197,6 +197,11 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        total = tensor.to(self.device, copy=True)  # NCCL reduces device tensors only
+        dist.all_reduce(total)
+        return total.to(tensor.device)
+
     def _forward(self, model: torch.nn.Module, micro: MicroBatch, entropy: EntropyMode) -> Forward:
         """Logprob of each packed token given the tokens before it in its row (0 at row starts),
         and the entropy of the distribution that predicted it, as ``entropy`` asks."""
