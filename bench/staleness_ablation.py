@@ -29,7 +29,10 @@ the trainer more than the agent: measured 2026-11-24, eta = 16 reached a mean st
 (max 16) on a loaded machine and 1.2-1.5 (max 3-5) on a quiet one, where the agent, engine and
 trainer compete for the same cores. The queue also takes a few steps to build up, so a run's
 mean stays below eta. The achieved staleness (the trainer's ``staleness_mean`` and
-``staleness_max``) is reported for every cell: read each claim against it.
+``staleness_max``) is reported for every cell, and beside it what did not train: loss tokens
+masked as too stale (the trainer's ``stale_tokens``; 0 under the default ``algorithm.stale=keep``)
+and sessions dropped (``dropped_sessions``). Read each claim against them. For the claim this
+grid cannot test, see ``bench/staleness_replay.py``, where staleness is forced.
 
 At eta = 0, decoupled and plain PPO compute the same update (the proximal policy, computed at
 the start of the step, is the behaviour policy), so the synchronous cell runs once per seed
@@ -133,6 +136,11 @@ class CellResult:
     held_out_start: float  # the warmed-up model's (version 0) held-out accuracy
     seen_start: float
     final_version: int
+    # beside the achieved staleness, what never trained (0 in cells recorded before they were
+    # counted): loss tokens masked as too stale (algorithm.stale=mask) and sessions dropped
+    stale_tokens: int = 0
+    dropped_sessions: int = 0
+    sampled_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -224,6 +232,9 @@ async def drive_cell(server, cell: Cell, out: Path, sets: dict, args, stack) -> 
         held_out_start=start.held_out,
         seen_start=start.seen,
         final_version=version,
+        stale_tokens=sum(s.get("stale_tokens", 0) for s in steps),
+        dropped_sessions=sum(s.get("dropped_sessions", 0) for s in steps),
+        sampled_tokens=sum(s.get("sampled_tokens", 0) for s in steps),
     )
 
 
@@ -286,12 +297,13 @@ def markdown_table(results: list[CellResult], args) -> str:
     ratio = speedups(results)
     lines = [
         f"| max staleness | PPO | final reward (last {args.final_steps} steps) | held-out "
-        "accuracy | seen accuracy | achieved staleness: mean | max | sessions in flight "
-        "| wall s | clipped tokens | trained tok/s | vs sync |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "accuracy | seen accuracy | achieved staleness: mean | max | stale tokens "
+        "| dropped sessions | sessions in flight | wall s | clipped tokens | trained tok/s "
+        "| vs sync |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     start = [spread([r.held_out_start for r in results]), spread([r.seen_start for r in results])]
-    lines.append(f"| | warm start, before training | | {start[0]} | {start[1]} | | | | | | | |")
+    lines.append(f"| | warm start, before training | | {start[0]} | {start[1]} | | | | | | | | | |")
     for (staleness, algorithm), group in by_setting(results).items():
         ratios = [ratio[r.cell] for r in group if r.cell in ratio]
         lines.append(
@@ -300,7 +312,9 @@ def markdown_table(results: list[CellResult], args) -> str:
             f"| {spread([r.held_out for r in group])} "
             f"| {spread([r.seen for r in group])} "
             f"| {spread([r.staleness_mean for r in group], 2)} "
-            f"| {max(r.staleness_max for r in group)} | {group[0].concurrency} "
+            f"| {max(r.staleness_max for r in group)} "
+            f"| {spread([r.stale_tokens for r in group], 0)} "
+            f"| {spread([r.dropped_sessions for r in group], 0)} | {group[0].concurrency} "
             f"| {spread([r.wall_s for r in group], 1)} "
             f"| {spread([r.clip_fraction for r in group], 3)} "
             f"| {spread([r.tokens_per_s for r in group], 0)} "
@@ -576,7 +590,8 @@ def main(argv: list[str] | None = None) -> None:
             f"[{done}/{len(cells)}] {cell.key}: {result.wall_s:.1f}s wall, "
             f"{result.tokens_per_s:.0f} tok/s, final reward "
             f"{result.final_reward(args.final_steps):.3f}, held-out {result.held_out:.3f}, "
-            f"staleness mean {result.staleness_mean:.2f} max {result.staleness_max} "
+            f"staleness mean {result.staleness_mean:.2f} max {result.staleness_max}, "
+            f"{result.stale_tokens} stale tokens, {result.dropped_sessions} dropped sessions "
             f"({result.concurrency} in flight); grid {elapsed / 60:.1f} min, "
             f"ETA {eta_s / 60:.1f} min",
             flush=True,

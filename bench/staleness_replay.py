@@ -541,7 +541,7 @@ def summarise(runs: Sequence[dict[str, Any]], final_steps: int) -> dict[str, Any
     return out
 
 
-def report(data: dict[str, Any], results_dir: Path) -> Path:
+def report(data: dict[str, Any], results_dir: Path, name: str = "staleness-replay") -> Path:
     summary = data["summary"]
     settings = data["settings"]
     lines = [
@@ -565,10 +565,11 @@ def report(data: dict[str, Any], results_dir: Path) -> Path:
             f"| {fmt(cell['drift_kl'], 5)} | {fmt(cell['clipped_share'])} "
             f"| {fmt(cell['behaviour_masked_share'])} |"
         )
+    lines += ["", pilot_verdict(summary) + ".", ""]
     results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / "staleness-replay.md"
+    path = results_dir / f"{name}.md"
     path.write_text("\n".join(lines) + "\n")
-    plot(summary, results_dir / "staleness-replay.png")
+    plot(summary, results_dir / f"{name}.png")
     return path
 
 
@@ -613,7 +614,7 @@ def write(
         "runs": runs,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1))
+    out.write_text(json.dumps(data, separators=(",", ":")))
     return data
 
 
@@ -657,6 +658,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model-dir", type=Path, help="the starting model (default: the demo's warm-up, cached)"
     )
+    parser.add_argument("--name", default="staleness-replay", help="the report's file name")
     parser.add_argument("--no-report", action="store_true", help="write the JSON only")
     parser.add_argument("--resume", action="store_true", help="keep --out's runs, add the rest")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report")
@@ -674,7 +676,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.report_only:
         data = json.loads(args.out.read_text())
-        print(report(data, args.results_dir))
+        print(report(data, args.results_dir, args.name))
         print(pilot_verdict(data["summary"]))
         return
     sys.path.insert(0, str(ROOT / "examples" / "agents"))
@@ -728,7 +730,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             elapsed = time.perf_counter() - started
             print(progress_line(result, index, len(configs), elapsed), flush=True)
     if not args.no_report:
-        print(report(data, args.results_dir))
+        print(report(data, args.results_dir, args.name))
     print(pilot_verdict(data["summary"]))
 
 

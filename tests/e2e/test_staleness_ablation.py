@@ -51,6 +51,9 @@ def test_staleness_ablation_runs_end_to_end(tmp_path):
         assert 0 <= cell["staleness_mean"] <= cell["staleness_max"] <= eta
         assert cell["concurrency"] == (eta + 1) * BATCH
         assert cell["trained_tokens"] > 0 and cell["wall_s"] > 0
+        # what did not train, beside the achieved staleness: the default stale=keep masks none
+        assert cell["stale_tokens"] == 0 and cell["dropped_sessions"] >= 0
+        assert cell["sampled_tokens"] >= cell["trained_tokens"] > 0
         # every problem of both evaluation sets answered once, by the final version
         for accuracy in (cell["held_out"], cell["seen"]):
             correct = accuracy * HELD_OUT
@@ -62,6 +65,7 @@ def test_staleness_ablation_runs_end_to_end(tmp_path):
     text = report.read_text()
     for row in ("| 0 | sync (both) |", "| 2 | decoupled |", "| 2 | plain |"):
         assert row in text
+    assert "| stale tokens | dropped sessions |" in text
     assert "decoupled PPO, max staleness 2" in text and "plain PPO, max staleness 2" in text
     picture = results / "staleness-ablation.png"
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
