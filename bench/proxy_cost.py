@@ -258,6 +258,12 @@ def parse_args() -> argparse.Namespace:
         "from a real engine (default: 1).",
     )
     parser.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        help="The proxy's --stream-interval-ms, its streams' latency bound (default: the "
+        "server's); the baseline keeps its own.",
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         help="A checkout of proxrl (git worktree add --detach DIR COMMIT) whose proxy runs beside "
@@ -281,13 +287,18 @@ def main() -> None:
     phases = [Phase(side, stream) for stream in (False, True) for side in sides]
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     admin_key = secrets.token_hex(16)
+    interval = (
+        ()
+        if args.stream_interval_ms is None
+        else ("--stream-interval-ms", str(args.stream_interval_ms))
+    )
     with (
         tempfile.TemporaryDirectory(prefix="proxrl-bench-") as data_dir,
         StubEngine(
             model_dir, LOG_DIR / "proxy-cost-stub.log", args.tokens, args.chunk_interval_ms
         ) as stub,
         ProxyProcess(
-            model_dir, Path(data_dir) / "proxy", admin_key, "--engines", stub.url
+            model_dir, Path(data_dir) / "proxy", admin_key, "--engines", stub.url, *interval
         ) as proxy,
         Forwarder(stub.url, LOG_DIR / "proxy-cost-forwarder.log") as forwarder,
         contextlib.ExitStack() as stack,

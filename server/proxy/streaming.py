@@ -141,7 +141,9 @@ async def guarded(
 class SSEResponse(StreamingResponse):
     """An SSE answer whose work stops however the response ends (see ``GuardedStream``). Its
     ``Final`` text goes out with the end of the body, in one write (Starlette's own response
-    sends the end after the last text, empty: a write more per stream)."""
+    sends the end after the last text, empty: a write more per stream). A client that hangs up
+    stops the stream at once, as in Starlette's response, with two asyncio tasks instead of an
+    anyio task group (a third of its cost per stream)."""
 
     media_type = SSE
 
@@ -161,7 +163,14 @@ class SSEResponse(StreamingResponse):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        listening = asyncio.ensure_future(self.listen_for_disconnect(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait({streaming, listening}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            listening.cancel()
+            streaming.cancel()  # the client left (or this request was cancelled)
             self.events.stop()
+            await asyncio.wait({streaming, listening})  # their cleanup is done here
+        if not streaming.cancelled():
+            streaming.result()  # the stream's own failure, if it had one
