@@ -7,9 +7,12 @@
 2. the engine-vs-trainer mismatch on the tokens the step's own starting weights sampled;
 3. with ``algorithm.kl_in_reward`` (REINFORCE++, arXiv 2501.03262), the KL to the reference as a
    per-token reward: every micro-batch's advantages less beta times the KL still to come in its
-   row, then whitened over the whole batch (`kl_reward_advantages`);
+   row, then whitened over the whole batch (`kl_reward_advantages`); with ``algorithm.critic``
+   (PPO with a learned value head), the values at the step's start and GAE along each row's
+   loss tokens in their place (`gae_advantages`);
 4. per PPO minibatch: per micro-batch a forward with gradient, the objective on the packed
-   tokens (`LossInputs`), a backward; then one optimizer step.
+   tokens (`LossInputs`) and, with the critic, its value loss (`value_term`), a backward; then
+   one optimizer step.
 
 The objective is whatever the table in ``trainer/objectives`` names; this module builds its
 inputs and adds up its statistics. It reaches the model only through the `Backend` calls, so it
@@ -31,6 +34,8 @@ from trainer.backend import Backend
 from trainer.config import AlgorithmConfig
 from trainer.objectives import LossInputs, policy_loss
 from trainer.objectives.kl import kl_estimate
+from trainer.objectives.ratios import masked_sum
+from trainer.objectives.terms import aggregate
 from trainer.plan import MicroBatch
 
 WHITEN_EPS = 1e-8  # added to the batch std of the KL-shaped advantages (OpenRLHF's order)
@@ -71,6 +76,12 @@ def train_step(
         advantages = kl_reward_advantages(backend, flat, proximal, references, algorithm)
         # the KL is in the reward, not the loss
         loss_algorithm = replace(algorithm, kl_coef=0.0, kl_in_reward=False)
+    old_values: list[torch.Tensor | None] = [None] * len(flat)
+    returns: list[torch.Tensor | None] = [None] * len(flat)
+    if algorithm.critic:
+        old_values = [backend.values(micro) for micro in flat]
+        values = [v for v in old_values if v is not None]
+        advantages, returns = gae_advantages(backend, flat, values, algorithm)
     if after_proximal is not None:
         after_proximal()
     grad_norms = []
@@ -88,6 +99,7 @@ def train_step(
                 total_sequences=max(sequence_count, 1),
                 advantages=advantages[index],
                 reference=references[index],
+                critic=(old_values[index], returns[index]) if algorithm.critic else None,
             )
             index += 1
             for key, value in stats.items():
@@ -165,25 +177,33 @@ def kl_reward_advantages(
         to_go = torch.cat([row.flip(0).cumsum(0).flip(0) for row in rows])
         penalised = per_token(micro.advantages, reference) - algorithm.kl_coef * to_go
         shaped.append(torch.where(mask, penalised, torch.zeros_like(penalised)))
-    like = next((a for a in shaped if a is not None), references[0])
-    assert like is not None
+    return whiten(backend, micros, shaped)
+
+
+def whiten(
+    backend: Backend, micros: Sequence[MicroBatch], advantages: Sequence[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """(A - mean) / (std + WHITEN_EPS) on every loss token, 0 elsewhere: mean and population
+    std over the loss tokens of all ``micros`` on all workers (two `Backend.reduce_sum`)."""
+    like = next((a for a in advantages if a is not None), None)
+    device = like.device if like is not None else torch.device("cpu")
     kept = [
         None if values is None else values[per_token(micro.loss_mask, values) > 0].double()
-        for micro, values in zip(micros, shaped, strict=True)
+        for micro, values in zip(micros, advantages, strict=True)
     ]
-    count_and_sum = torch.zeros(2, dtype=torch.float64, device=like.device)
+    count_and_sum = torch.zeros(2, dtype=torch.float64, device=device)
     for values in kept:
         if values is not None:
             count_and_sum += torch.stack([values.new_tensor(values.numel()), values.sum()])
     count, total = backend.reduce_sum(count_and_sum).tolist()
     mean = total / max(count, 1.0)
-    squares = torch.zeros(1, dtype=torch.float64, device=like.device)
+    squares = torch.zeros(1, dtype=torch.float64, device=device)
     for values in kept:
         if values is not None:
             squares += ((values - mean) ** 2).sum()
     std = (float(backend.reduce_sum(squares)) / max(count, 1.0)) ** 0.5
     out: list[torch.Tensor | None] = []
-    for micro, values in zip(micros, shaped, strict=True):
+    for micro, values in zip(micros, advantages, strict=True):
         if values is None:
             out.append(None)
             continue
@@ -191,6 +211,53 @@ def kl_reward_advantages(
         whitened = (values - mean) / (std + WHITEN_EPS)
         out.append(torch.where(mask, whitened, torch.zeros_like(whitened)))
     return out
+
+
+def gae_advantages(
+    backend: Backend,
+    micros: Sequence[MicroBatch],
+    values: Sequence[torch.Tensor],
+    algorithm: AlgorithmConfig,
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Per micro-batch, the critic's advantages (whitened) and returns (not whitened).
+
+    GAE (Schulman et al., arXiv 1506.02438, eq. 16), A_t = sum_l (gamma lambda)^l delta_{t+l},
+    delta_t = r_t + gamma V_{t+1} - V_t, along each row's loss tokens in order: t + 1 is the
+    row's next loss token (the tokens between, a prompt or a tool's answer, are the
+    environment's, not steps of the policy), and after the row's last loss token the episode
+    ends (V = 0). r_t is ``micro.rewards`` (the driver puts a turn's reward on its last token).
+    The return is A_t + V_t (the value loss's target); the advantages are then whitened over
+    the batch (`whiten`), as PPO's common implementations do. ``values`` are the step's
+    starting values (no gradient). None for an empty micro-batch."""
+    gamma, lam = algorithm.gae_gamma, algorithm.gae_lambda
+    advantages: list[torch.Tensor | None] = []
+    returns: list[torch.Tensor | None] = []
+    for micro, value in zip(micros, values, strict=True):
+        if not micro.rows:
+            advantages.append(None)
+            returns.append(None)
+            continue
+        value = value.detach()
+        old = value.tolist()
+        rewards = [r for row in micro.rewards for r in row]
+        loss_mask = [m for row in micro.loss_mask for m in row]
+        flat = [0.0] * len(old)
+        start = 0
+        for row in micro.rows:
+            following_value = following_advantage = 0.0
+            for t in reversed(range(start, start + len(row))):
+                if not loss_mask[t]:
+                    continue
+                delta = rewards[t] + gamma * following_value - old[t]
+                following_advantage = delta + gamma * lam * following_advantage
+                flat[t] = following_advantage
+                following_value = old[t]
+            start += len(row)
+        out = torch.tensor(flat, dtype=value.dtype, device=value.device)
+        mask = per_token(micro.loss_mask, value) > 0
+        advantages.append(out)
+        returns.append(torch.where(mask, out + value, torch.zeros_like(out)))
+    return whiten(backend, micros, advantages), returns
 
 
 def accumulate(
@@ -203,10 +270,12 @@ def accumulate(
     total_sequences: int,
     advantages: torch.Tensor | None = None,
     reference: torch.Tensor | None = None,
+    critic: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> dict[str, float]:
     """Forward, objective and backward of one micro-batch; its statistics as floats.
-    ``advantages`` replace the micro-batch's own (the KL-shaped ones); a ``reference`` given
-    is not computed again."""
+    ``advantages`` replace the micro-batch's own (the KL-shaped or GAE ones); a ``reference``
+    given is not computed again; ``critic`` is the step's starting values and the returns
+    (None for an empty micro-batch) when the value loss joins the policy's."""
     bonus = algorithm.entropy_coef > 0  # else no [T, V] is kept for an entropy gradient
     forward = backend.forward(micro, grad=True, entropy="grad" if bonus else "detached")
     logprobs = forward.logprobs
@@ -232,10 +301,50 @@ def accumulate(
         total_sequences=float(total_sequences),
     )
     loss, stats = policy_loss(inputs, algorithm)
+    if critic is not None:
+        value = backend.values(micro, grad=True)
+        old, returns = (
+            tensor if tensor is not None else torch.zeros_like(value) for tensor in critic
+        )
+        value_loss, value_stats = value_term(value, old, returns, inputs, algorithm)
+        loss = loss + algorithm.value_coef * value_loss
+        stats = stats | value_stats
     backend.backward(loss)
     out = {key: float(value) for key, value in stats.items()}
     out["loss_sum"] = float(loss.detach())
     return out
+
+
+def value_term(
+    value: torch.Tensor,
+    old: torch.Tensor,
+    returns: torch.Tensor,
+    inputs: LossInputs,
+    algorithm: AlgorithmConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's loss, aggregated over the loss tokens as the policy's is, and its sums.
+
+    Per token 1/2 (V - R)^2 (PPO, arXiv 1707.06347, eq. 9's L^VF, with the 1/2 of OpenAI's
+    baselines), R the return; with ``value_clip`` c, 1/2 max((V - R)^2, (V_clip - R)^2),
+    V_clip = V_old + clip(V - V_old, -c, c), V_old the step's starting value (baselines' ppo2).
+    """
+    mask = inputs.loss_mask.bool()
+    error = (value - returns) ** 2
+    clipped_tokens = torch.zeros((), dtype=value.dtype, device=value.device)
+    if algorithm.value_clip is not None:
+        bound = algorithm.value_clip
+        clipped_error = (old + (value - old).clamp(-bound, bound) - returns) ** 2
+        clipped_tokens = masked_sum((clipped_error > error).to(value.dtype), mask)
+        error = torch.maximum(error, clipped_error)
+    per_token_loss = torch.where(mask, 0.5 * error, torch.zeros_like(error))
+    loss = aggregate(per_token_loss, mask, inputs, algorithm)
+    stats = {
+        "value_loss_sum": masked_sum(per_token_loss, mask).detach(),
+        "value_clipped_tokens": clipped_tokens.detach(),
+        "value_sum": masked_sum(value, mask).detach(),
+        "return_sum": masked_sum(returns, mask).detach(),
+    }
+    return loss, stats
 
 
 def per_token(rows: Sequence[Sequence[float]], like: torch.Tensor) -> torch.Tensor:

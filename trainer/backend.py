@@ -54,6 +54,13 @@ class Backend(Protocol):
         `Forward.logprobs`; None when the run keeps no reference model (``kl_coef`` 0)."""
         ...
 
+    def values(self, micro: MicroBatch, *, grad: bool = False) -> torch.Tensor:
+        """The value head (``algorithm.critic``) on ``micro``, laid out as `Forward.logprobs`:
+        at each token, V of the state it was sampled in (the head on the last hidden state of
+        the token before it; 0 at each row's first token). With ``grad`` the value carries the
+        gradient of the head and of the model under it."""
+        ...
+
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of ``loss``, this worker's share of a sum over all workers
         (the backend undoes any averaging its gradient reduction does)."""

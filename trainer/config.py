@@ -109,6 +109,30 @@ class AlgorithmConfig:
         "the reference, summed over the row's later loss tokens, then whitened over the batch's "
         "loss tokens (all workers); the KL is then not in the loss. Needs kl_coef > 0.",
     )
+    critic: bool = option(
+        False,
+        "PPO with a learned critic (Schulman et al. 2017, arXiv 1707.06347): a value head "
+        "(a linear layer on the policy's last hidden state) trained with the policy, "
+        "value_coef times its clipped squared error to the returns in the loss; the "
+        "advantages are GAE (arXiv 1506.02438, eq. 16, gae_gamma and gae_lambda) over each "
+        "row's loss tokens, whitened over the batch, in place of the estimator's. Not "
+        "available on the FSDP backend yet: a training run refuses it at start.",
+    )
+    value_coef: float = option(
+        0.5, "critic: the value loss's weight (> 0) in the loss (PPO's c1, arXiv 1707.06347 eq. 9)."
+    )
+    value_clip: float | None = option(
+        0.2,
+        "critic: a new value may move at most this far (> 0) from the step's starting value "
+        "before its error stops counting (the larger of the clipped and unclipped squared "
+        "errors, as OpenAI's baselines clip it). null: unclipped.",
+    )
+    gae_gamma: float = option(
+        1.0, "critic: GAE's discount gamma between loss tokens, in [0, 1] (arXiv 1506.02438)."
+    )
+    gae_lambda: float = option(
+        0.95, "critic: GAE's lambda, in [0, 1] (0: one-step TD error; 1: return less value)."
+    )
     objective: ObjectiveName = option(  # noqa: RUF009 (a Literal alias)
         "ppo",
         "Policy objective (trainer/objectives/, one module each; docs/architecture/"
@@ -397,6 +421,12 @@ def _positive(value: float, name: str) -> None:
 def check(config: TrainConfig) -> None:  # noqa: C901, PLR0912  # a flat list of field checks
     """Ranges and contradictions across fields, each failing with the field it is about (the
     algorithm's own bounds are checked when it is made: `check_algorithm`)."""
+    if config.algorithm.critic:
+        raise ConfigError(
+            "algorithm.critic",
+            "not available on the FSDP backend yet (the workers hold no value head and the "
+            "driver sends no per-token rewards); see docs/architecture/algorithms.md",
+        )
     for name in ("batch_size", "world_size", "checkpoint_every", "log_every"):
         _positive(getattr(config, name), name)
     if config.max_steps < 0:
@@ -490,6 +520,7 @@ def check_algorithm(algo: AlgorithmConfig) -> None:  # noqa: C901, PLR0912  # a 
         raise ConfigError(name + "kl_coef", "must be >= 0")
     if algo.kl_in_reward and algo.kl_coef == 0:
         raise ConfigError(name + "kl_in_reward", "needs kl_coef > 0 (the KL's weight beta)")
+    check_critic(algo)
     if not 0 <= algo.entropy_coef < math.inf:
         raise ConfigError(name + "entropy_coef", f"must be >= 0, got {algo.entropy_coef}")
     if (algo.aggregation == "constant") != (algo.aggregation_constant is not None):
@@ -524,6 +555,28 @@ def check_algorithm(algo: AlgorithmConfig) -> None:  # noqa: C901, PLR0912  # a 
             "group without contrast); use a group estimator or turn it off",
         )
     check_rewards(algo)
+
+
+def check_critic(algo: AlgorithmConfig) -> None:
+    """The learned critic's bounds; its options only with ``critic``."""
+    name = "algorithm."
+    defaults = AlgorithmConfig.__dataclass_fields__
+    for field_name in ("value_coef", "value_clip", "gae_gamma", "gae_lambda"):
+        if not algo.critic and getattr(algo, field_name) != defaults[field_name].default:
+            raise ConfigError(name + field_name, "applies only with critic: true")
+    if not 0 < algo.value_coef < math.inf:
+        raise ConfigError(name + "value_coef", f"must be > 0 and finite, got {algo.value_coef}")
+    if algo.value_clip is not None and not 0 < algo.value_clip < math.inf:
+        raise ConfigError(name + "value_clip", f"must be > 0 and finite, got {algo.value_clip}")
+    for field_name in ("gae_gamma", "gae_lambda"):
+        if not 0 <= getattr(algo, field_name) <= 1:
+            raise ConfigError(
+                name + field_name, f"must be in [0, 1], got {getattr(algo, field_name)}"
+            )
+    if algo.critic and algo.kl_in_reward:
+        raise ConfigError(
+            name + "kl_in_reward", "not with critic: true (GAE takes no KL reward yet)"
+        )
 
 
 def check_rewards(algo: AlgorithmConfig) -> None:

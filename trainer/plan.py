@@ -29,6 +29,8 @@ class MicroBatch:
     behaviour: list[list[float]] = field(default_factory=list)
     advantages: list[list[float]] = field(default_factory=list)
     fresh: list[list[int]] = field(default_factory=list)  # loss tokens at staleness 0
+    # algorithm.critic: each token's reward (a turn's at its last loss token, 0 elsewhere)
+    rewards: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -114,6 +116,7 @@ def micro_batch(samples: Sequence[Sample]) -> MicroBatch:
         behaviour=[s.behaviour for s in samples],
         advantages=[s.advantages for s in samples],
         fresh=[s.fresh or [0] * len(s.input_ids) for s in samples],
+        rewards=[s.rewards or [0.0] * len(s.input_ids) for s in samples],
     )
 
 

@@ -85,6 +85,8 @@ class Sample:
     # from: there the engine's and the trainer's logprobs should agree, so their gap measures
     # the mismatch between the two.
     fresh: list[int] = field(default_factory=list)
+    # algorithm.critic: each token's reward, for GAE (empty: none given, every reward 0)
+    rewards: list[float] = field(default_factory=list)
 
     @property
     def loss_tokens(self) -> int:

@@ -174,6 +174,10 @@ class Worker:
         with torch.no_grad():
             return self._forward(self.reference_model, micro, "none").logprobs
 
+    def values(self, micro: MicroBatch, *, grad: bool = False) -> torch.Tensor:
+        # algorithm.critic is refused at start (trainer/config.py): no value head here yet
+        raise NotImplementedError("the FSDP backend holds no value head yet (algorithm.critic)")
+
     def backward(self, loss: torch.Tensor) -> None:
         # FSDP2 averages gradients over workers; each worker's loss is a share of the global sum.
         (loss * self.world_size).backward()

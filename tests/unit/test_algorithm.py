@@ -32,14 +32,23 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from tests.support import free_port
-from trainer.algorithm import kl_reward_advantages, proximal_logprobs, train_step
+from trainer.algorithm import (
+    gae_advantages,
+    kl_reward_advantages,
+    proximal_logprobs,
+    train_step,
+    value_term,
+)
 from trainer.backend import EntropyMode, Forward
 from trainer.batching import packed, shift_entropy, shift_entropy_with_grad, shift_logprobs
-from trainer.config import AlgorithmConfig, ConfigError, OptimConfig
+from trainer.config import AlgorithmConfig, ConfigError, OptimConfig, load_config
 from trainer.model import load_model
+from trainer.objectives import LossInputs
 from trainer.plan import MicroBatch, minibatches, plan_step
 from trainer.rollouts import Sample
 from trainer.worker import Worker, WorkerSettings
@@ -69,11 +78,13 @@ class PlainBackend:
         optimizer: torch.optim.Optimizer,
         grad_clip: float = 0.0,
         reference_model: torch.nn.Module | None = None,
+        value_head: torch.nn.Module | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.grad_clip = grad_clip
         self.reference_model = reference_model
+        self.value_head = value_head
 
     def forward(
         self, micro: MicroBatch, *, grad: bool = False, entropy: EntropyMode = "none"
@@ -105,6 +116,20 @@ class PlainBackend:
             return None
         return self._forward(self.reference_model, micro, False, "none").logprobs
 
+    def values(self, micro: MicroBatch, *, grad: bool = False) -> torch.Tensor:
+        assert self.value_head is not None, "algorithm.critic needs a value head"
+        batch = packed(micro.rows or [[0]])
+        with torch.set_grad_enabled(grad):
+            hidden = self.model.base_model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                cu_seq_lens_q=batch.cu_seqlens,
+                use_cache=False,
+            ).last_hidden_state[0]
+            value = self.value_head(hidden).squeeze(-1)
+            before = torch.cat([value.new_zeros(1), value[:-1]])  # the state token t was drawn in
+            return torch.where(batch.position_ids[0] == 0, torch.zeros_like(before), before)
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
@@ -117,7 +142,8 @@ class PlainBackend:
 
     def step(self) -> float:
         limit = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit))
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, limit))  # the value head's too
         self.optimizer.step()
         return norm
 
@@ -423,3 +449,244 @@ def test_kl_in_the_reward_is_reinforce_pp_as_published_in_float64(tiny_model_dir
 def test_kl_in_the_reward_needs_a_kl_coefficient():
     with pytest.raises(ConfigError, match=r"algorithm\.kl_in_reward"):
         AlgorithmConfig(kl_in_reward=True)
+
+
+# --- PPO with a learned critic: GAE and the value loss -----------------------------------------
+
+CRITICS = {
+    "decoupled_clipped": AlgorithmConfig(
+        temperature=TEMPERATURE,
+        behaviour_cap=None,
+        critic=True,
+        value_coef=0.5,
+        value_clip=0.05,
+        gae_gamma=0.9,
+        gae_lambda=0.8,
+    ),
+    "plain_ppo_unclipped": AlgorithmConfig(
+        temperature=TEMPERATURE,
+        decoupled=False,
+        critic=True,
+        value_coef=1.0,
+        value_clip=None,
+        gae_gamma=1.0,
+        gae_lambda=0.95,
+    ),
+}
+
+
+def with_rewards(samples: list[Sample], seed: int) -> list[Sample]:
+    """Each row a reward on its last loss token and on one loss token inside it, 0 elsewhere
+    (two turns' rewards), and a masked stretch in the middle of its loss tokens (a tool's
+    answer between two turns)."""
+    rng = random.Random(seed)
+    out = []
+    for sample in samples:
+        steps = [i for i, m in enumerate(sample.loss_mask) if m]
+        rewards = [0.0] * len(sample.input_ids)
+        middle = steps[len(steps) // 2]
+        rewards[middle] = rng.uniform(-1, 1)
+        rewards[steps[-1]] = rng.uniform(-1, 1)
+        mask = list(sample.loss_mask)
+        for i in steps[len(steps) // 2 + 1 : len(steps) // 2 + 3][: max(0, len(steps) - 3)]:
+            mask[i] = 0
+        out.append(replace(sample, rewards=rewards, loss_mask=mask))
+    return out
+
+
+def hand_values(model, head, ids: list[int]) -> torch.Tensor:
+    """V at tokens 1..L-1 of one row alone: the head on the hidden state before each token."""
+    hidden = model.base_model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    return head(hidden[:-1]).squeeze(-1)
+
+
+def paper_gae(
+    samples: list[Sample], values: list[list[float]], gamma: float, lam: float
+) -> tuple[list[list[float]], list[list[float]]]:
+    """GAE by its sum form (Schulman et al., arXiv 1506.02438, eq. 16):
+    A_t = sum_l (gamma lambda)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t over a row's
+    loss tokens in order (V = 0 after the last); returns A + V; then the advantages whitened
+    over every loss token (population std, + 1e-8). Per row, 0 off the loss tokens."""
+    raw, returns = [], []
+    for sample, value in zip(samples, values, strict=True):
+        steps = [i for i, m in enumerate(sample.loss_mask) if m]
+        nxt = [value[steps[k + 1]] if k + 1 < len(steps) else 0.0 for k in range(len(steps))]
+        delta = [sample.rewards[t] + gamma * nxt[k] - value[t] for k, t in enumerate(steps)]
+        row = [0.0] * len(sample.input_ids)
+        back = [0.0] * len(sample.input_ids)
+        for k, t in enumerate(steps):
+            row[t] = sum((gamma * lam) ** j * delta[k + j] for j in range(len(steps) - k))
+            back[t] = row[t] + value[t]
+        raw.append(row)
+        returns.append(back)
+    flat = [
+        a
+        for s, row in zip(samples, raw, strict=True)
+        for a, m in zip(row, s.loss_mask, strict=True)
+        if m
+    ]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((a - mean) ** 2 for a in flat) / len(flat))
+    whitened = [
+        [(a - mean) / (std + 1e-8) if m else 0.0 for a, m in zip(row, s.loss_mask, strict=True)]
+        for s, row in zip(samples, raw, strict=True)
+    ]
+    return whitened, returns
+
+
+def critic_reference_step(
+    model, head, samples: list[Sample], minibatch_count: int, algorithm: AlgorithmConfig
+) -> list[float]:
+    """The critic's step by hand: GAE at the start (paper_gae), then per minibatch the PPO
+    loss of the module docstring on those advantages plus value_coef * (1/N) sum_t 1/2 max((V -
+    R)^2, (V_old + clip(V - V_old, -c, c) - R)^2) (PPO eq. 9's L^VF, clipped as OpenAI's
+    baselines do; unclipped: 1/2 (V - R)^2), SGD at LR on the model and the head."""
+    with torch.no_grad():
+        old_values = [[0.0, *hand_values(model, head, s.input_ids).tolist()] for s in samples]
+    advantages, returns = paper_gae(samples, old_values, algorithm.gae_gamma, algorithm.gae_lambda)
+    params = [p for p in model.parameters() if p.requires_grad] + list(head.parameters())
+    with torch.no_grad():
+        proximal = [row_logprobs(model, s.input_ids)[0] for s in samples]
+    eps, c = algorithm.eps_clip, algorithm.value_clip
+    norms = []
+    for indices in minibatches(len(samples), minibatch_count):
+        count = sum(samples[i].loss_tokens for i in indices)
+        loss = torch.zeros((), dtype=torch.float64)
+        for i in indices:
+            sample = samples[i]
+            logprobs, _ = row_logprobs(model, sample.input_ids)
+            mask = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)
+            behaviour = torch.tensor(sample.behaviour[1:], dtype=torch.float64)
+            advantage = torch.tensor(advantages[i][1:], dtype=torch.float64)
+            prox = proximal[i] if algorithm.decoupled else behaviour
+            ratio = torch.exp(logprobs - prox)
+            weight = torch.exp(prox - behaviour)
+            surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - eps, 1 + eps) * advantage)
+            loss = loss - (weight * surrogate)[mask].sum() / count
+            value = hand_values(model, head, sample.input_ids)
+            target = torch.tensor(returns[i][1:], dtype=torch.float64)
+            old = torch.tensor(old_values[i][1:], dtype=torch.float64)
+            error = (value - target) ** 2
+            if c is not None:
+                error = torch.maximum(error, (old + (value - old).clamp(-c, c) - target) ** 2)
+            loss = loss + algorithm.value_coef * 0.5 * error[mask].sum() / count
+        grads = torch.autograd.grad(loss, params)
+        norms.append(float(torch.stack([(g * g).sum() for g in grads]).sum().sqrt()))
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                p -= LR * g
+    return norms
+
+
+@pytest.mark.parametrize("name", list(CRITICS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ppo_with_a_critic_is_gae_and_the_clipped_value_loss_in_float64(tiny_model_dir, name, seed):
+    """GAE's returns and whitened advantages as train_step builds them equal eq. 16's sum form
+    to 1e-12, and the whole step (policy and value head, two minibatches of several
+    micro-batches) equals the hand-written one: weights of both to 1e-10 of the change."""
+    algorithm = CRITICS[name]
+    model = load_model(tiny_model_dir).double()
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+    policy.load_state_dict(model.state_dict())
+    torch.manual_seed(seed)
+    head = torch.nn.Linear(model.config.hidden_size, 1, dtype=torch.float64)
+    hand_head = torch.nn.Linear(model.config.hidden_size, 1, dtype=torch.float64)
+    hand_head.load_state_dict(head.state_dict())
+    with torch.no_grad():
+        samples = make_samples(
+            lambda ids: [0.0, *row_logprobs(policy, ids)[0].tolist()], random_rows(seed), seed
+        )
+        samples = with_rewards(samples, seed)
+        old_values = [[0.0, *hand_values(policy, hand_head, s.input_ids).tolist()] for s in samples]
+    want_advantages, want_returns = paper_gae(
+        samples, old_values, algorithm.gae_gamma, algorithm.gae_lambda
+    )
+
+    params = list(model.parameters()) + list(head.parameters())
+    backend = PlainBackend(model, torch.optim.SGD(params, lr=LR), value_head=head)
+    whole = plan_step(samples, 1, minibatch_count=1, max_tokens=10_000).per_rank[0][0]
+    assert len(whole) == 1 and whole[0].rows == [s.input_ids for s in samples]
+    with torch.no_grad():
+        advantages, returns = gae_advantages(backend, whole, [backend.values(whole[0])], algorithm)
+    for got, want in ((advantages[0], want_advantages), (returns[0], want_returns)):
+        assert got is not None
+        flat = torch.tensor([v for row in want for v in row], dtype=torch.float64)
+        assert float((got - flat).abs().max()) <= 1e-12
+        assert float(flat.abs().max()) > 0.1
+
+    before = weights(model) | {f"head.{k}": v.clone() for k, v in head.state_dict().items()}
+    plan = plan_step(samples, 1, minibatch_count=2, max_tokens=24)
+    assert len(plan.per_rank[0][0]) > 1
+    stats = train_step(backend, plan.per_rank[0], plan.tokens, plan.sequences, algorithm, lr=LR)
+    want_norms = critic_reference_step(policy, hand_head, samples, 2, algorithm)
+    trained = weights(model) | {f"head.{k}": v for k, v in head.state_dict().items()}
+    by_hand = weights(policy) | {f"head.{k}": v for k, v in hand_head.state_dict().items()}
+    change = largest_gap(by_hand, before)
+    assert change > 1e-3
+    assert largest_gap(trained, by_hand) <= TOLERANCE * change
+    assert stats["grad_norms"] == pytest.approx(want_norms, rel=TOLERANCE)
+    assert stats["value_loss_sum"] > 0
+    if algorithm.value_clip is None:
+        assert stats["value_clipped_tokens"] == 0
+    # (here the policy's update moves the second minibatch's values away from their returns,
+    # where the clip leaves the error as it is: the clipped region is checked by the next test)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    clip=st.sampled_from([None, 0.01, 0.2, 1.0]),
+    aggregation=st.sampled_from(["token_mean", "sequence_mean"]),
+)
+def test_the_value_loss_is_ppo_s_clipped_squared_error_in_float64(seed, clip, aggregation):
+    """value_term against 1/2 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2) per loss
+    token written here (PPO eq. 9's L^VF, clipped as OpenAI's baselines' ppo2), aggregated as
+    the policy loss is: value and gradient to 1e-12; the clipped count is the tokens whose
+    clipped error is the larger."""
+    generator = torch.Generator().manual_seed(seed)
+    size = 40
+    value = torch.randn(size, generator=generator, dtype=torch.float64).requires_grad_()
+    old = value.detach() + 0.3 * torch.randn(size, generator=generator, dtype=torch.float64)
+    returns = torch.randn(size, generator=generator, dtype=torch.float64)
+    mask = torch.rand(size, generator=generator) < 0.7
+    rows = torch.sort(torch.randint(0, 4, (size,), generator=generator)).values
+    algorithm = AlgorithmConfig(critic=True, value_clip=clip, aggregation=aggregation)
+    inputs = LossInputs(
+        logprobs=value.detach(), proximal=None, behaviour=value.detach(), advantages=returns,
+        loss_mask=mask, sequence_ids=rows, entropy=None, reference=None,
+        total_tokens=float(mask.sum()) + 3, total_sequences=float(rows.unique().numel()) + 1,
+    )  # fmt: skip
+    loss, stats = value_term(value, old, returns, inputs, algorithm)
+
+    by_hand = torch.zeros((), dtype=torch.float64)
+    clipped = 0
+    for t in range(size):
+        if not mask[t]:
+            continue
+        error = (value[t] - returns[t]) ** 2
+        if clip is not None:
+            moved = old[t] + torch.clamp(value[t] - old[t], -clip, clip)
+            clipped_error = (moved - returns[t]) ** 2
+            clipped += int(clipped_error > error)
+            error = torch.maximum(error, clipped_error)
+        weight = 1 / inputs.total_tokens
+        if aggregation == "sequence_mean":
+            row_tokens = int((mask & (rows == rows[t])).sum())
+            weight = 1 / row_tokens / inputs.total_sequences
+        by_hand = by_hand + weight * 0.5 * error
+    assert abs(float(loss.detach()) - float(by_hand.detach())) <= 1e-12
+    (grad,) = torch.autograd.grad(loss, value)
+    (want,) = torch.autograd.grad(by_hand, value)
+    assert float((grad - want).abs().max()) <= 1e-12
+    assert float(stats["value_clipped_tokens"]) == clipped
+
+
+def test_the_critic_is_refused_for_a_training_run_and_its_options_without_it():
+    with pytest.raises(ConfigError, match=r"not available on the FSDP backend yet"):
+        load_config(None, ["server=http://127.0.0.1:9", "algorithm.critic=true"])
+    for field_name, value in (("value_coef", 1.0), ("gae_lambda", 0.5), ("value_clip", None)):
+        with pytest.raises(ConfigError, match=rf"algorithm\.{field_name}: applies only"):
+            AlgorithmConfig(**{field_name: value})
+    for field_name, value in (("value_coef", 0.0), ("gae_gamma", 1.5), ("value_clip", -1.0)):
+        with pytest.raises(ConfigError, match=rf"algorithm\.{field_name}: must"):
+            AlgorithmConfig(critic=True, **{field_name: value})
