@@ -217,7 +217,7 @@ class EngineClient:
             data = line[6:]
             if data == b"[DONE]":
                 return pieces, True, None
-            chunk = json.loads(data)
+            chunk = json.loads(data.decode())  # text: json.loads of bytes detects the encoding
             if "error" in chunk:
                 return pieces, False, in_band_error(self.url, chunk["error"])
             pieces.append(piece_from_output(chunk, seen, cumulative=not incremental))
