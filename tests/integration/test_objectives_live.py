@@ -1,7 +1,8 @@
 """Every objective and loss option of trainer/objectives/ trains live: `proxrl train` with each
 example config of examples/algorithms/ that exercises one (ppo, gspo, sapo, m2po, the sequence
-mean and constant aggregations, the entropy bonus, the k2 KL), 2 steps against one shared
-`proxrl serve` (tiny model, embedded engine, SQLite), each in a run of its own.
+mean and constant aggregations, the entropy bonus, the k2 KL, REINFORCE++'s KL in the reward),
+2 steps against one shared `proxrl serve` (tiny model, embedded engine, SQLite), each in a run
+of its own.
 
 What it shows: the option reaches the loss through the real trainer (Ray, FSDP2, the
 algorithm/backend split), the steps publish, and the figures stay finite with a nonzero
@@ -33,6 +34,7 @@ ENTRIES = [
     "dr_grpo",
     "entropy_bonus",
     "kl_k2",
+    "reinforce_pp_kl_reward",
 ]
 GROUPS = 4  # two steps of 8 sessions, groups of 4
 
