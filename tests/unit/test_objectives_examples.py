@@ -1,6 +1,6 @@
 """examples/algorithms/: every file loads with the trainer's own loader, and every entry of the
 objectives table and every loss option has an example that uses it (the live runs,
-tests/integration/test_objectives_live.py, train each of them)."""
+tests/integration/test_algorithms_live.py, train every option of them)."""
 
 from __future__ import annotations
 
