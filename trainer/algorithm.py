@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from trainer.objectives.ratios import masked_sum
 from trainer.objectives.terms import aggregate
 from trainer.plan import MicroBatch
 
-WHITEN_EPS = 1e-8  # added to the batch std of the KL-shaped advantages (OpenRLHF's order)
+WHITEN_EPS = 1e-8  # added to the batch std when advantages are whitened (OpenRLHF's order)
 
 
 def train_step(
@@ -57,10 +57,11 @@ def train_step(
     minibatch ``i`` over all workers (`StepPlan`), so each micro-batch's loss is already its
     share of the whole minibatch's. Returns this worker's sums over its micro-batches (the
     objective's, named in ``trainer.objectives.STAT_NAMES``, and ``loss_sum``,
-    ``mismatch_sum``, ``mismatch_tokens``), ``grad_norms`` (one per minibatch, before
-    clipping) and the wall times ``seconds`` and ``proximal_seconds``. ``after_proximal``
-    runs once the proximal logprobs are in, before any update (the crash tests' ``mid_step``
-    point).
+    ``mismatch_sum``, ``mismatch_tokens``; with the critic ``value_loss_sum``,
+    ``value_clipped_tokens``, ``value_sum``, ``return_sum``), ``grad_norms`` (one per
+    minibatch, before clipping) and the wall times ``seconds`` and ``proximal_seconds``.
+    ``after_proximal`` runs once the proximal logprobs are in, before any update (the crash
+    tests' ``mid_step`` point).
     """
     started = time.perf_counter()
     flat = [micro for minibatch in minibatches for micro in minibatch]
@@ -68,20 +69,7 @@ def train_step(
     backend.synchronize()
     proximal_seconds = time.perf_counter() - started
     totals: dict[str, Any] = mismatch(flat, proximal)
-    references: list[torch.Tensor | None] = [None] * len(flat)
-    advantages: list[torch.Tensor | None] = [None] * len(flat)
-    loss_algorithm = algorithm
-    if algorithm.kl_in_reward:
-        references = [backend.reference(micro) for micro in flat]
-        advantages = kl_reward_advantages(backend, flat, proximal, references, algorithm)
-        # the KL is in the reward, not the loss
-        loss_algorithm = replace(algorithm, kl_coef=0.0, kl_in_reward=False)
-    old_values: list[torch.Tensor | None] = [None] * len(flat)
-    returns: list[torch.Tensor | None] = [None] * len(flat)
-    if algorithm.critic:
-        old_values = [backend.values(micro) for micro in flat]
-        values = [v for v in old_values if v is not None]
-        advantages, returns = gae_advantages(backend, flat, values, algorithm)
+    targets = step_targets(backend, flat, proximal, algorithm)
     if after_proximal is not None:
         after_proximal()
     grad_norms = []
@@ -94,12 +82,12 @@ def train_step(
                 backend,
                 micro,
                 proximal[index],
-                loss_algorithm,
+                targets.loss_algorithm,
                 total_tokens=max(token_count, 1),
                 total_sequences=max(sequence_count, 1),
-                advantages=advantages[index],
-                reference=references[index],
-                critic=(old_values[index], returns[index]) if algorithm.critic else None,
+                advantages=targets.advantages[index],
+                reference=targets.references[index],
+                critic=targets.critic(index),
             )
             index += 1
             for key, value in stats.items():
@@ -110,6 +98,46 @@ def train_step(
     totals["seconds"] = time.perf_counter() - started
     totals["proximal_seconds"] = proximal_seconds
     return totals
+
+
+@dataclass(frozen=True)
+class StepTargets:
+    """What the step's start fixes for its minibatches, per micro-batch (None: the
+    micro-batch's own advantages, the reference computed when needed, no critic)."""
+
+    loss_algorithm: AlgorithmConfig  # the algorithm the loss sees (no KL term if in the reward)
+    advantages: list[torch.Tensor | None]
+    references: list[torch.Tensor | None]
+    old_values: list[torch.Tensor] | None = None  # the critic's values at the step's start
+    returns: list[torch.Tensor | None] | None = None  # the critic's targets
+
+    def critic(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        if self.old_values is None or self.returns is None:
+            return None
+        return self.old_values[index], self.returns[index]
+
+
+def step_targets(
+    backend: Backend,
+    micros: Sequence[MicroBatch],
+    proximal: Sequence[torch.Tensor | None],
+    algorithm: AlgorithmConfig,
+) -> StepTargets:
+    """The advantages the loss trains on where the algorithm makes them at the step's start
+    (REINFORCE++'s KL in the reward; the critic's GAE), before any minibatch moves the weights."""
+    unset: list[torch.Tensor | None] = [None] * len(micros)
+    if algorithm.kl_in_reward:
+        references = [backend.reference(micro) for micro in micros]
+        return StepTargets(
+            loss_algorithm=replace(algorithm, kl_coef=0.0, kl_in_reward=False),  # not in the loss
+            advantages=kl_reward_advantages(backend, micros, proximal, references, algorithm),
+            references=references,
+        )
+    if algorithm.critic:
+        values = [backend.values(micro) for micro in micros]
+        advantages, returns = gae_advantages(backend, micros, values, algorithm)
+        return StepTargets(algorithm, advantages, unset, values, returns)
+    return StepTargets(algorithm, unset, list(unset))
 
 
 def proximal_logprobs(
@@ -270,7 +298,7 @@ def accumulate(
     total_sequences: int,
     advantages: torch.Tensor | None = None,
     reference: torch.Tensor | None = None,
-    critic: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+    critic: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> dict[str, float]:
     """Forward, objective and backward of one micro-batch; its statistics as floats.
     ``advantages`` replace the micro-batch's own (the KL-shaped or GAE ones); a ``reference``
@@ -303,9 +331,8 @@ def accumulate(
     loss, stats = policy_loss(inputs, algorithm)
     if critic is not None:
         value = backend.values(micro, grad=True)
-        old, returns = (
-            tensor if tensor is not None else torch.zeros_like(value) for tensor in critic
-        )
+        old, returns = critic  # returns None: an empty micro-batch, no loss token
+        returns = torch.zeros_like(value) if returns is None else returns
         value_loss, value_stats = value_term(value, old, returns, inputs, algorithm)
         loss = loss + algorithm.value_coef * value_loss
         stats = stats | value_stats
