@@ -554,7 +554,8 @@ def report(data: dict[str, Any], results_dir: Path, name: str = "staleness-repla
         f"x {settings['eval_samples']} samples at temperature 1. Mean ± std over seeds.",
         "",
         "| eta | objective | seeds | held-out (T=1) | change from start | held-out (greedy) "
-        "| train reward (last steps) | drift KL / step | clipped share | behaviour-masked share |",
+        "| batch reward, last steps (the stale sampler's) | drift KL / step | clipped share "
+        "| behaviour-masked share |",
         "|---:|---|---:|---|---|---|---|---|---|---|",
     ]
     for cell in summary.values():
