@@ -424,8 +424,8 @@ def check(config: TrainConfig) -> None:  # noqa: C901, PLR0912  # a flat list of
     if config.algorithm.critic:
         raise ConfigError(
             "algorithm.critic",
-            "not available on the FSDP backend yet (the workers hold no value head and the "
-            "driver sends no per-token rewards); see docs/architecture/algorithms.md",
+            "not available on the FSDP backend yet (its workers hold no value head); see "
+            "docs/architecture/algorithms.md",
         )
     for name in ("batch_size", "world_size", "checkpoint_every", "log_every"):
         _positive(getattr(config, name), name)
@@ -573,6 +573,11 @@ def check_critic(algo: AlgorithmConfig) -> None:
             raise ConfigError(
                 name + field_name, f"must be in [0, 1], got {getattr(algo, field_name)}"
             )
+    if algo.critic and algo.discount != 1:
+        raise ConfigError(
+            name + "discount",
+            "does nothing under critic: true (GAE discounts per token by gae_gamma)",
+        )
     if algo.critic and algo.kl_in_reward:
         raise ConfigError(
             name + "kl_in_reward", "not with critic: true (GAE takes no KL reward yet)"

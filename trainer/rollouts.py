@@ -45,6 +45,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from trainer.advantages import (
@@ -350,6 +351,7 @@ def _sample(session_id: str, row: dict[str, Any]) -> Sample:
         versions=list(row["versions"]),
         advantages=[0.0] * len(row["input_ids"]),
         fresh=[0] * len(row["input_ids"]),
+        rewards=[0.0] * len(row["input_ids"]),
     )
 
 
@@ -456,6 +458,21 @@ def _without_contrast(
     return why
 
 
+def _place_rewards(session: _Session, rows: Sequence[Sample]) -> None:
+    """Under ``algorithm.critic``, each trained turn's reward on its last loss token (for GAE,
+    trainer/algorithm.py): a path turn's own shaped reward, the last one's with the session's
+    (its undiscounted return less the next path turn's), an alternative's its own. A turn that
+    does not train (every token masked) places nothing: no action of a row leads to it."""
+    path = sorted((t for t in session.turns if not t.alternative), key=lambda t: t.order)
+    following = {id(turn): after.undiscounted for turn, after in pairwise(path)}
+    for turn in session.turns:
+        if not turn.trains or turn.undiscounted is None:
+            continue
+        row = rows[turn.row]
+        last = max(i for i in range(turn.start, turn.end) if row.loss_mask[i])
+        row.rewards[last] += turn.undiscounted - (following.get(id(turn)) or 0.0)
+
+
 def build_batch(
     sessions: Sequence[dict[str, Any]], rules: Rules, baseline: RunningBaseline | None
 ) -> Batch:
@@ -501,5 +518,7 @@ def build_batch(
         for turn, advantage in zip(trained, values, strict=True):
             row = masked.rows[turn.row]
             row.advantages[turn.start : turn.end] = [advantage] * (turn.end - turn.start)
+        if algorithm.critic:
+            _place_rewards(session, masked.rows)
         batch.samples += [row for row in masked.rows if row.loss_tokens]
     return batch

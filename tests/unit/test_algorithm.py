@@ -687,6 +687,8 @@ def test_the_critic_is_refused_for_a_training_run_and_its_options_without_it():
     for field_name, value in (("value_coef", 1.0), ("gae_lambda", 0.5), ("value_clip", None)):
         with pytest.raises(ConfigError, match=rf"algorithm\.{field_name}: applies only"):
             AlgorithmConfig(**{field_name: value})
+    with pytest.raises(ConfigError, match=r"algorithm\.discount: does nothing under critic"):
+        AlgorithmConfig(critic=True, discount=0.9)
     for field_name, value in (("value_coef", 0.0), ("gae_gamma", 1.5), ("value_clip", -1.0)):
         with pytest.raises(ConfigError, match=rf"algorithm\.{field_name}: must"):
             AlgorithmConfig(critic=True, **{field_name: value})

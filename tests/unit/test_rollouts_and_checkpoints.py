@@ -665,3 +665,28 @@ def test_a_republish_stays_journalled_until_a_checkpoint_holds_it(tmp_path):
     # a checkpoint holds them all: the journal empties
     store.clear_journal()
     assert store.journalled() == [] and store.journalled_republishes() == []
+
+
+# --- rewards per token for the critic ------------------------------------------------------
+
+
+def test_under_the_critic_each_turn_s_reward_sits_on_its_last_loss_token():
+    """A path of two turns in one row (own rewards 0.5 and none, session reward 1, scaled by 2)
+    and an alternative with its own reward 0.25: the first turn's 2 * 0.5 on its last token,
+    the session's 2 * 1 on the last turn's last loss token (its stale last token masked), the
+    alternative's 2 * 0.25 on its own; 0 elsewhere, and every reward 0 without the critic."""
+    path = row(2, [turn([5, 5], 0.5, order=1), turn([5, 5, 3], glue=1, order=2)], 1)
+    rows = [row(2, [turn([5], 0.25, order=0, alternative=True)], 0), path]
+    sessions = [session("x", 1.0, rows), session("b", 0.0, [row(2, [turn([5])])])]
+    changes = dict(advantage="dr_grpo", reward_scale=2.0, stale="mask", max_staleness=1)
+    out = batch(sessions, critic=True, **changes)
+    alternative, trained_path = (s for s in out.samples if s.session_id == "x")
+    assert alternative.rewards == [0.0, 0.0, 0.5]
+    want = [0.0] * len(path["input_ids"])
+    want[3] = 1.0  # the first turn's tokens are 2..3
+    want[6] = 2.0  # the second's are 5..7, token 7 stale (version 3 < 5 - 1) and masked
+    assert trained_path.loss_mask[7] == 0
+    assert trained_path.rewards == want
+    assert out.samples[-1].rewards == [0.0, 0.0, 0.0]  # b: session reward 0
+    plain = batch(sessions, **changes)
+    assert all(not any(s.rewards) for s in plain.samples)
