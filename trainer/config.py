@@ -115,8 +115,8 @@ class AlgorithmConfig:
         "(a linear layer on the policy's last hidden state) trained with the policy, "
         "value_coef times its clipped squared error to the returns in the loss; the "
         "advantages are GAE (arXiv 1506.02438, eq. 16, gae_gamma and gae_lambda) over each "
-        "row's loss tokens, whitened over the batch, in place of the estimator's. Not "
-        "available on the FSDP backend yet: a training run refuses it at start.",
+        "row's loss tokens, whitened over the batch, in place of the estimator's (each turn's "
+        "reward on its last token). The head is checkpointed, never published to the engines.",
     )
     value_coef: float = option(
         0.5, "critic: the value loss's weight (> 0) in the loss (PPO's c1, arXiv 1707.06347 eq. 9)."
@@ -421,12 +421,6 @@ def _positive(value: float, name: str) -> None:
 def check(config: TrainConfig) -> None:  # noqa: C901, PLR0912  # a flat list of field checks
     """Ranges and contradictions across fields, each failing with the field it is about (the
     algorithm's own bounds are checked when it is made: `check_algorithm`)."""
-    if config.algorithm.critic:
-        raise ConfigError(
-            "algorithm.critic",
-            "not available on the FSDP backend yet (its workers hold no value head); see "
-            "docs/architecture/algorithms.md",
-        )
     for name in ("batch_size", "world_size", "checkpoint_every", "log_every"):
         _positive(getattr(config, name), name)
     if config.max_steps < 0:

@@ -148,13 +148,21 @@ class Worker:
             self.reference_model = load_sharded_model(settings.model_dir, self.device)
             self.reference_model.requires_grad_(False)
         optim = settings.optim
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+        adamw = dict(
             lr=settings.lr,
             betas=(optim.beta1, optim.beta2),
             eps=optim.eps,
             weight_decay=optim.weight_decay,
         )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw)  # type: ignore[arg-type]
+        # algorithm.critic: a value head on the last hidden state, the same on every worker
+        # (made after the same seed), its gradient averaged in `step`; never published.
+        self.value_head: torch.nn.Linear | None = None
+        self.value_optimizer: torch.optim.Optimizer | None = None
+        if settings.algorithm.critic:
+            hidden = self.model.config.hidden_size
+            self.value_head = torch.nn.Linear(hidden, 1, device=self.device)
+            self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), **adamw)  # type: ignore[arg-type]
         return {
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "device": str(self.device),
@@ -175,8 +183,29 @@ class Worker:
             return self._forward(self.reference_model, micro, "none").logprobs
 
     def values(self, micro: MicroBatch, *, grad: bool = False) -> torch.Tensor:
-        # algorithm.critic is refused at start (trainer/config.py): no value head here yet
-        raise NotImplementedError("the FSDP backend holds no value head yet (algorithm.critic)")
+        if self.value_head is None:
+            raise RuntimeError("values need algorithm.critic at the worker's setup")
+        batch = packed(micro.rows or [[0]])  # an empty micro-batch still runs (collectives)
+        position_ids = batch.position_ids.to(self.device)
+        # the last hidden state is the final norm's output, taken by a hook: asking the FSDP2
+        # root for hidden_states would return views of its outputs
+        captured: list[torch.Tensor] = []
+        norm = self.model.base_model.norm
+        hook = norm.register_forward_hook(lambda _module, _args, out: captured.append(out))
+        try:
+            with torch.set_grad_enabled(grad):
+                self.model(
+                    input_ids=batch.input_ids.to(self.device),
+                    position_ids=position_ids,
+                    cu_seq_lens_q=batch.cu_seqlens.to(self.device),
+                    use_cache=False,
+                )
+        finally:
+            hook.remove()
+        with torch.set_grad_enabled(grad):
+            value = self.value_head(captured[0][0].float()).squeeze(-1)
+            before = torch.cat([value.new_zeros(1), value[:-1]])  # the state token t was drawn in
+            return torch.where(position_ids[0] == 0, torch.zeros_like(before), before)
 
     def backward(self, loss: torch.Tensor) -> None:
         # FSDP2 averages gradients over workers; each worker's loss is a share of the global sum.
@@ -184,18 +213,45 @@ class Worker:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        if self.value_optimizer is not None:
+            self.value_optimizer.zero_grad(set_to_none=True)
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        optimizers = [self.optimizer, self.value_optimizer]
+        for optimizer in optimizers:
+            for group in optimizer.param_groups if optimizer is not None else []:
+                group["lr"] = lr
 
     def step(self) -> float:
         clip = self.settings.optim.grad_clip
         limit = clip if clip > 0 else float("inf")
+        if self.value_head is not None:
+            return self._step_with_value_head(limit)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
         full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
         return float(full)
+
+    def _step_with_value_head(self, limit: float) -> float:
+        """The head's gradient averaged over workers (as FSDP2 averages the model's), both
+        clipped by their joint norm, both optimizers stepped; the joint norm."""
+        assert self.value_head is not None and self.value_optimizer is not None
+        head = [p.grad for p in self.value_head.parameters() if p.grad is not None]
+        for grad in head:
+            dist.all_reduce(grad)
+            grad /= self.world_size
+        model = [p.grad for p in self.model.parameters() if p.grad is not None]
+        # torch's clip_grad_norm_ over the model's and the head's gradients together: the norm
+        # of the per-tensor norms, then grad * min(1, limit / (norm + 1e-6))
+        norms = [torch.linalg.vector_norm(grad) for grad in [*model, *head]]
+        norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        scale = torch.clamp(limit / (total + 1e-6), max=1.0)
+        for grad in [*model, *head]:
+            grad.mul_(scale.to(grad.dtype).item())
+        self.optimizer.step()
+        self.value_optimizer.step()
+        return float(total)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -368,10 +424,11 @@ class Worker:
         if self.rank == 0:
             out = Path(out_dir)
             out.mkdir(parents=True, exist_ok=True)
-            torch.save(
-                {"model": model_state, "optimizer": optim_state, "step_count": self.step_count},
-                out / "train_state.pt",
-            )
+            state = {"model": model_state, "optimizer": optim_state, "step_count": self.step_count}
+            if self.value_head is not None and self.value_optimizer is not None:
+                state["value_head"] = self.value_head.state_dict()
+                state["value_optimizer"] = self.value_optimizer.state_dict()
+            torch.save(state, out / "train_state.pt")
         dist.barrier()
 
     def load_checkpoint(self, in_dir: str) -> int:
@@ -389,6 +446,13 @@ class Worker:
         counts = [state["step_count"]]
         dist.broadcast_object_list(counts, src=0)
         self.step_count = int(counts[0])
+        if self.value_head is not None and self.value_optimizer is not None:
+            head = [state.get("value_head"), state.get("value_optimizer")]
+            dist.broadcast_object_list(head, src=0)
+            if head[0] is None or head[1] is None:
+                raise RuntimeError("the checkpoint holds no value head (algorithm.critic)")
+            self.value_head.load_state_dict(head[0])
+            self.value_optimizer.load_state_dict(head[1])
         return self.step_count
 
     def shutdown(self) -> None:

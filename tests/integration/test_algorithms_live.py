@@ -56,6 +56,7 @@ RUNS = {
         "algorithm.overlong_cache_tokens=4",
     ],
     "reinforce_pp_kl_reward": [],  # the KL to the reference in the reward (REINFORCE++)
+    "ppo_critic": [],  # a value head and GAE (the worker's head, the driver's token rewards)
 }
 
 

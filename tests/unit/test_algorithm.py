@@ -46,7 +46,7 @@ from trainer.algorithm import (
 )
 from trainer.backend import EntropyMode, Forward
 from trainer.batching import packed, shift_entropy, shift_entropy_with_grad, shift_logprobs
-from trainer.config import AlgorithmConfig, ConfigError, OptimConfig, load_config
+from trainer.config import AlgorithmConfig, ConfigError, OptimConfig
 from trainer.model import load_model
 from trainer.objectives import LossInputs
 from trainer.plan import MicroBatch, minibatches, plan_step
@@ -282,12 +282,49 @@ def test_a_step_on_a_plain_backend_is_the_papers_step_in_float64(tiny_model_dir,
         assert 0 < stats["behaviour_masked_tokens"] < stats["tokens"]
 
 
-@pytest.mark.parametrize("variant", ["plan_counts", "counted_by_workers", "kl_in_reward"])
-def test_the_fsdp_worker_and_the_plain_backend_make_the_same_step(tiny_model_dir, variant):
+def plain_twin(model, worker: Worker, optim: OptimConfig, model_dir, algorithm) -> PlainBackend:
+    """The plain backend the FSDP worker is compared with: the same AdamW, clip, reference
+    model and value head (the worker's initial head copied)."""
+    head = None
+    if worker.value_head is not None:
+        head = torch.nn.Linear(model.config.hidden_size, 1)
+        head.load_state_dict(worker.value_head.state_dict())
+    params = [*model.parameters(), *(head.parameters() if head is not None else [])]
+    adamw = torch.optim.AdamW(
+        params, lr=1e-3, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+        weight_decay=optim.weight_decay,
+    )  # fmt: skip
+    frozen = load_model(model_dir).requires_grad_(False) if algorithm.kl_coef else None
+    return PlainBackend(
+        model, adamw, grad_clip=optim.grad_clip, reference_model=frozen, value_head=head
+    )
+
+
+def head_round_trip(worker: Worker, plan, sequences, algorithm, directory) -> dict:
+    """The worker's value head after its step; a checkpoint of it survives a further step."""
+    assert worker.value_head is not None
+    saved = {k: v.clone() for k, v in worker.value_head.state_dict().items()}
+    worker.save_checkpoint(str(directory / "checkpoint"))
+    worker.train_step(plan.per_rank[0], plan.tokens, sequences, algorithm)
+    assert largest_gap(worker.value_head.state_dict(), saved) > 0
+    worker.load_checkpoint(str(directory / "checkpoint"))
+    assert largest_gap(worker.value_head.state_dict(), saved) == 0
+    return saved
+
+
+VARIANTS = ["plan_counts", "counted_by_workers", "kl_in_reward", "critic"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_fsdp_worker_and_the_plain_backend_make_the_same_step(
+    tiny_model_dir, variant, tmp_path
+):
     """Also with the rows holding loss tokens left for the workers to count (a sequence mean
     divides by them): the same step as with the plan's count; and with the KL in the reward
     (plain PPO, so the behaviour policy is pi_old and the KL is not 0 at the first step), the
-    worker's reference model and its `reduce_sum` in the batch whitening."""
+    worker's reference model and its `reduce_sum` in the batch whitening; and with the critic,
+    the worker's value head (on its last hidden state, stepped with the model under one joint
+    gradient norm) trained as the plain backend's, kept by a checkpoint, never published."""
     optim = OptimConfig(grad_clip=1.0)
     algorithm = replace(ALGORITHMS["decoupled_capped"], entropy_coef=0.01)
     counted_by_workers = variant == "counted_by_workers"
@@ -295,6 +332,8 @@ def test_the_fsdp_worker_and_the_plain_backend_make_the_same_step(tiny_model_dir
         algorithm = replace(algorithm, aggregation="sequence_mean")
     if variant == "kl_in_reward":
         algorithm = replace(algorithm, decoupled=False, kl_coef=0.1, kl_in_reward=True)
+    if variant == "critic":
+        algorithm = replace(algorithm, critic=True, value_clip=0.05)
     settings = WorkerSettings(
         model_dir=str(tiny_model_dir), lr=1e-3, optim=optim, algorithm=algorithm,
         seed=0, device="cpu", threads=1,
@@ -308,20 +347,21 @@ def test_the_fsdp_worker_and_the_plain_backend_make_the_same_step(tiny_model_dir
             samples = make_samples(
                 lambda ids: [0.0, *row_logprobs(scorer, ids)[0].tolist()], random_rows(3, 8), 3
             )
+        samples = with_rewards(samples, 3)
         plan = plan_step(samples, 1, minibatch_count=3, max_tokens=64)
+        backend = plain_twin(model, worker, optim, tiny_model_dir, algorithm)
+        head = backend.value_head
         before = weights(model)
-        adamw = torch.optim.AdamW(
-            model.parameters(), lr=1e-3, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-            weight_decay=optim.weight_decay,
-        )  # fmt: skip
-        frozen = load_model(tiny_model_dir).requires_grad_(False) if algorithm.kl_coef else None
-        backend = PlainBackend(model, adamw, grad_clip=optim.grad_clip, reference_model=frozen)
+        head_before = {k: v.clone() for k, v in head.state_dict().items()} if head else {}
         plain = train_step(
             backend, plan.per_rank[0], plan.tokens, plan.sequences, algorithm, lr=1e-3
         )
         sequences = None if counted_by_workers else plan.sequences
         sharded = worker.train_step(plan.per_rank[0], plan.tokens, sequences, algorithm)
         state = worker.full_state()
+        sharded_head = {}
+        if worker.value_head is not None:
+            sharded_head = head_round_trip(worker, plan, sequences, algorithm, tmp_path)
     finally:
         worker.shutdown()
     trained = weights(model)
@@ -329,6 +369,11 @@ def test_the_fsdp_worker_and_the_plain_backend_make_the_same_step(tiny_model_dir
     change = largest_gap(trained, before)
     assert change > 1e-4
     assert largest_gap(fsdp, trained) <= FSDP_TOLERANCE * change
+    if head is not None:
+        assert "value_head.weight" not in state  # the head is not the model's: never published
+        head_change = largest_gap(head.state_dict(), head_before)
+        assert head_change > 1e-4
+        assert largest_gap(sharded_head, head.state_dict()) <= FSDP_TOLERANCE * head_change
     timings = {"seconds", "proximal_seconds"}
     for key in plain.keys() - timings:
         assert sharded[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-6), key
@@ -681,9 +726,7 @@ def test_the_value_loss_is_ppo_s_clipped_squared_error_in_float64(seed, clip, ag
     assert float(stats["value_clipped_tokens"]) == clipped
 
 
-def test_the_critic_is_refused_for_a_training_run_and_its_options_without_it():
-    with pytest.raises(ConfigError, match=r"not available on the FSDP backend yet"):
-        load_config(None, ["server=http://127.0.0.1:9", "algorithm.critic=true"])
+def test_the_critic_s_options_are_refused_without_it_or_out_of_bounds():
     for field_name, value in (("value_coef", 1.0), ("gae_lambda", 0.5), ("value_clip", None)):
         with pytest.raises(ConfigError, match=rf"algorithm\.{field_name}: applies only"):
             AlgorithmConfig(**{field_name: value})
