@@ -187,11 +187,12 @@ class Worker:
             raise RuntimeError("values need algorithm.critic at the worker's setup")
         batch = packed(micro.rows or [[0]])  # an empty micro-batch still runs (collectives)
         position_ids = batch.position_ids.to(self.device)
-        # the last hidden state is the final norm's output, taken by a hook: asking the FSDP2
-        # root for hidden_states would return views of its outputs
+        # the base model's last_hidden_state (after its final norm), taken by a hook: asking
+        # the FSDP2 root for hidden_states would return views of its outputs
         captured: list[torch.Tensor] = []
-        norm = self.model.base_model.norm
-        hook = norm.register_forward_hook(lambda _module, _args, out: captured.append(out))
+        hook = self.model.base_model.register_forward_hook(
+            lambda _module, _args, out: captured.append(out.last_hidden_state)
+        )
         try:
             with torch.set_grad_enabled(grad):
                 self.model(
