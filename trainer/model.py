@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from server.common import architecture
@@ -70,17 +72,20 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def load_sharded_model(model_dir: str, device: torch.device) -> Any:
-    """``load_model``, each decoder layer and then the root wrapped by FSDP2. Tied embeddings
-    are checked to be one tensor still after sharding."""
+    """``load_model``, each decoder layer and then the root wrapped by FSDP2, sharded over the
+    process group on ``device``'s kind (left to itself, FSDP2 makes its mesh on CUDA whenever
+    the machine has a GPU: a worker asked to train on the CPU there failed its first step with
+    tensors on two devices). Tied embeddings are checked to be one tensor still after sharding."""
     model = load_model(model_dir).to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     tied = output_embedding_name(model) is not None
     mixed = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
         reduce_dtype=torch.float32,
     )
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=mixed)
-    fully_shard(model, mp_policy=mixed)
+        fully_shard(layer, mesh=mesh, mp_policy=mixed)
+    fully_shard(model, mesh=mesh, mp_policy=mixed)
     if (output_embedding_name(model) is not None) != tied:
         raise UnsupportedModel("sharding the model untied its input and output embeddings")
     check_attention(model, device, model_dir)
