@@ -165,6 +165,13 @@ def _update_figures(stats: dict[str, Any], tokens: int, reference_kl: bool) -> d
     }
     if reference_kl:
         figures["reference_kl"] = stats.get("reference_kl_sum", 0.0) / kept
+    if "value_loss_sum" in stats:  # the critic's, per loss token
+        figures |= {
+            "value_loss": stats["value_loss_sum"] / tokens_all,
+            "value_clip_fraction": stats.get("value_clipped_tokens", 0.0) / tokens_all,
+            "value_mean": stats.get("value_sum", 0.0) / tokens_all,
+            "value_target_mean": stats.get("return_sum", 0.0) / tokens_all,
+        }
     return figures
 
 

@@ -3,7 +3,7 @@
 `proxrl train` runs 2 steps against one shared `proxrl serve` (tiny model, embedded engine,
 SQLite) per combination below, each in a run of its own. A trainer's start (Ray, the workers,
 the model) is most of a run's time, so each run takes one example config of examples/algorithms/
-as its base and adds the options of others that fit with it: five runs train every entry (the
+as its base and adds the options of others that fit with it: six runs train every entry (the
 default `ppo` objective and `grpo` estimator train in every other live test). Every example file
 loads (tests/unit/test_objectives_examples.py, tests/unit/test_advantages_matrix.py).
 
@@ -118,6 +118,8 @@ def test_every_option_trains_two_steps_live(base, server, tmp_path):
             assert math.isfinite(step["reference_kl"]), step
         if algo.entropy_coef > 0:
             assert step["entropy"] > 0, step
+        if algo.critic:  # the value head trains beside the policy
+            assert math.isfinite(step["value_loss"]) and step["value_loss"] > 0, step
 
 
 def test_overlong_filter_masks_cut_answers_live(server, tmp_path):

@@ -76,3 +76,16 @@ def test_other_objectives_report_zero_for_both():
     _, stats = policy_loss(inputs(2, drift=0.3), AlgorithmConfig())
     figures = figures_of(stats)
     assert figures["clipped_sequences"] == 0 and figures["second_moment_masked_fraction"] == 0
+
+
+def test_the_critic_s_sums_become_its_figures():
+    """The critic's sums (trainer/algorithm.py's value_term) per loss token of the step, under
+    critic/ in the trackers; absent without the critic."""
+    sums = {"tokens": 10.0, "kept_tokens": 10.0, "grad_norms": [1.0]}
+    critic = {"value_loss_sum": 2.5, "value_clipped_tokens": 3.0, "value_sum": -4.0}
+    figures = _update_figures(sums | critic | {"return_sum": 6.0}, 10, reference_kl=False)
+    assert figures["value_loss"] == 0.25 and figures["value_clip_fraction"] == 0.3
+    assert figures["value_mean"] == -0.4 and figures["value_target_mean"] == 0.6
+    assert scalars(figures)["critic/value_loss"] == 0.25
+    assert scalars(figures)["critic/target_mean"] == 0.6
+    assert "value_loss" not in _update_figures(sums, 10, reference_kl=False)
