@@ -576,6 +576,13 @@ def check_critic(algo: AlgorithmConfig) -> None:
         raise ConfigError(
             name + "kl_in_reward", "not with critic: true (GAE takes no KL reward yet)"
         )
+    if algo.critic and algo.dynamic_sampling:
+        raise ConfigError(
+            name + "dynamic_sampling",
+            "not with critic: true (it drops the sessions whose group estimator's advantages "
+            "are all 0, but the critic's advantages come from GAE: those sessions would be "
+            "dropped while they still carry a signal)",
+        )
 
 
 def check_rewards(algo: AlgorithmConfig) -> None:

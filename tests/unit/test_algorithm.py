@@ -732,6 +732,8 @@ def test_the_critic_s_options_are_refused_without_it_or_out_of_bounds():
             AlgorithmConfig(**{field_name: value})
     with pytest.raises(ConfigError, match=r"algorithm\.discount: does nothing under critic"):
         AlgorithmConfig(critic=True, discount=0.9)
+    with pytest.raises(ConfigError, match=r"algorithm\.dynamic_sampling: not with critic"):
+        AlgorithmConfig(critic=True, dynamic_sampling=True)
     for field_name, value in (("value_coef", 0.0), ("gae_gamma", 1.5), ("value_clip", -1.0)):
         with pytest.raises(ConfigError, match=rf"algorithm\.{field_name}: must"):
             AlgorithmConfig(critic=True, **{field_name: value})
