@@ -45,7 +45,6 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Any
 
 from trainer.advantages import (
@@ -460,17 +459,26 @@ def _without_contrast(
 
 def _place_rewards(session: _Session, rows: Sequence[Sample]) -> None:
     """Under ``algorithm.critic``, each trained turn's reward on its last loss token (for GAE,
-    trainer/algorithm.py): a path turn's own shaped reward, the last one's with the session's
-    (its undiscounted return less the next path turn's), an alternative's its own. A turn that
-    does not train (every token masked) places nothing: no action of a row leads to it."""
+    trainer/algorithm.py, which ends an episode at its row's last loss token).
+
+    A path turn places its undiscounted return less that of the next path turn that trains in
+    its row, so the last trained path turn of a row places its whole return: the rewards of
+    later turns that train nothing (cut, masked) and of turns in later rows reach the row's
+    tokens, as they reach its advantages without the critic. An alternative places its own
+    reward. A turn that trains nothing places nothing itself."""
     path = sorted((t for t in session.turns if not t.alternative), key=lambda t: t.order)
-    following = {id(turn): after.undiscounted for turn, after in pairwise(path)}
+    later: dict[int, float] = {}  # a trained path turn -> the next trained one's return, its row
+    next_in_row: dict[int, float] = {}  # row -> the return of its nearest later trained turn
+    for turn in reversed(path):
+        if turn.trains and turn.undiscounted is not None:
+            later[id(turn)] = next_in_row.get(turn.row, 0.0)
+            next_in_row[turn.row] = turn.undiscounted
     for turn in session.turns:
         if not turn.trains or turn.undiscounted is None:
             continue
         row = rows[turn.row]
         last = max(i for i in range(turn.start, turn.end) if row.loss_mask[i])
-        row.rewards[last] += turn.undiscounted - (following.get(id(turn)) or 0.0)
+        row.rewards[last] += turn.undiscounted - later.get(id(turn), 0.0)
 
 
 def build_batch(

@@ -690,3 +690,31 @@ def test_under_the_critic_each_turn_s_reward_sits_on_its_last_loss_token():
     assert out.samples[-1].rewards == [0.0, 0.0, 0.0]  # b: session reward 0
     plain = batch(sessions, **changes)
     assert all(not any(s.rewards) for s in plain.samples)
+
+
+def test_under_the_critic_a_cut_last_turn_s_reward_reaches_the_turn_before():
+    """The session reward 1 sits on the last path turn, which DAPO's overlong filter masks (its
+    answer cut at the length limit): the first turn, the row's last one that trains, carries
+    the whole return 1 on its last token, as its advantage carries it without the critic
+    (before: every reward of the row 0)."""
+    path = row(2, [turn([5, 5], order=1), turn([5, 5, 5], glue=1, order=2)], 0)
+    path["turns"][1]["finish_reason"] = "length"
+    sessions = [session("x", 1.0, [path]), session("b", 0.0, [row(2, [turn([5])])])]
+    changes = dict(advantage="dr_grpo", overlong_filter=True)
+    trained = next(s for s in batch(sessions, critic=True, **changes).samples)
+    assert trained.loss_mask == [0, 0, 1, 1, 0, 0, 0, 0]
+    assert trained.rewards == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    plain = next(s for s in batch(sessions, **changes).samples)
+    assert plain.advantages[3] == 0.5  # 1 against b's 0: the return reaches it there too
+
+
+def test_under_the_critic_a_path_split_over_two_rows_rewards_both():
+    """A session's two path turns in two rows (its history rewritten between them), session
+    reward 1: GAE ends each row's episode at its last loss token, so each row's last trained
+    turn carries its return, 1 in both (before: the first row got 0, 1 - 1)."""
+    first = row(2, [turn([5, 5], order=1)], 0)
+    second = row(3, [turn([5, 5], order=2)], 1)
+    sessions = [session("x", 1.0, [first, second]), session("b", 0.0, [row(2, [turn([5])])])]
+    one, two = (s for s in batch(sessions, critic=True, advantage="dr_grpo").samples[:2])
+    assert one.rewards == [0.0, 0.0, 0.0, 1.0]
+    assert two.rewards == [0.0, 0.0, 0.0, 0.0, 1.0]
