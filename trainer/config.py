@@ -127,6 +127,13 @@ class AlgorithmConfig:
         "before its error stops counting (the larger of the clipped and unclipped squared "
         "errors, as OpenAI's baselines clip it). null: unclipped.",
     )
+    value_lr_scale: float = option(
+        10.0,
+        "critic: the value head's learning rate as a multiple (> 0) of the policy's (its "
+        "warm-up too). The head starts at 0 (every value 0: GAE then starts from the returns) "
+        "and is a linear read-out, which Adam moves by about its rate per weight per step: at "
+        "the policy's rate it would barely move.",
+    )
     gae_gamma: float = option(
         1.0, "critic: GAE's discount gamma between loss tokens, in [0, 1] (arXiv 1506.02438)."
     )
@@ -551,15 +558,39 @@ def check_algorithm(algo: AlgorithmConfig) -> None:  # noqa: C901, PLR0912  # a 
     check_rewards(algo)
 
 
+# Options the critic's GAE replaces or cannot take, refused beside it (each at its default
+# otherwise): what each would do is done differently there, or not at all.
+NOT_WITH_CRITIC = {
+    "discount": "does nothing under critic: true (GAE discounts per token by gae_gamma)",
+    "advantage_std": "does nothing under critic: true (GAE's advantages are whitened over "
+    "the batch, not divided by the estimator's std)",
+    "kl_in_reward": "not with critic: true (GAE takes no KL reward yet)",
+    "dynamic_sampling": "not with critic: true (it drops the sessions whose group estimator's "
+    "advantages are all 0, but the critic's advantages come from GAE: those sessions would "
+    "be dropped while they still carry a signal)",
+}
+
+
 def check_critic(algo: AlgorithmConfig) -> None:
-    """The learned critic's bounds; its options only with ``critic``."""
+    """The learned critic's bounds; its options only with ``critic``, and the options it
+    replaces (`NOT_WITH_CRITIC`) not with it."""
     name = "algorithm."
     defaults = AlgorithmConfig.__dataclass_fields__
-    for field_name in ("value_coef", "value_clip", "gae_gamma", "gae_lambda"):
+    for field_name in ("value_coef", "value_clip", "value_lr_scale", "gae_gamma", "gae_lambda"):
         if not algo.critic and getattr(algo, field_name) != defaults[field_name].default:
             raise ConfigError(name + field_name, "applies only with critic: true")
-    if not 0 < algo.value_coef < math.inf:
-        raise ConfigError(name + "value_coef", f"must be > 0 and finite, got {algo.value_coef}")
+    _check_critic_bounds(algo)
+    for field_name, why in NOT_WITH_CRITIC.items():
+        if algo.critic and getattr(algo, field_name) != defaults[field_name].default:
+            raise ConfigError(name + field_name, why)
+
+
+def _check_critic_bounds(algo: AlgorithmConfig) -> None:
+    name = "algorithm."
+    for field_name in ("value_coef", "value_lr_scale"):
+        value = getattr(algo, field_name)
+        if not 0 < value < math.inf:
+            raise ConfigError(name + field_name, f"must be > 0 and finite, got {value}")
     if algo.value_clip is not None and not 0 < algo.value_clip < math.inf:
         raise ConfigError(name + "value_clip", f"must be > 0 and finite, got {algo.value_clip}")
     for field_name in ("gae_gamma", "gae_lambda"):
@@ -567,22 +598,6 @@ def check_critic(algo: AlgorithmConfig) -> None:
             raise ConfigError(
                 name + field_name, f"must be in [0, 1], got {getattr(algo, field_name)}"
             )
-    if algo.critic and algo.discount != 1:
-        raise ConfigError(
-            name + "discount",
-            "does nothing under critic: true (GAE discounts per token by gae_gamma)",
-        )
-    if algo.critic and algo.kl_in_reward:
-        raise ConfigError(
-            name + "kl_in_reward", "not with critic: true (GAE takes no KL reward yet)"
-        )
-    if algo.critic and algo.dynamic_sampling:
-        raise ConfigError(
-            name + "dynamic_sampling",
-            "not with critic: true (it drops the sessions whose group estimator's advantages "
-            "are all 0, but the critic's advantages come from GAE: those sessions would be "
-            "dropped while they still carry a signal)",
-        )
 
 
 def check_rewards(algo: AlgorithmConfig) -> None:

@@ -155,13 +155,16 @@ class Worker:
             weight_decay=optim.weight_decay,
         )
         self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw)  # type: ignore[arg-type]
-        # algorithm.critic: a value head on the last hidden state, the same on every worker
-        # (made after the same seed), its gradient averaged in `step`; never published.
+        # algorithm.critic: a value head on the last hidden state, zero at the start on every
+        # worker (every value 0: GAE starts from the returns, and no value gradient reaches the
+        # trunk before the head has learned), its gradient averaged in `step`; never published.
         self.value_head: torch.nn.Linear | None = None
         self.value_optimizer: torch.optim.Optimizer | None = None
         if settings.algorithm.critic:
             hidden = self.model.config.hidden_size
             self.value_head = torch.nn.Linear(hidden, 1, device=self.device)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
             self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), **adamw)  # type: ignore[arg-type]
         return {
             "parameters": sum(p.numel() for p in self.model.parameters()),
@@ -218,10 +221,11 @@ class Worker:
             self.value_optimizer.zero_grad(set_to_none=True)
 
     def set_lr(self, lr: float) -> None:
-        optimizers = [self.optimizer, self.value_optimizer]
-        for optimizer in optimizers:
-            for group in optimizer.param_groups if optimizer is not None else []:
-                group["lr"] = lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.value_optimizer is not None:
+            for group in self.value_optimizer.param_groups:
+                group["lr"] = lr * self.algorithm.value_lr_scale
 
     def step(self) -> float:
         clip = self.settings.optim.grad_clip

@@ -133,13 +133,15 @@ def test_two_workers_make_the_plain_backend_s_step(tiny_model_dir, tmp_path, nam
         head = torch.nn.Linear(model.config.hidden_size, 1)
         head.load_state_dict(sharded["head_start"])
     optim = OptimConfig(grad_clip=1.0)
-    params = [*model.parameters(), *(head.parameters() if head is not None else [])]
+    groups: list[dict] = [{"params": list(model.parameters())}]
+    if head is not None:
+        groups.append({"params": list(head.parameters()), "value_head": True})
     adamw = torch.optim.AdamW(
-        params, lr=1e-3, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+        groups, lr=1e-3, betas=(optim.beta1, optim.beta2), eps=optim.eps,
         weight_decay=optim.weight_decay,
     )  # fmt: skip
     frozen = load_model(tiny_model_dir).requires_grad_(False) if algorithm.kl_coef else None
-    backend = PlainBackend(model, adamw, optim.grad_clip, frozen, head)
+    backend = PlainBackend(model, adamw, optim.grad_clip, frozen, head, algorithm.value_lr_scale)
     before = weights(model)
     plain = train_step(backend, plan.per_rank[0], plan.tokens, plan.sequences, algorithm, lr=1e-3)
 

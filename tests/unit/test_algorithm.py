@@ -70,7 +70,9 @@ def one_thread():
 
 
 class PlainBackend:
-    """`trainer.backend.Backend` on one unsharded module: what a single-device backend needs."""
+    """`trainer.backend.Backend` on one unsharded module: what a single-device backend needs. An
+    optimizer param group marked ``value_head`` learns at ``value_lr_scale`` times the rate, as
+    the worker's value head does (``algorithm.value_lr_scale``)."""
 
     def __init__(
         self,
@@ -79,12 +81,14 @@ class PlainBackend:
         grad_clip: float = 0.0,
         reference_model: torch.nn.Module | None = None,
         value_head: torch.nn.Module | None = None,
+        value_lr_scale: float = 1.0,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.grad_clip = grad_clip
         self.reference_model = reference_model
         self.value_head = value_head
+        self.value_lr_scale = value_lr_scale
 
     def forward(
         self, micro: MicroBatch, *, grad: bool = False, entropy: EntropyMode = "none"
@@ -138,7 +142,7 @@ class PlainBackend:
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * (self.value_lr_scale if group.get("value_head") else 1.0)
 
     def step(self) -> float:
         limit = self.grad_clip if self.grad_clip > 0 else float("inf")
@@ -289,15 +293,18 @@ def plain_twin(model, worker: Worker, optim: OptimConfig, model_dir, algorithm) 
     if worker.value_head is not None:
         head = torch.nn.Linear(model.config.hidden_size, 1)
         head.load_state_dict(worker.value_head.state_dict())
-    params = [*model.parameters(), *(head.parameters() if head is not None else [])]
+    groups: list[dict] = [{"params": list(model.parameters())}]
+    if head is not None:
+        groups.append({"params": list(head.parameters()), "value_head": True})
     adamw = torch.optim.AdamW(
-        params, lr=1e-3, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+        groups, lr=1e-3, betas=(optim.beta1, optim.beta2), eps=optim.eps,
         weight_decay=optim.weight_decay,
     )  # fmt: skip
     frozen = load_model(model_dir).requires_grad_(False) if algorithm.kl_coef else None
     return PlainBackend(
-        model, adamw, grad_clip=optim.grad_clip, reference_model=frozen, value_head=head
-    )
+        model, adamw, grad_clip=optim.grad_clip, reference_model=frozen, value_head=head,
+        value_lr_scale=algorithm.value_lr_scale,
+    )  # fmt: skip
 
 
 def head_round_trip(worker: Worker, plan, sequences, algorithm, directory) -> dict:
@@ -727,13 +734,19 @@ def test_the_value_loss_is_ppo_s_clipped_squared_error_in_float64(seed, clip, ag
 
 
 def test_the_critic_s_options_are_refused_without_it_or_out_of_bounds():
-    for field_name, value in (("value_coef", 1.0), ("gae_lambda", 0.5), ("value_clip", None)):
+    for field_name, value in (
+        ("value_coef", 1.0), ("gae_lambda", 0.5), ("value_clip", None), ("value_lr_scale", 1.0)
+    ):  # fmt: skip
         with pytest.raises(ConfigError, match=rf"algorithm\.{field_name}: applies only"):
             AlgorithmConfig(**{field_name: value})
     with pytest.raises(ConfigError, match=r"algorithm\.discount: does nothing under critic"):
         AlgorithmConfig(critic=True, discount=0.9)
     with pytest.raises(ConfigError, match=r"algorithm\.dynamic_sampling: not with critic"):
         AlgorithmConfig(critic=True, dynamic_sampling=True)
-    for field_name, value in (("value_coef", 0.0), ("gae_gamma", 1.5), ("value_clip", -1.0)):
+    with pytest.raises(ConfigError, match=r"algorithm\.advantage_std: does nothing under critic"):
+        AlgorithmConfig(critic=True, advantage_std="sample")
+    for field_name, value in (
+        ("value_coef", 0.0), ("gae_gamma", 1.5), ("value_clip", -1.0), ("value_lr_scale", 0.0)
+    ):  # fmt: skip
         with pytest.raises(ConfigError, match=rf"algorithm\.{field_name}: must"):
             AlgorithmConfig(critic=True, **{field_name: value})
