@@ -27,7 +27,7 @@ from typing import Any
 
 from server.context import ServerContext
 from server.errors import InvalidRequest, ResponseNotFound
-from server.proxy import forced_calls
+from server.proxy import forced_calls, prompts
 from server.proxy.plan import (
     Plan,
     build_prompt,
@@ -56,6 +56,8 @@ async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseR
     omitted = await _hosted_tools(ctx, state, body)
     items = body.items()
     history = await _chain(ctx, state, body.previous_response_id)
+    if history:  # the prompt holds the stored chain too: its size is not the body's
+        prompts.REQUEST_BYTES.set(None)
     messages = to_messages([*history, *items])
     if body.instructions:
         messages.insert(0, {"role": "system", "content": body.instructions})

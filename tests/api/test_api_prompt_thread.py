@@ -84,3 +84,17 @@ def test_the_largest_inline_prompt_holds_the_loop_briefly(api: Api, made):
     ((where, seconds),) = made
     assert where, "made on a prompt thread"
     assert seconds < 0.05, f"held the loop {1000 * seconds:.1f} ms"
+
+
+def test_a_small_body_that_continues_a_stored_chain_has_its_prompt_made_on_a_thread(api: Api, made):
+    """``previous_response_id`` brings the stored chain into the prompt: a body of 100 bytes
+    can stand for a conversation of 10,000 responses, so its size says nothing of the prompt's
+    (before: such a prompt was made on the loop, holding every other request)."""
+    session = api.new_session()
+    body = {"model": "tiny", "input": "hello", "max_output_tokens": 2}
+    first = api.call("POST", "/v1/responses", key=session["api_key"], json=body)
+    assert first.status_code == 200, first.text
+    body |= {"previous_response_id": first.json()["id"]}
+    second = api.call("POST", "/v1/responses", key=session["api_key"], json=body)
+    assert second.status_code == 200, second.text
+    assert [where for where, _ in made] == [True, False]
