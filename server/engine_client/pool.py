@@ -135,6 +135,7 @@ class EnginePool:
         ]
         self._health_interval = health_interval
         self._health_task: asyncio.Task | None = None
+        self._stopping = False
         self._round_robin = itertools.count()
         self.update_lock = asyncio.Lock()  # one weight swap at a time
         self.swaps: list[dict] = []  # run_id, version, pause_seconds, at: one per swap
@@ -156,9 +157,15 @@ class EnginePool:
         self._health_task = asyncio.create_task(self._health_loop(), name="proxrl-health")
 
     async def stop(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
+        """The health checks stopped, then the engines' connections closed. A check that
+        swallowed its cancellation (a store driver that turned it into an error, which `follow`
+        logs and goes on from: seen once, a server that never finished stopping) is cancelled
+        again until it ends, and the loop ends at its next round anyway."""
+        self._stopping = True
+        task = self._health_task
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
         await self._http.close()
 
     @property
@@ -326,7 +333,7 @@ class EnginePool:
             self.expected_version = version
 
     async def _health_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self._health_interval)
             await self.follow()
             await asyncio.gather(*(self.check(engine) for engine in self.engines))

@@ -140,3 +140,32 @@ def test_a_replica_taking_the_lead_during_its_own_swap_leaves_the_engines_to_it(
         hung.close()
     assert leading
     assert took < 1.0, took  # not the resume's 5.2 s bound
+
+
+def test_stopping_ends_health_checks_that_swallow_their_cancellation():
+    """A store read that turns its cancellation into an error (as the SQLite driver did once,
+    "the connection was lost", when the server stopped mid-read): `follow` logs the error and
+    the loop goes on, so one cancel never ended it and the server never finished stopping (a
+    CI run's teardown waited 300 s). Now stop ends it within a few seconds."""
+
+    async def scenario() -> float:
+        pool = EnginePool([], health_interval=0.05)
+        reading = asyncio.Event()
+
+        async def read() -> int:
+            reading.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                raise RuntimeError("the connection was lost") from None
+            return 0
+
+        pool.read_version = read
+        pool.leading = False
+        await pool.start()
+        await asyncio.wait_for(reading.wait(), 5)
+        started = time.monotonic()
+        await asyncio.wait_for(pool.stop(), 10)
+        return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < 5
