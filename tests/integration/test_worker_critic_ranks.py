@@ -19,6 +19,7 @@ from tests.support import ROOT, free_port
 from tests.unit.test_algorithm import (
     largest_gap,
     make_samples,
+    plain_twin,
     random_rows,
     row_logprobs,
     weights,
@@ -97,8 +98,6 @@ def samples_of(model_dir):
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_two_workers_make_the_plain_backend_s_step(tiny_model_dir, tmp_path, name):
-    from tests.unit.test_algorithm import PlainBackend
-
     out = tmp_path / "rank0.pt"
     port = free_port()
     args = [str(tiny_model_dir), str(out), str(port), name]
@@ -128,20 +127,10 @@ def test_two_workers_make_the_plain_backend_s_step(tiny_model_dir, tmp_path, nam
     plan = plan_step(samples, 1, minibatch_count=2, max_tokens=64)
     assert len(plan.per_rank[0]) == 2
     model = load_model(tiny_model_dir)
-    head = None
-    if sharded["head_start"]:
-        head = torch.nn.Linear(model.config.hidden_size, 1)
-        head.load_state_dict(sharded["head_start"])
-    optim = OptimConfig(grad_clip=1.0)
-    groups: list[dict] = [{"params": list(model.parameters())}]
-    if head is not None:
-        groups.append({"params": list(head.parameters()), "value_head": True})
-    adamw = torch.optim.AdamW(
-        groups, lr=1e-3, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-        weight_decay=optim.weight_decay,
-    )  # fmt: skip
-    frozen = load_model(tiny_model_dir).requires_grad_(False) if algorithm.kl_coef else None
-    backend = PlainBackend(model, adamw, optim.grad_clip, frozen, head, algorithm.value_lr_scale)
+    backend = plain_twin(
+        model, sharded["head_start"], OptimConfig(grad_clip=1.0), tiny_model_dir, algorithm
+    )
+    head = backend.value_head
     before = weights(model)
     plain = train_step(backend, plan.per_rank[0], plan.tokens, plan.sequences, algorithm, lr=1e-3)
 

@@ -286,13 +286,15 @@ def test_a_step_on_a_plain_backend_is_the_papers_step_in_float64(tiny_model_dir,
         assert 0 < stats["behaviour_masked_tokens"] < stats["tokens"]
 
 
-def plain_twin(model, worker: Worker, optim: OptimConfig, model_dir, algorithm) -> PlainBackend:
-    """The plain backend the FSDP worker is compared with: the same AdamW, clip, reference
-    model and value head (the worker's initial head copied)."""
+def plain_twin(
+    model, head_state: dict | None, optim: OptimConfig, model_dir, algorithm
+) -> PlainBackend:
+    """The plain backend an FSDP worker is compared with: the same AdamW, clip, reference
+    model and value head (``head_state``: the worker's initial head, None without one)."""
     head = None
-    if worker.value_head is not None:
+    if head_state:
         head = torch.nn.Linear(model.config.hidden_size, 1)
-        head.load_state_dict(worker.value_head.state_dict())
+        head.load_state_dict(head_state)
     groups: list[dict] = [{"params": list(model.parameters())}]
     if head is not None:
         groups.append({"params": list(head.parameters()), "value_head": True})
@@ -356,7 +358,8 @@ def test_the_fsdp_worker_and_the_plain_backend_make_the_same_step(
             )
         samples = with_rewards(samples, 3)
         plan = plan_step(samples, 1, minibatch_count=3, max_tokens=64)
-        backend = plain_twin(model, worker, optim, tiny_model_dir, algorithm)
+        start = worker.value_head.state_dict() if worker.value_head is not None else None
+        backend = plain_twin(model, start, optim, tiny_model_dir, algorithm)
         head = backend.value_head
         before = weights(model)
         head_before = {k: v.clone() for k, v in head.state_dict().items()} if head else {}
