@@ -147,7 +147,8 @@ class Stub:
         return None
 
 
-async def _body(receive) -> bytes:
+async def read_body(receive) -> bytes:
+    """An ASGI request's whole body."""
     body = b""
     while True:
         message = await receive()
@@ -206,7 +207,7 @@ def create_app(stub: Stub):
                 await send({"type": "http.response.body", "body": b""})
             return
         try:
-            body = json.loads(await _body(receive) or b"{}")
+            body = json.loads(await read_body(receive) or b"{}")
         except ValueError:
             await _send_json(send, 400, {"error": "the body is not JSON"})
             return

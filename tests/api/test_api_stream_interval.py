@@ -33,7 +33,7 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.stub_engine import Stub
+from bench.stub_engine import Stub, read_body
 from bench.stub_engine import create_app as create_stub_app
 from server.text.tokenization import Tokenizer
 from tests.api.api_support import ADMIN_KEY, app_settings
@@ -89,12 +89,7 @@ class ScriptedEngine:
             if scope["type"] != "http" or scope["path"] != "/generate":
                 await stub_app(scope, receive, send)
                 return
-            body = b""
-            while True:
-                message = await receive()
-                body += message.get("body", b"")
-                if not message.get("more_body"):
-                    break
+            body = await read_body(receive)
             if not self.scripts:  # the proxy's own probes: the stub's made-up answer
 
                 async def replay() -> dict:

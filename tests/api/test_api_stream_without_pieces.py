@@ -29,7 +29,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 from openai.types.chat import ChatCompletionChunk
 
-from bench.stub_engine import Stub
+from bench.stub_engine import Stub, read_body
 from bench.stub_engine import create_app as create_stub_app
 from server.store.database import sqlite_file
 from tests.api.api_support import Api, app_settings, sse_events
@@ -49,12 +49,7 @@ def no_token_engine(stub: Stub):
         if scope["type"] != "http" or scope["path"] != "/generate":
             await app(scope, receive, send)
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive)
         request = json.loads(body)
         assert request.get("stream"), "the tests stream"
         finish = {"type": "stop", "matched": stub.eos}
