@@ -65,6 +65,9 @@ def xdist_group(nodeid: str) -> str:
     return path
 
 
+# tryfirst: pytest-xdist reads the markers in its own hook of this name, which a worker registers
+# after the conftests (so it would run first and find no marker).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(pytest.mark.xdist_group(xdist_group(item.nodeid)))

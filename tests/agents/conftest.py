@@ -17,6 +17,7 @@ work on one alone.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import hashlib
 import json
 import shutil
@@ -112,7 +113,18 @@ def agent_lane(tmp_path_factory) -> Lane:
     from transformers import AutoTokenizer
 
     root = Path("/tmp/proxrl-agent-lane")  # stable: the agents' prompts name their folders
-    shutil.rmtree(root, ignore_errors=True)
+    # One lane at a time on this machine: a second (another worker, another checkout's run)
+    # would empty the first one's folder under it.
+    claim = open(f"{root}.lock", "w")  # noqa: SIM115 (held until the session ends)
+    try:
+        fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pytest.fail(
+            f"another process runs the agent lane in {root}: the lane's tests share one worker "
+            "(tests/conftest.py's xdist_group), and two checkouts run it one after the other"
+        )
+    if root.exists():
+        shutil.rmtree(root)
     root.mkdir(parents=True)
     modules = lane.install()
     models = tmp_path_factory.mktemp("agents-model")
@@ -148,3 +160,4 @@ def agent_lane(tmp_path_factory) -> Lane:
             (warm_dir(agent) / DONE).write_text(json.dumps(state.warm_up[agent.name]))
         yield state
         shutil.rmtree(root, ignore_errors=True)
+    claim.close()
