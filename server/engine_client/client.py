@@ -10,6 +10,12 @@ refuses is answered with HTTP 200 and the error in-band (docs/architecture/sglan
 "In-band errors"); an in-band error with a 4xx code that is not marked retryable is a refusal
 too. Every call has a timeout.
 
+LoRA adapters are loaded and unloaded by name (``load_lora_adapter``, ``unload_lora_adapter``:
+SGLang's routes, docs/architecture/sglang-protocol.md, "LoRA adapters"); an answer with
+``success: false`` (SGLang sends it with a 400) is :class:`EngineRejected` with SGLang's
+``error_message``. A generate body is sent as built, so its ``lora_path`` (the adapter's name,
+or one per batch item) reaches the engine unchanged.
+
 It runs on aiohttp: on this hot path (every request, every streamed token) it took a third of
 httpx's CPU time per request in our measurement.
 """
@@ -28,6 +34,8 @@ from server.errors import EngineError, EngineRejected, EngineTimedOut, EngineUna
 
 CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=60.0, connect=5.0)
 WEIGHTS_TIMEOUT = aiohttp.ClientTimeout(total=600.0, connect=5.0)
+# An adapter load reads its files; an unload waits for the requests running on the adapter.
+ADAPTER_TIMEOUT_S = 600.0
 _FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 
 
@@ -69,8 +77,8 @@ def _error_message(text: str) -> str:
     except ValueError:
         return text[:500]
     error = body.get("error", body) if isinstance(body, dict) else body
-    if isinstance(error, dict):
-        return str(error.get("message", error))
+    if isinstance(error, dict):  # SGLang's LoRA answers say error_message
+        return str(error.get("message") or error.get("error_message") or error)
     return str(error)
 
 
@@ -268,6 +276,37 @@ class EngineClient:
         body = {"path": path, "token": token}
         answer = await self._post("/weights_probe", body, CONTROL_TIMEOUT)
         return None if answer.get("success") else str(answer.get("message"))
+
+    async def load_lora_adapter(
+        self, name: str, path: str, pinned: bool = False, timeout_s: float = ADAPTER_TIMEOUT_S
+    ) -> dict[str, Any]:
+        """Load the adapter at ``path`` (a directory the engine reads) under ``name``; its answer
+        (``loaded_adapters``: name to path of every adapter it holds). SGLang may unload its
+        least recently used unpinned adapter to stay within ``--max-loaded-loras``."""
+        body = {"lora_name": name, "lora_path": path, "pinned": pinned}
+        return await self._adapter_call("/load_lora_adapter", body, timeout_s)
+
+    async def unload_lora_adapter(
+        self, name: str, timeout_s: float = ADAPTER_TIMEOUT_S
+    ) -> dict[str, Any]:
+        """Unload adapter ``name``: no new request gets it at once; the engine answers once the
+        requests running on it have ended."""
+        return await self._adapter_call("/unload_lora_adapter", {"lora_name": name}, timeout_s)
+
+    async def _adapter_call(self, path: str, body: dict, timeout_s: float) -> dict[str, Any]:
+        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=min(5.0, timeout_s))
+        try:
+            answer = await self._post(path, body, timeout)
+        except EngineUnavailable as exc:
+            if isinstance(exc.__cause__, TimeoutError):
+                message = f"{self.url}{path} did not answer within {timeout_s:g} s"
+                raise EngineTimedOut(message) from exc.__cause__
+            raise
+        if not isinstance(answer, dict):
+            raise EngineUnavailable(f"{self.url}{path}: answered {answer!r}, not an object")
+        if not answer.get("success", False):  # a refusal SGLang sent with 200 would come here
+            raise EngineRejected(400, str(answer.get("error_message") or answer))
+        return answer
 
     async def abort(self, rid: str) -> None:
         await self._post("/abort_request", {"rid": rid}, CONTROL_TIMEOUT)

@@ -20,6 +20,11 @@ An engine enters the rotation only once its context length is known (SGLang 0.5.
 in ``/v1/models``, not ``/server_info``: docs/architecture/sglang-protocol.md, "Context
 length"): requests are sized against it. This module knows nothing about sessions, chat or the
 store.
+
+Adapters: ``load_adapter`` and ``unload_adapter`` act on every engine a publish loads, at once
+and without pausing anything (an adapter is a new name: no request in flight changes). As in a
+weight publish, an engine that fails while another succeeds leaves the rotation; when none
+succeeds, nothing changed, no engine is blamed, and the call raises.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from server.engine_client.client import EngineClient
-from server.errors import EngineError, EngineRejected, NoEngineAvailable
+from server.errors import EngineError, EngineRejected, EngineUnavailable, NoEngineAvailable
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +114,23 @@ class EngineState:
                 return
             self.tokens_per_second = (self.served_tokens - served) / (now - then)
         self._rate_mark = (now, self.served_tokens)
+
+
+async def _adapter_result(engine: EngineState, call: Awaitable[dict]) -> dict:
+    """One engine's answer to an adapter load or unload, as a result row."""
+    try:
+        answer = await call
+    except EngineRejected as exc:
+        return {
+            "url": engine.url,
+            "success": False,
+            "message": str(exc),
+            "refused": True,
+            "status": exc.engine_status,
+        }
+    except EngineError as exc:
+        return {"url": engine.url, "success": False, "message": str(exc), "refused": False}
+    return {"url": engine.url, "success": True, "message": "", "refused": False, **answer}
 
 
 ENGINE_KEEPALIVE_S = 3.0  # below every engine's keep-alive (uvicorn's default: 5 s)
@@ -197,6 +219,40 @@ class EnginePool:
                 return engine
         idle = [e for e in candidates if e.in_flight == least]
         return idle[next(self._round_robin) % len(idle)]
+
+    async def load_adapter(self, name: str, path: str, pinned: bool = False) -> list[dict]:
+        """Load LoRA adapter ``name`` from ``path`` into every loadable engine; each engine's
+        result (``url``, ``success``, ``message``, ``refused``: it read the request and said
+        no). Engines that failed while others loaded it are marked down (a request for ``name``
+        must not reach an engine without it); if none loaded it, EngineRejected (all refused)
+        or EngineUnavailable, and no engine is marked."""
+        engines = self.loadable
+        if not engines:
+            raise NoEngineAvailable("no engine is in rotation to load the adapter")
+        results = await asyncio.gather(
+            *(_adapter_result(e, e.client.load_lora_adapter(name, path, pinned)) for e in engines)
+        )
+        if not any(result["success"] for result in results):
+            message = f"no engine loaded adapter {name!r}: {results[0]['message']}"
+            if all(result["refused"] for result in results):
+                raise EngineRejected(results[0]["status"], message)
+            raise EngineUnavailable(message)
+        for engine, result in zip(engines, results, strict=True):
+            if not result["success"]:
+                self.mark_down(engine, f"adapter {name!r} failed to load: {result['message']}")
+        return results
+
+    async def unload_adapter(self, name: str) -> list[dict]:
+        """Unload LoRA adapter ``name`` from every engine (each answers once the requests
+        running on it have ended); each engine's result. An engine that could not be reached
+        is marked down; a refusal (it does not hold ``name``) leaves it as it is."""
+        results = await asyncio.gather(
+            *(_adapter_result(e, e.client.unload_lora_adapter(name)) for e in self.engines)
+        )
+        for engine, result in zip(self.engines, results, strict=True):
+            if not result["success"] and not result["refused"]:
+                self.mark_down(engine, f"adapter {name!r} failed to unload: {result['message']}")
+        return results
 
     async def wait_for_engine(self, timeout: float) -> bool:
         """Probe the engines until one is healthy (one that failed a check by chance, say), for
