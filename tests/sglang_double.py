@@ -528,6 +528,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-target-modules", nargs="*", default=None)
     parser.add_argument("--lora-eviction-policy", choices=("lru", "fifo"), default="lru")
     args = parser.parse_args(argv)
+    if args.enable_lora and not (args.max_lora_rank and args.lora_target_modules):
+        parser.error(  # SGLang's start-up check where no --lora-paths sizes the adapter pool
+            "When no initial --lora-paths is provided, you need to specify both --max-lora-rank "
+            "and --lora-target-modules for LoRA initialization."
+        )
     if args.max_loaded_loras is not None and args.max_loaded_loras < args.max_loras_per_batch:
         parser.error("max_loaded_loras should be greater than or equal to max_loras_per_batch")
     return args

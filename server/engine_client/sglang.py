@@ -5,9 +5,13 @@ Each server is ``python -m sglang.launch_server`` on loopback with the flags pro
 (docs/architecture/sglang-protocol.md): the model, a free port, its tensor-parallel size and
 first GPU, and the weight version proxrl counts from (``--weight-version 0``; the proxy reads
 versions back from ``/model_info`` and ``meta_info.weight_version``); then the user's
-``--sglang-args``. They are supervised as the embedded engines are: each must answer ``/health``
-within ``--sglang-start-timeout-s``, dies with the proxy (and takes its own scheduler processes
-with it), and leaves the rotation while the pool's health checks fail. Nothing here imports SGLang.
+``--sglang-args``. Where LoRA runs share the engines, ``lora`` adds SGLang's multi-LoRA flags
+(``lora_args``: ``--enable-lora``, the adapter memory pool's rank and target modules, which SGLang
+needs at start when no adapter is given then, and the bounds on adapters held and batched), and
+those flags may then not be set again in ``--sglang-args``. They are supervised as the embedded
+engines are: each must answer ``/health`` within ``--sglang-start-timeout-s``, dies with the
+proxy (and takes its own scheduler processes with it), and leaves the rotation while the pool's
+health checks fail. Nothing here imports SGLang.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import importlib.util
 import logging
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -67,6 +72,46 @@ MANAGED_FLAGS = {
 }
 
 
+@dataclass(frozen=True)
+class LoRALimits:
+    """What an SGLang server is started with to serve LoRA adapters loaded at run time
+    (docs/architecture/sglang-protocol.md, "LoRA adapters")."""
+
+    max_rank: int  # the largest adapter rank it can hold (its memory pool is sized for it)
+    target_modules: tuple[str, ...]  # module-name suffixes (q_proj, ...) any adapter may target
+    max_loaded: int  # adapters held at once; past it SGLang unloads its least recently used
+    max_per_batch: int  # distinct adapters in one batch (GPU slots)
+
+    def __post_init__(self) -> None:
+        if self.max_rank < 1 or not self.target_modules or self.max_per_batch < 1:
+            raise ValueError("SGLang's LoRA pool needs a rank, target modules and a batch size")
+        if self.max_loaded < self.max_per_batch:  # SGLang refuses to start otherwise
+            raise ValueError(
+                f"max_loaded ({self.max_loaded}) must be at least max_per_batch "
+                f"({self.max_per_batch}): SGLang does not start otherwise"
+            )
+
+
+LORA_FLAGS = (
+    "--enable-lora",
+    "--max-lora-rank",
+    "--lora-target-modules",
+    "--max-loaded-loras",
+    "--max-loras-per-batch",
+)
+
+
+def lora_args(limits: LoRALimits) -> list[str]:
+    """SGLang's flags for serving adapters within ``limits``."""
+    return [
+        "--enable-lora",
+        "--max-lora-rank", str(limits.max_rank),
+        "--lora-target-modules", *limits.target_modules,
+        "--max-loaded-loras", str(limits.max_loaded),
+        "--max-loras-per-batch", str(limits.max_per_batch),
+    ]  # fmt: skip
+
+
 def split_args(text: str) -> list[str]:
     """``--sglang-args`` as SGLang's argv; refuses what proxrl sets itself."""
     try:
@@ -93,9 +138,19 @@ def missing(module: str) -> str | None:
     )
 
 
-def command(settings: SGLangSettings, index: int, port: int) -> list[str]:
-    """The command line of SGLang server ``index`` (0-based) of ``settings``."""
+def command(
+    settings: SGLangSettings, index: int, port: int, lora: LoRALimits | None = None
+) -> list[str]:
+    """The command line of SGLang server ``index`` (0-based) of ``settings`` (serving adapters
+    within ``lora``, if given)."""
     tp_size = settings.sglang_tp_size
+    user_args = split_args(settings.sglang_args)
+    extra = [] if lora is None else lora_args(lora)
+    for arg in user_args if lora is not None else []:
+        if arg.split("=", 1)[0] in LORA_FLAGS:
+            raise ValueError(
+                f"--sglang-args sets {arg.split('=', 1)[0]}; proxrl sets it for LoRA runs"
+            )
     return [
         sys.executable, "-m", settings.sglang_module,
         "--model-path", settings.model,
@@ -104,7 +159,8 @@ def command(settings: SGLangSettings, index: int, port: int) -> list[str]:
         "--tp-size", str(tp_size),
         "--base-gpu-id", str(index * tp_size),
         "--weight-version", FIRST_WEIGHT_VERSION,
-        *split_args(settings.sglang_args),
+        *extra,
+        *user_args,
     ]  # fmt: skip
 
 
@@ -116,14 +172,15 @@ class SGLangProcess(ServerProcess):
     own_process_group = True
 
 
-def launch(settings: SGLangSettings) -> list[SGLangProcess]:
-    """Start ``--num-engines`` SGLang servers and wait until each serves."""
+def launch(settings: SGLangSettings, lora: LoRALimits | None = None) -> list[SGLangProcess]:
+    """Start ``--num-engines`` SGLang servers (serving adapters within ``lora``, if given) and
+    wait until each serves."""
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     servers = []
     for index in range(settings.num_engines):
         port = free_port(HOST)
-        argv = command(settings, index, port)
+        argv = command(settings, index, port, lora)
         log.info("starting SGLang: %s", shlex.join(argv))
         servers.append(SGLangProcess(argv, f"http://{HOST}:{port}", logs / f"sglang-{index}.log"))
     wait_all(servers, settings.sglang_start_timeout_s)

@@ -22,10 +22,12 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from server.engine_client import sglang as launcher
 from server.engine_client.client import EngineClient
 from server.engine_client.pool import EnginePool
 from server.errors import EngineRejected, EngineTimedOut, EngineUnavailable
-from tests.sglang_double import Adapters, Double, LoRAFlags, parse_args
+from server.settings import ServerSettings
+from tests.sglang_double import Adapters, Double, LoRAFlags, lora_flags, parse_args
 from tests.support import free_port
 
 ENABLED = LoRAFlags(enabled=True)
@@ -269,9 +271,59 @@ def test_an_adapter_the_launch_flags_cannot_hold_is_refused(tmp_path):
     )
 
 
-def test_max_loaded_loras_below_max_loras_per_batch_does_not_start():
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--enable-lora"], "you need to specify both --max-lora-rank and --lora-target-modules"),
+        (["--enable-lora", "--max-lora-rank", "8"], "you need to specify both"),
+        (["--enable-lora", "--lora-target-modules", "q_proj"], "you need to specify both"),
+        (
+            ["--max-loaded-loras", "2", "--max-loras-per-batch", "4"],
+            "max_loaded_loras should be greater than or equal to max_loras_per_batch",
+        ),
+    ],
+)
+def test_sglang_does_not_start_with_lora_flags_it_cannot_size(flags, says, capsys):
     with pytest.raises(SystemExit):
-        parse_args(["--model-path", "m", "--max-loaded-loras", "2", "--max-loras-per-batch", "4"])
+        parse_args(["--model-path", "m", *flags])
+    assert says in capsys.readouterr().err
+
+
+def test_the_launcher_starts_sglang_with_the_lora_flags_it_needs():
+    """The command proxrl runs starts SGLang (here the double, which takes SGLang's flags) with
+    LoRA enabled and the pool sized as asked."""
+    limits = launcher.LoRALimits(
+        max_rank=16, target_modules=("q_proj", "v_proj"), max_loaded=6, max_per_batch=4
+    )
+    config = ServerSettings(model="/models/qwen", engine="sglang", sglang_args="--foo 1")
+    argv = launcher.command(config, 0, 30000, limits)
+    assert argv[-2:] == ["--foo", "1"]  # the user's flags come last
+    started = lora_flags(parse_args(argv[3:-2]))
+    assert started == LoRAFlags(
+        enabled=True,
+        max_loaded=6,
+        max_per_batch=4,
+        max_rank=16,
+        target_modules=["q_proj", "v_proj"],
+    )
+    assert "--enable-lora" not in launcher.command(config, 0, 30000)
+
+
+@pytest.mark.parametrize("arg", ["--max-loaded-loras 9", "--enable-lora", "--max-lora-rank=64"])
+def test_the_lora_flags_proxrl_sets_are_not_set_again_by_the_user(arg):
+    limits = launcher.LoRALimits(
+        max_rank=8, target_modules=("q_proj",), max_loaded=4, max_per_batch=4
+    )
+    config = ServerSettings(model="/models/qwen", engine="sglang", sglang_args=arg)
+    with pytest.raises(ValueError, match="proxrl sets it for LoRA runs"):
+        launcher.command(config, 0, 30000, limits)
+
+
+def test_lora_limits_sglang_would_not_start_with_are_refused():
+    with pytest.raises(ValueError, match="must be at least max_per_batch"):
+        launcher.LoRALimits(max_rank=8, target_modules=("q_proj",), max_loaded=2, max_per_batch=4)
+    with pytest.raises(ValueError, match="needs a rank, target modules"):
+        launcher.LoRALimits(max_rank=8, target_modules=(), max_loaded=4, max_per_batch=4)
 
 
 # ----- past the bound: evicted, and reloaded on demand ---------------------------------------
