@@ -63,6 +63,9 @@ def main(argv: list[str]) -> None:
     try:
         with ExitStack() as stack:
             train(config, stack)
+    except ConfigError as exc:  # one only the model tells (lora.target_modules)
+        print(f"proxrl train: invalid config: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     except (
         WrongCheckpoint,
         ClaimLost,

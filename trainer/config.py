@@ -317,6 +317,44 @@ class PublishConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """A LoRA run (Hu et al. 2021, arXiv 2106.09685): the base model frozen, each target
+    Linear's output plus scale * B A x, only A and B trained, checkpointed and published."""
+
+    rank: int = option(8, "The adapter's rank r (>= 1): A is r x in, B is out x r.")
+    alpha: float = option(
+        16.0,
+        "LoRA's alpha (> 0): the adapter's delta is scaled by alpha / rank (alpha / sqrt(rank) "
+        "with use_rslora).",
+    )
+    target_modules: tuple[str, ...] = option(
+        (),
+        "Names (suffixes of module paths, e.g. q_proj, down_proj) of the Linear modules that get "
+        "an adapter; each must name a Linear inside the model's decoder layers. Empty: every "
+        "Linear of the decoder layers (the attention and MLP projections the model has).",
+    )
+    dropout: float = option(
+        0.0,
+        "Dropout on the adapter's input, in [0, 1), applied in the forward that takes the "
+        "gradient only: the proximal, reference and published policies are the adapter without "
+        "it (the behaviour policy, the engine, has none either).",
+    )
+    use_rslora: bool = option(
+        False, "Rank-stabilised LoRA (arXiv 2312.03732): scale by alpha / sqrt(rank)."
+    )
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ConfigError("lora.rank", f"must be >= 1, got {self.rank}")
+        if not 0 < self.alpha < math.inf:
+            raise ConfigError("lora.alpha", f"must be > 0 and finite, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError("lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        if any(not name.strip() for name in self.target_modules):
+            raise ConfigError("lora.target_modules", "holds an empty name")
+
+
+@dataclass(frozen=True)
 class WandbConfig:
     project: str | None = option(
         None,
@@ -415,6 +453,15 @@ class TrainConfig:
         default_factory=TrackingConfig,
         metadata={"help": "Experiment tracking: TensorBoard, Weights & Biases, MLflow."},
     )
+    lora: LoraConfig | None = field(
+        default=None,
+        metadata={
+            "help": "Train a LoRA adapter on the frozen base model instead of its full weights "
+            "(any lora.* option, or `lora: {}`, turns it on); absent: a full-weight run. "
+            "Checkpoints and publishes hold the adapter only (docs/architecture/trainer.md, "
+            "LoRA runs)."
+        },
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -465,6 +512,27 @@ def check(config: TrainConfig) -> None:  # noqa: C901, PLR0912  # a flat list of
         raise ConfigError("publish.keep_versions", "must be >= 1")
     _positive(config.publish.timeout_s, "publish.timeout_s")
     check_tracking(config.tracking)
+    check_lora(config)
+
+
+def check_lora(config: TrainConfig) -> None:
+    """What a LoRA run cannot do yet, refused at start (the adapter's own bounds are checked
+    when it is made; its targets against the model in ``trainer/model.py``)."""
+    if config.lora is None:
+        return
+    if config.algorithm.critic:
+        raise ConfigError(
+            "lora",
+            "not with algorithm.critic: true (the value head reads the base model's last "
+            "hidden state, which the adapter's wrapper does not expose yet); train the critic "
+            "with full weights",
+        )
+    if config.publish.mode == "distributed":
+        raise ConfigError(
+            "publish.mode",
+            "distributed does not take a LoRA run yet (the engines' weight group receives "
+            "full weights); use publish.mode=disk, which writes the adapter alone",
+        )
 
 
 def check_tracking(tracking: TrackingConfig) -> None:
@@ -645,6 +713,11 @@ def _check_choices(config: Any, prefix: str) -> None:
 
 
 def _nested_class(hint: Any) -> type | None:
+    """The dataclass of a group of options (``X`` or ``X | None``: a group that may be
+    absent), else None."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        present = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = present[0] if len(present) == 1 else None
     return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
 
 
@@ -702,7 +775,9 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
             known = ", ".join(sorted(fields))
             raise ConfigError(name, f"unknown option (known here: {known})")
         nested = _nested_class(hints[key])
-        if nested is not None:
+        if nested is not None and value is None and fields[key].default is None:
+            kwargs[key] = None  # an optional group, absent
+        elif nested is not None:
             if not isinstance(value, dict):
                 raise ConfigError(name, "must be a mapping of its fields")
             kwargs[key] = _build(nested, value, f"{name}.")

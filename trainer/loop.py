@@ -134,6 +134,7 @@ def worker_settings(
         seed=config.seed,
         device=config.cluster.device,
         threads=config.cluster.threads_per_worker,
+        lora=config.lora,
     )
 
 
@@ -171,7 +172,8 @@ class Trainer:
         self.min_trained_share: float | None = run["config"].get("min_trained_share")
         self.warned_at_step: int | None = None  # of the last low-trained-share warning
         if (Path(self.model_dir) / "config.json").exists():  # else only the workers see it
-            check_supported(self.model_dir)  # refused before Ray or a worker starts
+            # refused before Ray or a worker starts
+            check_supported(self.model_dir, config.lora)
         self.row_limit = row_limit(self.algorithm, self.model_dir)
         self.server_version = int(run["policy_version"])
         self.state = TrainerState(

@@ -11,11 +11,18 @@ is the input embedding (tied) and, if so, under which name the state dict repeat
 that what is published and checkpointed keeps the tie. ``check_attention`` runs one tiny
 forward at start, so that an attention the packed attention refuses stops the trainer there.
 
+A LoRA run (``TrainConfig.lora``) wraps the loaded model with peft before it is sharded
+(``with_lora``): the base frozen, an adapter on each target Linear of the decoder layers
+(``lora_targets``, checked against the model at start by ``check_supported``), B at zero so that
+the adapter starts as the base model. ``adapter_state`` turns the wrapper's state into peft's
+``save_pretrained`` names.
+
 This module knows nothing of PPO, Ray or the server.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,24 +34,33 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from server.common import architecture
 from server.common.architecture import UnsupportedModel
 from trainer import attention
+from trainer.config import ConfigError, LoraConfig
 
 __all__ = [
     "UnsupportedModel",
+    "adapter_state",
     "check_attention",
     "check_supported",
     "checkpoint_names",
     "decoder_layers",
     "load_model",
     "load_sharded_model",
+    "lora_targets",
     "output_embedding_name",
+    "with_lora",
 ]
 
 
-def check_supported(model_dir: str | Path) -> None:
-    """Refuse a checkpoint whose attention the trainer does not compute, naming every feature."""
-    from transformers import AutoConfig
+def check_supported(model_dir: str | Path, lora: LoraConfig | None = None) -> None:
+    """Refuse a checkpoint whose attention the trainer does not compute, naming every feature;
+    with ``lora``, refuse targets the model does not have (on a weightless copy of it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    architecture.check_supported(AutoConfig.from_pretrained(model_dir), model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    architecture.check_supported(config, model_dir)
+    if lora is not None:
+        with torch.device("meta"):
+            lora_targets(AutoModelForCausalLM.from_config(config), lora)
 
 
 def load_model(model_dir: str | Path) -> Any:
@@ -71,12 +87,74 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers[::-1]
 
 
-def load_sharded_model(model_dir: str, device: torch.device) -> Any:
-    """``load_model``, each decoder layer and then the root wrapped by FSDP2, sharded over the
+def lora_targets(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
+    """The module-name suffixes that get an adapter: ``lora.target_modules``, each checked to
+    name a Linear of the decoder layers (as peft matches them: the whole path or its end after
+    a dot), or by default the last names of every Linear there (the attention and MLP
+    projections the model has). Raises ConfigError naming ``lora.target_modules``."""
+    inside = {
+        name
+        for layer in decoder_layers(model)
+        for name, module in layer.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    }
+    available = sorted({name.rsplit(".", 1)[-1] for name in inside})
+    if not lora.target_modules:
+        if not available:
+            raise ConfigError("lora.target_modules", "the decoder layers hold no Linear module")
+        return available
+    missing = [
+        target
+        for target in lora.target_modules
+        if not any(name == target or name.endswith("." + target) for name in inside)
+    ]
+    if missing:
+        raise ConfigError(
+            "lora.target_modules",
+            f"{', '.join(missing)}: no Linear module of {type(model).__name__}'s decoder layers "
+            f"is named so (its Linear modules there: {', '.join(available)})",
+        )
+    return list(lora.target_modules)
+
+
+def with_lora(model: Any, lora: LoraConfig) -> Any:
+    """``model`` wrapped by peft: the base frozen, an adapter on each of ``lora_targets`` (A
+    random, B zero: the wrapped model computes what the base does until B moves)."""
+    import peft
+
+    config = peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        target_modules=lora_targets(model, lora),
+        lora_dropout=lora.dropout,
+        use_rslora=lora.use_rslora,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    with warnings.catch_warnings():  # peft reads an attribute transformers 5 deprecates
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
+        return peft.get_peft_model(model, config)
+
+
+def adapter_state(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter's tensors of ``state`` (the peft-wrapped ``model``'s state dict, or its
+    trainable part) under peft's ``save_pretrained`` names: ``base_model.model.<module
+    path>.lora_A.weight`` and ``...lora_B.weight``, the adapter's name left out."""
+    from peft import get_peft_model_state_dict
+
+    adapter = get_peft_model_state_dict(model, state_dict=state)
+    return {name: tensor.contiguous() for name, tensor in adapter.items()}
+
+
+def load_sharded_model(model_dir: str, device: torch.device, lora: LoraConfig | None = None) -> Any:
+    """``load_model`` (wrapped ``with_lora`` for a LoRA run), each decoder layer and then the
+    root wrapped by FSDP2, sharded over the
     process group on ``device``'s kind (left to itself, FSDP2 makes its mesh on CUDA whenever
     the machine has a GPU: a worker asked to train on the CPU there failed its first step with
     tensors on two devices). Tied embeddings are checked to be one tensor still after sharding."""
     model = load_model(model_dir).to(device)
+    if lora is not None:
+        model = with_lora(model, lora)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     tied = output_embedding_name(model) is not None
     mixed = MixedPrecisionPolicy(

@@ -11,10 +11,17 @@ on packed rows, backward, optimizer step) and the holder of the weights (export,
 checkpoints). The update itself, proximal logprobs, minibatches and the objective, is
 ``trainer/algorithm.py``'s, which `train_step` hands itself to. It knows nothing about
 sessions, rewards, the server or Ray (``cluster`` wraps it in an actor).
+
+A LoRA run (``WorkerSettings.lora``) holds the peft-wrapped model, sharded the same way: the
+optimizer holds the adapter alone, the KL reference is the same model with the adapter
+disabled, checkpoints hold the adapter and its optimizer state, and a publish writes the
+adapter alone in peft's ``save_pretrained`` format (``write_adapter_dir``).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -40,8 +47,13 @@ from trainer import failpoints
 from trainer.algorithm import train_step as algorithm_step
 from trainer.backend import EntropyMode, Forward
 from trainer.batching import packed, shift_entropy, shift_entropy_with_grad, shift_logprobs
-from trainer.config import AlgorithmConfig, OptimConfig
-from trainer.model import checkpoint_names, load_sharded_model, output_embedding_name
+from trainer.config import AlgorithmConfig, LoraConfig, OptimConfig
+from trainer.model import (
+    adapter_state,
+    checkpoint_names,
+    load_sharded_model,
+    output_embedding_name,
+)
 from trainer.plan import MicroBatch
 
 # Files of a model directory that are not weights: copied next to every published version.
@@ -70,6 +82,7 @@ class WorkerSettings:
     seed: int
     device: str  # "auto" | "cpu" | "cuda"
     threads: int
+    lora: LoraConfig | None = None  # a LoRA run: train this adapter, the base frozen
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -140,13 +153,22 @@ class Worker:
             world_size=self.world_size,
         )
         torch.manual_seed(settings.seed)
-        self.model = load_sharded_model(settings.model_dir, self.device)
+        self.model = load_sharded_model(settings.model_dir, self.device, settings.lora)
         # tied embeddings: one tensor the state dict names twice; published and sent once
         self.output_embedding = output_embedding_name(self.model)
         self.reference_model = None
-        if settings.algorithm.kl_coef > 0:
+        if settings.algorithm.kl_coef > 0 and settings.lora is None:
+            # a LoRA run's reference is its own model with the adapter disabled (`reference`)
             self.reference_model = load_sharded_model(settings.model_dir, self.device)
             self.reference_model.requires_grad_(False)
+        # the adapter's dropout runs in the forward that takes the gradient only (`forward`)
+        self.adapter_dropouts = [
+            module
+            for name, module in self.model.named_modules()
+            if isinstance(module, torch.nn.Dropout) and ".lora_dropout." in name
+        ]
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.trainable_names = {n for n, p in self.model.named_parameters() if p.requires_grad}
         optim = settings.optim
         adamw = dict(
             lr=settings.lr,
@@ -154,7 +176,7 @@ class Worker:
             eps=optim.eps,
             weight_decay=optim.weight_decay,
         )
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), **adamw)  # type: ignore[arg-type]
+        self.optimizer = torch.optim.AdamW(trainable, **adamw)  # type: ignore[arg-type]
         # algorithm.critic: a value head on the last hidden state, zero at the start on every
         # worker (every value 0: GAE starts from the returns, and no value gradient reaches the
         # trunk before the head has learned), its gradient averaged in `step`; never published.
@@ -168,6 +190,7 @@ class Worker:
             self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), **adamw)  # type: ignore[arg-type]
         return {
             "parameters": sum(p.numel() for p in self.model.parameters()),
+            "trainable_parameters": sum(p.numel() for p in trainable),
             "device": str(self.device),
         }
 
@@ -176,10 +199,19 @@ class Worker:
     def forward(
         self, micro: MicroBatch, *, grad: bool = False, entropy: EntropyMode = "none"
     ) -> Forward:
-        with torch.set_grad_enabled(grad):
-            return self._forward(self.model, micro, entropy)
+        for dropout in self.adapter_dropouts:
+            dropout.train(grad)
+        try:
+            with torch.set_grad_enabled(grad):
+                return self._forward(self.model, micro, entropy)
+        finally:
+            for dropout in self.adapter_dropouts:
+                dropout.eval()
 
     def reference(self, micro: MicroBatch) -> torch.Tensor | None:
+        if self.settings.lora is not None and self.algorithm.kl_coef > 0:
+            with torch.no_grad(), self.model.disable_adapter():
+                return self._forward(self.model, micro, "none").logprobs
         if self.reference_model is None:
             return None
         with torch.no_grad():
@@ -348,13 +380,21 @@ class Worker:
     # ----- weights out ------------------------------------------------------------------------
 
     def full_state(self) -> dict[str, Any]:
-        """The whole model's weights on CPU (collective; complete on rank 0 only)."""
+        """The whole model's weights on CPU (collective; complete on rank 0 only); a LoRA
+        run's under the wrapper's names, the base's included."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
 
     def published_state(self) -> dict[str, torch.Tensor]:
         """What a publish sends: the weights under the checkpoint format's names, without the
-        tied output embedding, which loaders tie again (collective; complete on rank 0 only)."""
+        tied output embedding, which loaders tie again; a LoRA run's adapter alone, under
+        peft's names (collective; complete on rank 0 only)."""
+        if self.settings.lora is not None:
+            options = StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=True
+            )
+            adapter: dict[str, Any] = get_model_state_dict(self.model, options=options)
+            return adapter_state(self.model, adapter) if self.rank == 0 else {}
         state = self.full_state()
         if self.rank != 0:
             return {}
@@ -362,10 +402,14 @@ class Worker:
         return checkpoint_names(self.model, state)
 
     def save_weights(self, out_dir: str) -> float:
-        """Write the weights as a Hugging Face directory (collective; rank 0 writes)."""
+        """Write the weights as a Hugging Face directory, a LoRA run's adapter as a peft one
+        (collective; rank 0 writes)."""
         started = time.perf_counter()
         state = self.published_state()
-        if self.rank == 0:
+        if self.rank == 0 and self.settings.lora is not None:
+            config = self.model.peft_config["default"]
+            write_adapter_dir(state, config, Path(self.settings.model_dir), Path(out_dir))
+        elif self.rank == 0:
             write_model_dir(state, Path(self.settings.model_dir), Path(out_dir))
         dist.barrier()
         return time.perf_counter() - started
@@ -422,14 +466,25 @@ class Worker:
 
     # ----- checkpoints --------------------------------------------------------------------------
 
+    def _state_options(self, **kwargs: Any) -> StateDictOptions:
+        """Full state dicts; a LoRA run's hold the adapter alone (the base never changes)."""
+        lora = self.settings.lora is not None
+        return StateDictOptions(
+            full_state_dict=True, ignore_frozen_params=lora, strict=not lora, **kwargs
+        )
+
     def save_checkpoint(self, out_dir: str) -> None:
-        """Model and optimizer as full state dicts in ``out_dir`` (collective; rank 0 writes)."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        """Model and optimizer as full state dicts in ``out_dir``; a LoRA run's adapter and its
+        optimizer state alone (collective; rank 0 writes)."""
+        options = self._state_options(cpu_offload=True)
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
+        if self.settings.lora is not None:  # a tied output embedding is no frozen parameter
+            model_state = {n: t for n, t in model_state.items() if n in self.trainable_names}
         if self.rank == 0:
             out = Path(out_dir)
             out.mkdir(parents=True, exist_ok=True)
             state = {"model": model_state, "optimizer": optim_state, "step_count": self.step_count}
+            state["lora"] = dataclasses.asdict(self.settings.lora) if self.settings.lora else None
             if self.value_head is not None and self.value_optimizer is not None:
                 state["value_head"] = self.value_head.state_dict()
                 state["value_optimizer"] = self.value_optimizer.state_dict()
@@ -441,10 +496,18 @@ class Worker:
         state: dict[str, Any] = {"model": {}, "optimizer": {}, "step_count": 0}
         if self.rank == 0:
             state = torch.load(Path(in_dir) / "train_state.pt", weights_only=True)
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        self._check_checkpoint_kind(state.get("lora"), in_dir)
+        options = self._state_options(broadcast_from_rank0=True)
         # Model, then optimizer, on every rank alike: set_state_dict takes the other ranks' empty
         # model state for "optimizer only" and skips the model's broadcasts that rank 0 makes.
-        set_model_state_dict(self.model, state["model"], options=options)
+        loaded = set_model_state_dict(self.model, state["model"], options=options)
+        if self.settings.lora is not None:  # not strict: the frozen base is not in it
+            missing = self.trainable_names & set(loaded.missing_keys)
+            if missing or loaded.unexpected_keys:
+                raise RuntimeError(
+                    f"{in_dir}'s adapter does not fit this model: missing {sorted(missing)}, "
+                    f"unexpected {sorted(loaded.unexpected_keys)}"
+                )
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         if output_embedding_name(self.model) != self.output_embedding:
             raise RuntimeError("loading the checkpoint untied the input and output embeddings")
@@ -459,6 +522,19 @@ class Worker:
             self.value_head.load_state_dict(head[0])
             self.value_optimizer.load_state_dict(head[1])
         return self.step_count
+
+    def _check_checkpoint_kind(self, saved: dict[str, Any] | None, in_dir: str) -> None:
+        """Refuse a full-weight checkpoint in a LoRA run, a LoRA one in a full-weight run, and
+        an adapter of another shape (rank 0 read it; every rank raises alike)."""
+        kinds = [saved if self.rank == 0 else None]
+        dist.broadcast_object_list(kinds, src=0)
+        wanted = dataclasses.asdict(self.settings.lora) if self.settings.lora else None
+        if kinds[0] != wanted:
+            say = lambda kind: f"a LoRA adapter {kind}" if kind else "full weights"  # noqa: E731
+            raise RuntimeError(
+                f"{in_dir} holds {say(kinds[0])}, but this run trains {say(wanted)}: give the "
+                "run an output_dir of its own, or the lora settings the checkpoint was made with"
+            )
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -493,5 +569,22 @@ def write_model_dir(
         if (base / name).exists():
             shutil.copy2(base / name, tmp / name)
     (tmp / "proxrl.json").write_text(json.dumps({"base_model": str(base)}))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)  # readers never see a half-written directory
+
+
+def write_adapter_dir(state: dict[str, torch.Tensor], config: Any, base: Path, out: Path) -> None:
+    """A peft adapter directory, as ``save_pretrained`` writes one: ``adapter_config.json``
+    (the peft ``LoraConfig``, naming the base model's directory) and
+    ``adapter_model.safetensors`` (``state``: peft's names), plus ``proxrl.json``."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = copy.copy(config)
+    config.base_model_name_or_path = str(base)
+    config.save_pretrained(str(tmp))
+    tensors = {name: tensor.contiguous() for name, tensor in state.items()}
+    save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+    (tmp / "proxrl.json").write_text(json.dumps({"base_model": str(base), "adapter": True}))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)  # readers never see a half-written directory

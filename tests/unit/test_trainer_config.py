@@ -34,8 +34,11 @@ def test_the_required_names_exist():
 def _all_fields(cls, prefix=""):
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            yield from _all_fields(hints[f.name], f"{prefix}{f.name}.")
+        hint = hints[f.name]
+        present = [a for a in typing.get_args(hint) if a is not type(None)]
+        group = present[0] if len(present) == 1 else hint  # a group of options that may be absent
+        if dataclasses.is_dataclass(group):
+            yield from _all_fields(group, f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.name}", f
 
