@@ -222,6 +222,26 @@ async def update_weight_version(body: protocol.UpdateWeightVersionIn, engine: En
     }
 
 
+def _lora_result(result: UpdateResult, engine: EngineService) -> JSONResponse:
+    """SGLang's answer to a LoRA load or unload: 200 or 400, and the adapters now loaded."""
+    body = {
+        "success": result.success,
+        "error_message": result.message,
+        "loaded_adapters": engine.loaded_adapters(),
+    }
+    return JSONResponse(body, status_code=200 if result.success else 400)
+
+
+@router.post("/load_lora_adapter", dependencies=admin)
+async def load_lora_adapter(body: protocol.LoadLoraAdapterIn, engine: Engine) -> JSONResponse:
+    return _lora_result(await engine.load_adapter(body), engine)
+
+
+@router.post("/unload_lora_adapter", dependencies=admin)
+async def unload_lora_adapter(body: protocol.UnloadLoraAdapterIn, engine: Engine) -> JSONResponse:
+    return _lora_result(await engine.unload_adapter(body), engine)
+
+
 class WeightsProbeIn(BaseModel):
     """proxrl's own (SGLang has no such endpoint): does this engine see a trainer's probe?"""
 
@@ -279,7 +299,7 @@ async def ready(engine: Engine) -> Response:
 
 @router.get("/v1/models", dependencies=user)
 async def list_models(engine: Engine) -> dict:
-    return {"object": "list", "data": [_model_card(engine)]}
+    return {"object": "list", "data": [_model_card(engine), *_adapter_cards(engine)]}
 
 
 @router.get("/v1/models/{model_id:path}", dependencies=user)
@@ -320,6 +340,14 @@ def _model_card(engine: EngineService) -> dict:
         "parent": None,
         "max_model_len": engine.runner.context_length,
     }
+
+
+def _adapter_cards(engine: EngineService) -> list[dict]:
+    """The loaded LoRA adapters as SGLang lists them: a card each, its parent the base."""
+    return [
+        {**_model_card(engine), "id": name, "root": path, "parent": engine.served_model_name}
+        for name, path in engine.loaded_adapters().items()
+    ]
 
 
 async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:

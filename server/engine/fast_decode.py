@@ -10,7 +10,9 @@ works here too.
 
 Architectures outside the family, or using sliding-window attention, are not supported
 (``supports`` says so) and the runner keeps the Hugging Face path for them. The fused weights
-are copies: call ``refresh`` after the model's weights change. This module knows nothing about
+are copies: call ``refresh`` after the model's weights change. LoRA adapters apply here as on
+the Hugging Face path: the bank's per-row deltas are added to each fused output part by part
+(q|k|v, gate|up) and to o and down (``AdapterBank.add_fused``). This module knows nothing about
 requests or sampling; the tests compare it with the Hugging Face forward pass.
 """
 
@@ -24,6 +26,7 @@ from transformers import PreTrainedModel
 
 from server.common.architecture import layer_windows
 from server.engine.kv_cache import SlotKVCache
+from server.engine.lora import AdapterBank
 
 FAMILY = {"llama", "qwen2", "qwen3", "mistral"}
 
@@ -42,6 +45,10 @@ class _Layer:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
+    qkv_modules: tuple[torch.nn.Module, ...]  # the modules fused, for their LoRA deltas
+    o_module: torch.nn.Module
+    gate_up_modules: tuple[torch.nn.Module, ...]
+    down_module: torch.nn.Module
 
 
 def supports(model: PreTrainedModel) -> bool:
@@ -65,11 +72,12 @@ def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
 
 
 class FastDecoder:
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, adapters: AdapterBank | None = None) -> None:
         if not supports(model):
             raise ValueError(f"{model.config.model_type} is not a supported Llama-family model")
         config = model.config
         self.model = model
+        self.adapters = adapters
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -97,6 +105,10 @@ class FastDecoder:
                     gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
                     down=mlp.down_proj.weight,
                     down_bias=mlp.down_proj.bias,
+                    qkv_modules=(attn.q_proj, attn.k_proj, attn.v_proj),
+                    o_module=attn.o_proj,
+                    gate_up_modules=(mlp.gate_proj, mlp.up_proj),
+                    down_module=mlp.down_proj,
                 )
             )
         self.layers = layers
@@ -127,9 +139,13 @@ class FastDecoder:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         slots = torch.arange(rows, device=tokens.device)
+        lora = self.adapters if self.adapters is not None and self.adapters.active else None
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer.input_norm)
-            q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([q_size, kv_size, kv_size], -1)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            if lora is not None:
+                lora.add_fused(h, qkv, layer.qkv_modules, [q_size, kv_size, kv_size])
+            q, k, v = qkv.split([q_size, kv_size, kv_size], -1)
             q = q.view(rows, self.num_heads, self.head_dim)
             k = k.view(rows, self.num_kv_heads, self.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
@@ -146,9 +162,20 @@ class FastDecoder:
                 scale=self.head_dim**-0.5,
                 enable_gqa=self.num_kv_heads != self.num_heads,
             )
-            x = x + F.linear(attended.reshape(rows, q_size), layer.o, layer.o_bias)
+            attended = attended.reshape(rows, q_size)
+            o = F.linear(attended, layer.o, layer.o_bias)
+            if lora is not None:
+                lora.add_deltas(layer.o_module, attended, o)
+            x = x + o
             h = self._norm(x, layer.post_norm)
-            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)
+            if lora is not None:
+                lora.add_fused(h, gate_up, layer.gate_up_modules, [gate_up.shape[-1] // 2] * 2)
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = F.silu(gate) * up
+            down = F.linear(activated, layer.down, layer.down_bias)
+            if lora is not None:
+                lora.add_deltas(layer.down_module, activated, down)
+            x = x + down
         x = self._norm(x, self.model.model.norm.weight)
         return self.model.lm_head(x)

@@ -15,6 +15,9 @@ prompt is prefilled. What SGLang's radix cache does, simplified: whole entries, 
 * Never across weights: entries carry the weights' epoch (the scheduler bumps it at every weight
   load) and the scheduler clears the cache when weights change; a request whose KV spans two
   epochs (an in-place update while it ran) is not kept.
+* Never across adapters: entries carry the LoRA adapter that computed them (its ``uid``, unique
+  per load; 0 for the base model), and only a request of the same adapter reuses them: a LoRA
+  delta on k and v (or on any earlier layer) makes the same tokens' KV another.
 
 A position's key and value depend only on the tokens up to it (causal attention, RoPE by absolute
 position) and the slot cache keeps every position (sliding windows are applied by the mask), so
@@ -40,6 +43,7 @@ class Entry:
     epoch: int
     nbytes: int
     head: tuple[int, ...]  # the first ``min_tokens`` tokens: its bucket
+    adapter: int = 0  # the uid of the LoRA adapter that computed it; 0: the base model
 
 
 @dataclass
@@ -84,12 +88,12 @@ class PrefixCache:
     # ----- the token-level index --------------------------------------------------------------
 
     def lookup(
-        self, tokens: list[int], epoch: int, limit: int | None = None
+        self, tokens: list[int], epoch: int, limit: int | None = None, adapter: int = 0
     ) -> tuple[Entry, int] | None:
         """``find``, counted as a hit (and the tokens reused) or a miss (when enabled)."""
         if not self.enabled:
             return None
-        found = self.find(tokens, epoch, limit)
+        found = self.find(tokens, epoch, limit, adapter)
         self.stats.looked_up_tokens += len(tokens)
         if found is None:
             self.stats.misses += 1
@@ -99,10 +103,11 @@ class PrefixCache:
         return found
 
     def find(
-        self, tokens: list[int], epoch: int, limit: int | None = None
+        self, tokens: list[int], epoch: int, limit: int | None = None, adapter: int = 0
     ) -> tuple[Entry, int] | None:
-        """The resident entry of ``epoch`` sharing the longest prefix with ``tokens``, and that
-        length capped at ``limit``; ``None`` when it is under ``min_tokens``."""
+        """The resident entry of ``epoch`` and ``adapter`` sharing the longest prefix with
+        ``tokens``, and that length capped at ``limit``; ``None`` when it is under
+        ``min_tokens``."""
         if not self.enabled or len(tokens) < self.min_tokens:
             return None
         ids = self._buckets.get(tuple(tokens[: self.min_tokens]))
@@ -112,7 +117,7 @@ class PrefixCache:
         best: tuple[int, int] | None = None  # (length, entry id)
         for entry_id in ids:
             entry = self._entries[entry_id]
-            if entry.epoch != epoch:
+            if entry.epoch != epoch or entry.adapter != adapter:
                 continue
             length = common_prefix(query, entry.tokens)
             if best is None or length > best[0]:
@@ -126,7 +131,12 @@ class PrefixCache:
         return self._entries[best[1]], length
 
     def insert(
-        self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], epoch: int
+        self,
+        tokens: list[int],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        epoch: int,
+        adapter: int = 0,
     ) -> bool:
         """Keep ``keys``/``values`` (per layer ``[kv_heads, len(tokens), head_dim]``) for
         ``tokens``; False when it is not kept (too short, or larger than the bound alone)."""
@@ -140,7 +150,7 @@ class PrefixCache:
         head = tuple(tokens[: self.min_tokens])
         for entry_id in list(self._buckets.get(head, ())):
             entry = self._entries[entry_id]
-            if entry.epoch != epoch:
+            if entry.epoch != epoch or entry.adapter != adapter:
                 continue
             length = common_prefix(ids, entry.tokens)
             if length == len(ids):  # an entry holds all of it already
@@ -148,7 +158,7 @@ class PrefixCache:
                 return False
             if length == len(entry.tokens):  # the new entry extends it
                 self._remove(entry_id)
-        entry = Entry(ids, keys, values, epoch, nbytes, head)
+        entry = Entry(ids, keys, values, epoch, nbytes, head, adapter)
         while self._entries and self.nbytes + nbytes > self.max_bytes:
             self._remove(next(iter(self._entries)))
             self.stats.evicted += 1
@@ -179,14 +189,17 @@ class PrefixCache:
     # ----- moving KV between a slot and the cache ------------------------------------------------
 
     @torch.inference_mode()
-    def save(self, cache: SlotKVCache, slot: int, tokens: list[int], epoch: int) -> bool:
-        """Keep the KV ``slot`` holds for ``tokens`` (its first ``len(tokens)`` positions)."""
+    def save(
+        self, cache: SlotKVCache, slot: int, tokens: list[int], epoch: int, adapter: int = 0
+    ) -> bool:
+        """Keep the KV ``slot`` holds for ``tokens`` (its first ``len(tokens)`` positions),
+        computed with the weights of ``epoch`` and the LoRA adapter ``adapter`` (a uid)."""
         if not self.enabled or len(tokens) < self.min_tokens:
             return False
         n = len(tokens)
         keys = [layer[slot, :, :n].clone() for layer in cache.keys]
         values = [layer[slot, :, :n].clone() for layer in cache.values]
-        return self.insert(tokens, keys, values, epoch)
+        return self.insert(tokens, keys, values, epoch, adapter)
 
     @torch.inference_mode()
     def restore(self, cache: SlotKVCache, slot: int, entry: Entry, length: int) -> None:

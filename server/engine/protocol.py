@@ -11,8 +11,10 @@ shapes, as there:
   400 ``{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}``.
 
 Unknown top-level keys of ``/generate`` are ignored, as in 0.5.23. Keys SGLang knows but this
-engine cannot honour (penalties, constrained decoding, LoRA, ...) are refused with a message
-rather than silently dropped. This module knows nothing about the model or the scheduler.
+engine cannot honour (penalties, constrained decoding, ...) are refused with a message rather
+than silently dropped. ``lora_path`` names a loaded LoRA adapter (one for all, or one per
+prompt, null for the base model); whether it is loaded is the service's to say. This module
+knows nothing about the model or the scheduler.
 """
 
 from __future__ import annotations
@@ -140,8 +142,8 @@ class GenerateRequestIn(BaseModel):
     token_ids_logprob: list[StrictInt] | list[list[StrictInt]] | None = None
     return_text_in_logprobs: StrictBool = False
     return_prompt_token_ids: StrictBool = False
-    # Known to SGLang; refused here when set (see ``_refuse_unsupported``).
-    lora_path: Any = None
+    lora_path: StrictStr | list[StrictStr | None] | None = None  # adapter names, not paths
+    # Known to SGLang; refused here when set (see ``_UNSUPPORTED_TOP_LEVEL``).
     session_params: Any = None
     session_id: Any = None
     return_hidden_states: Any = None
@@ -161,6 +163,7 @@ class GenerateItem:
     params: GenerationParams
     logprobs: LogprobRequest
     index: int
+    lora_name: str | None = None  # the LoRA adapter it asked for; None: the base model
 
 
 def _per_item(value: Any, count: int, name: str) -> list[Any]:
@@ -197,6 +200,7 @@ def expand(
     start_len = _per_item(request.logprob_start_len, count, "logprob_start_len")
     top_num = _per_item(request.top_logprobs_num, count, "top_logprobs_num")
     token_ids = _token_ids_per_item(request.token_ids_logprob, count)
+    lora_names = _per_item(request.lora_path, count, "lora_path")
     items: list[GenerateItem] = []
     for i, prompt in enumerate(prompts):
         params = sampling[i].to_params()
@@ -223,7 +227,12 @@ def expand(
         for rid in sample_rids:
             items.append(
                 GenerateItem(
-                    rid=rid, prompt_ids=prompt, params=params, logprobs=logprobs, index=len(items)
+                    rid=rid,
+                    prompt_ids=prompt,
+                    params=params,
+                    logprobs=logprobs,
+                    index=len(items),
+                    lora_name=lora_names[i],
                 )
             )
     return items, batch or len(items) > 1
@@ -240,7 +249,6 @@ def _token_ids_per_item(value: list[int] | list[list[int]] | None, count: int) -
 
 _UNSUPPORTED_TOP_LEVEL = {
     "input_embeds",
-    "lora_path",
     "session_params",
     "session_id",
     "return_hidden_states",
@@ -371,6 +379,16 @@ class UpdateWeightsFromDistributedIn(BaseModel):
 
 class BeginWeightUpdateIn(BaseModel):
     selector: Literal["target", "draft", "all"] = "all"
+
+
+class LoadLoraAdapterIn(BaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False  # recorded; the embedded engine never evicts an adapter by itself
+
+
+class UnloadLoraAdapterIn(BaseModel):
+    lora_name: str = Field(min_length=1)
 
 
 class UpdateWeightVersionIn(BaseModel):

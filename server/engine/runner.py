@@ -24,6 +24,7 @@ from server.common import architecture
 from server.common.cache_argument import cache_keyword
 from server.engine import fast_decode
 from server.engine.kv_cache import SlotKVCache
+from server.engine.lora import Adapter, AdapterBank
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class RunnerConfig:
     context_length: int | None = None  # None: the model's max_position_embeddings
     fast_decode: bool = True  # Llama-family models decode through FastDecoder
     prefill_chunk: int = 512  # prompt tokens per prefill forward
+    max_loaded_loras: int = 8  # LoRA adapters held at once
 
 
 class PrefillCancelled(Exception):
@@ -75,8 +77,9 @@ class ModelRunner:
         self.windows = architecture.layer_windows(model_config)
         self.mask_mapping = architecture.uses_mask_mapping(model_config)
         self.cache_keyword = cache_keyword(self.model)  # `cache` from transformers 5.24
+        self.adapters = AdapterBank(self.model, config.max_loaded_loras)
         self.fast = (
-            fast_decode.FastDecoder(self.model)
+            fast_decode.FastDecoder(self.model, self.adapters)
             if config.fast_decode and fast_decode.supports(self.model)
             else None
         )
@@ -147,6 +150,7 @@ class ModelRunner:
         on_logits: Callable[[int, torch.Tensor], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
         start: int = 0,
+        adapter: Adapter | None = None,
     ) -> torch.Tensor:
         """Fill ``slot`` with ``token_ids`` from position ``start`` (the slot holds the KV of the
         tokens before it: a cached prefix); the last token's logits ``[1, V]``.
@@ -156,37 +160,61 @@ class ModelRunner:
         ``chunk x length``, never ``length x length``, so memory grows with the prompt's KV
         cache, linearly. ``on_logits(start, logits)`` gets each chunk's logits of every token,
         ``[n, V]`` for positions ``start...`` (prompt logprobs are taken from them chunk by
-        chunk); ``cancelled()``, asked before each chunk, stops the prefill (PrefillCancelled)."""
+        chunk); ``cancelled()``, asked before each chunk, stops the prefill (PrefillCancelled).
+        With ``adapter``, its LoRA deltas are added to the base model's."""
         length = len(token_ids)
         if start < 0 or (start and start >= length):  # one token at least gives the logits
             raise ValueError(f"a prefill of {length} tokens cannot start at {start}")
         self.cache.reserve(length, slot + 1)  # grown once, not chunk by chunk
         chunk = max(1, self.config.prefill_chunk)
         last = torch.empty(0)
-        for begin in range(start, length, chunk):
-            if cancelled is not None and cancelled():
-                raise PrefillCancelled(f"prefill stopped at token {begin} of {length}")
-            end = min(begin + chunk, length)
-            self.cache.plan_prefill(slot, begin, end - begin)
-            ids = torch.tensor([token_ids[begin:end]], device=self.device)
-            positions = torch.arange(begin, end, device=self.device).unsqueeze(0)
-            out = self.model(
-                input_ids=ids,
-                position_ids=positions,
-                attention_mask=self._masks(positions, end),
-                **{self.cache_keyword: self.cache},
-                use_cache=True,
-                logits_to_keep=0 if on_logits is not None else 1,
-            )
-            if on_logits is not None:
-                on_logits(begin, out.logits[0])
-            last = out.logits[0, -1:]
-            del out
+        with self.adapters.batch([adapter], self.device):
+            for begin in range(start, length, chunk):
+                last = self._prefill_chunk(slot, token_ids, begin, chunk, on_logits, cancelled)
         return last  # [1, V]
 
+    def _prefill_chunk(
+        self,
+        slot: int,
+        token_ids: list[int],
+        begin: int,
+        chunk: int,
+        on_logits: Callable[[int, torch.Tensor], None] | None,
+        cancelled: Callable[[], bool] | None,
+    ) -> torch.Tensor:
+        """One chunk of ``prefill`` from ``begin``; the last token's logits ``[1, V]``."""
+        length = len(token_ids)
+        if cancelled is not None and cancelled():
+            raise PrefillCancelled(f"prefill stopped at token {begin} of {length}")
+        end = min(begin + chunk, length)
+        self.cache.plan_prefill(slot, begin, end - begin)
+        ids = torch.tensor([token_ids[begin:end]], device=self.device)
+        positions = torch.arange(begin, end, device=self.device).unsqueeze(0)
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=self._masks(positions, end),
+            **{self.cache_keyword: self.cache},
+            use_cache=True,
+            logits_to_keep=0 if on_logits is not None else 1,
+        )
+        if on_logits is not None:
+            on_logits(begin, out.logits[0])
+        return out.logits[0, -1:]
+
     @torch.inference_mode()
-    def decode(self, last_tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One step for slots ``0..B-1``: row b feeds ``last_tokens[b]`` at ``positions[b]``."""
+    def decode(
+        self,
+        last_tokens: list[int],
+        positions: list[int],
+        adapters: list[Adapter | None] | None = None,
+    ) -> torch.Tensor:
+        """One step for slots ``0..B-1``: row b feeds ``last_tokens[b]`` at ``positions[b]``,
+        through the base model plus ``adapters[b]`` (None: the base alone)."""
+        with self.adapters.batch(adapters or [], self.device):
+            return self._decode(last_tokens, positions)
+
+    def _decode(self, last_tokens: list[int], positions: list[int]) -> torch.Tensor:
         tokens = torch.tensor(last_tokens, device=self.device)
         pos = torch.tensor(positions, device=self.device)
         if self.fast is not None:

@@ -357,7 +357,8 @@ class Scheduler:
         start = 0
         # A request that wants prompt logprobs needs every position's logits: no reuse.
         epoch = self._weights_epoch
-        found = None if want_input else self.prefix_cache.lookup(ids, epoch, len(ids) - 1)
+        adapter = seq.adapter.uid if seq.adapter is not None else 0
+        found = None if want_input else self.prefix_cache.lookup(ids, epoch, len(ids) - 1, adapter)
         if found is not None:
             entry, start = found
             self.prefix_cache.restore(self.runner.cache, slot, entry, start)
@@ -369,6 +370,7 @@ class Scheduler:
             on_logits=prompt_logprobs.add if prompt_logprobs is not None else None,
             cancelled=lambda: self._stopping or self._abort_asked(seq),
             start=start,
+            adapter=seq.adapter,
         )
         seq.slot, seq.kv_len, seq.state, seq.ever_ran = slot, len(ids), State.RUNNING, True
         self.running.append(seq)
@@ -386,7 +388,11 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         rows = self.running
-        logits = self.runner.decode([s.output_ids[-1] for s in rows], [s.kv_len for s in rows])
+        logits = self.runner.decode(
+            [s.output_ids[-1] for s in rows],
+            [s.kv_len for s in rows],
+            [s.adapter for s in rows],
+        )
         for seq in rows:
             seq.kv_len += 1
         self._sample_and_append(list(rows), logits)
@@ -446,7 +452,8 @@ class Scheduler:
             return
         if seq.kv_epoch == self._weights_epoch:
             tokens = seq.all_ids[: seq.kv_len]
-            self.prefix_cache.save(self.runner.cache, slot, tokens, self._weights_epoch)
+            adapter = seq.adapter.uid if seq.adapter is not None else 0
+            self.prefix_cache.save(self.runner.cache, slot, tokens, self._weights_epoch, adapter)
         last = self.running[-1]
         if last is not seq:
             self.runner.cache.move(len(self.running) - 1, slot, last.kv_len)
@@ -460,6 +467,7 @@ class Scheduler:
         with self._in_flight_lock:
             self._in_flight.pop(seq.rid, None)
         seq.finish(reason)
+        self.runner.adapters.release(seq.adapter)  # an unloaded adapter goes with its last user
 
 
 class PromptLogprobs:

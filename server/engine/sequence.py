@@ -16,6 +16,7 @@ from enum import Enum
 
 import torch
 
+from server.engine.lora import Adapter
 from server.engine.sampling import RowSampling
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -69,6 +70,7 @@ class Sequence:
     stream: bool = False
     listener: Listener | None = None
     internal: bool = False  # health checks: not counted as load
+    adapter: Adapter | None = None  # its LoRA adapter (held until it ends); None: the base
 
     state: State = State.WAITING
     slot: int | None = None

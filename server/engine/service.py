@@ -21,6 +21,7 @@ import torch
 
 from server.common import weight_transfer as weights
 from server.engine import protocol
+from server.engine.lora import AdapterError
 from server.engine.protocol import EngineInputError, GenerateItem
 from server.engine.responses import RenderOptions, StreamRenderer, final_output
 from server.engine.runner import ModelRunner, RunnerConfig
@@ -72,6 +73,7 @@ class EngineService:
                 max_slots=settings.max_running_requests,
                 context_length=settings.context_length,
                 prefill_chunk=settings.prefill_chunk,
+                max_loaded_loras=settings.max_loaded_loras,
             )
         )
         self.scheduler = Scheduler(
@@ -121,8 +123,13 @@ class EngineService:
         self, items: list[GenerateItem], stream: bool, events: asyncio.Queue
     ) -> list[Sequence]:
         loop = asyncio.get_running_loop()
+        bank = self.runner.adapters
+        try:  # every adapter held now, or none: an unload cannot slip in before submission
+            adapters = bank.acquire([item.lora_name for item in items])
+        except AdapterError as exc:
+            raise EngineInputError(str(exc)) from exc
         sequences: list[Sequence] = []
-        for item in items:
+        for item, adapter in zip(items, adapters, strict=True):
 
             def listener(tokens: int, finished: bool, index: int = item.index) -> None:
                 _post(loop, events.put_nowait, Event(index, tokens, finished))
@@ -134,11 +141,14 @@ class EngineService:
                 logprobs=item.logprobs,
                 stream=stream,
                 listener=listener,
+                adapter=adapter,
             )
             try:
                 self.scheduler.submit(seq)
             except DuplicateRequestId as exc:
-                self.abort_sequences(sequences)
+                self.abort_sequences(sequences)  # their adapters go back as they finish
+                for unsubmitted in adapters[len(sequences) :]:
+                    bank.release(unsubmitted)
                 raise EngineInputError(str(exc)) from exc
             sequences.append(seq)
         return sequences
@@ -325,6 +335,39 @@ class EngineService:
                 flush_cache=body.flush_cache,
             )
         )
+
+    # ----- LoRA adapters --------------------------------------------------------------------
+
+    async def load_adapter(self, body: protocol.LoadLoraAdapterIn) -> UpdateResult:
+        """Read and check the adapter in a worker thread, then put it in service between two
+        scheduler steps; nothing is held when it fails."""
+        bank = self.runner.adapters
+        try:
+            adapter = await asyncio.to_thread(
+                bank.read, body.lora_name, body.lora_path, body.pinned
+            )
+            await self.run(lambda: bank.add(adapter))
+        except AdapterError as exc:
+            return UpdateResult(False, str(exc))
+        log.info("loaded LoRA adapter %s from %s", body.lora_name, body.lora_path)
+        return UpdateResult(True, "")
+
+    async def unload_adapter(self, body: protocol.UnloadLoraAdapterIn) -> UpdateResult:
+        """Take the name out of service at once (new requests naming it are refused) and answer
+        when the requests already holding it have ended and its tensors are dropped (as SGLang
+        waits for them)."""
+        bank = self.runner.adapters
+        try:
+            adapter = await self.run(lambda: bank.retire(body.lora_name))
+        except AdapterError as exc:
+            return UpdateResult(False, str(exc))
+        await asyncio.wrap_future(adapter.freed)
+        log.info("unloaded LoRA adapter %s", body.lora_name)
+        return UpdateResult(True, "")
+
+    def loaded_adapters(self) -> dict[str, str]:
+        """Adapters in service: name -> the path it was loaded from (SGLang's shape)."""
+        return {name: a.path for name, a in self.runner.adapters.loaded().items()}
 
     # ----- info -----------------------------------------------------------------------------
 

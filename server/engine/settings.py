@@ -57,6 +57,12 @@ class EngineSettings(BaseSettings):
     prefix_cache_min_tokens: int = Field(
         64, ge=1, description="Shortest shared prefix the prefix cache reuses (tokens)."
     )
+    max_loaded_loras: int = Field(
+        8,
+        ge=1,
+        description="LoRA adapters held at once (POST /load_lora_adapter); a load beyond it is "
+        "refused until one is unloaded. Rows of different adapters share a batch.",
+    )
     stream_interval: int = Field(1, ge=1, description="Stream a chunk every N tokens.")
     incremental_streaming_output: bool = Field(
         False, description="Stream deltas instead of cumulative chunks."
