@@ -304,8 +304,9 @@ async def list_models(engine: Engine) -> dict:
 
 @router.get("/v1/models/{model_id:path}", dependencies=user)
 async def get_model(model_id: str, engine: Engine) -> Response:
-    card = _model_card(engine)
-    if model_id != card["id"]:
+    cards = {card["id"]: card for card in (_model_card(engine), *_adapter_cards(engine))}
+    card = cards.get(model_id)
+    if card is None:
         return JSONResponse(
             {
                 "error": {

@@ -512,6 +512,7 @@ def test_the_routes_answer_in_sglangs_shapes(client, adapter_dir, tmp_path):
     models = client.get("/v1/models").json()["data"]
     assert [m["id"] for m in models][1:] == ["run@1"]
     assert models[1]["parent"] == models[0]["id"] and models[1]["root"] == str(adapter_dir)
+    assert client.get("/v1/models/run@1").json() == models[1]
 
     generate = {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": {"max_new_tokens": 2}}
     ok = client.post("/generate", json={**generate, "lora_path": ["run@1", None]})
@@ -531,3 +532,4 @@ def test_the_routes_answer_in_sglangs_shapes(client, adapter_dir, tmp_path):
     twice = client.post("/unload_lora_adapter", json={"lora_name": "run@1"}, headers=admin)
     assert twice.status_code == 400 and "does not exist" in twice.json()["error_message"]
     assert [m["id"] for m in client.get("/v1/models").json()["data"]][1:] == []
+    assert client.get("/v1/models/run@1").status_code == 404
