@@ -25,7 +25,9 @@ Each quirk, with the section of ``docs/architecture/sglang-protocol.md`` that do
   and *reloads* a name that was loaded once and unloaded or evicted since. ``/v1/models`` lists
   each loaded adapter after the base model. The adapter itself is loaded into (and unloaded
   from) the engine behind the double, which applies it; an engine without the routes (404) only
-  leaves the double's registry to answer.
+  leaves the double's registry to answer. The engine must hold one adapter more than
+  ``--max-loaded-loras`` (the double loads, then evicts; the embedded engine refuses past its
+  own bound rather than evict): the double gives the engine it starts that bound.
 * ``/init_weights_update_group``: an engine of tensor-parallel size t joins the group as ranks
   ``rank_offset .. rank_offset + t - 1`` ("Ranks under tensor parallelism"). The engine behind the
   double holds one rank, so the double cannot take part in a real group of that size: it records the
@@ -553,7 +555,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = None
     upstream = args.upstream
     if upstream is None:
-        flags = ("--weight-version", args.weight_version, "--num-threads", "1")
+        flags: tuple[str, ...] = ("--weight-version", args.weight_version, "--num-threads", "1")
+        if args.max_loaded_loras is not None:  # the double loads one more, then evicts
+            flags += ("--max-loaded-loras", str(args.max_loaded_loras + 1))
         engine = EngineProcess(args.model_path, None, *flags).wait_ready()
         upstream = engine.url
     double = Double(
