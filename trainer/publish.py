@@ -4,8 +4,10 @@
 server swaps them in (``POST /admin/weights``: pause, load, continue). ``distributed``: the
 trainer's rank 0 joins a torch.distributed group with every engine (through the server's
 ``POST /admin/weights/group``) and broadcasts the weights into them while the server holds the
-engines paused (``POST /admin/weights`` with ``distributed``). Either way the server bumps the
-run's ``policy_version``; this module knows nothing about training.
+engines paused (``POST /admin/weights`` with ``distributed``). A LoRA run publishes on disk only:
+the workers write the adapter (peft's ``save_pretrained`` layout) and the server has the engines
+load it under a name of its own (``POST /admin/weights`` with ``adapter_path``), no pause. Either
+way the server bumps the run's ``policy_version``; this module knows nothing about training.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Publisher:
         output_dir: Path,
     ) -> None:
         self.config = config.publish
+        self.adapter = config.lora is not None  # the versions are adapters, not full weights
         self.server = server
         self.run_id = run_id
         self.workers = workers
@@ -57,7 +60,9 @@ class Publisher:
     def _publish_disk(self, version: int) -> None:
         path = self.weights_dir / f"v{version:06d}"
         self.workers.call("save_weights", str(path))
-        self.server.publish(self.run_id, str(path), version, self.config.timeout_s)
+        self.server.publish(
+            self.run_id, str(path), version, self.config.timeout_s, adapter=self.adapter
+        )
         versions = sorted(self.weights_dir.glob("v*"))
         for old in versions[: -self.config.keep_versions]:
             shutil.rmtree(old, ignore_errors=True)

@@ -111,8 +111,13 @@ class ServerAPI:
 
     # ----- weights ----------------------------------------------------------------------------
 
-    def publish(self, run_id: str, model_path: str, version: int, timeout_s: float) -> dict:
-        body = {"run_id": run_id, "model_path": model_path, "version": version}
+    def publish(
+        self, run_id: str, model_path: str, version: int, timeout_s: float, adapter: bool = False
+    ) -> dict:
+        """Serve the directory at ``model_path`` as ``version``: full weights, or with
+        ``adapter`` a LoRA adapter (peft's layout) that the engines load beside the others."""
+        source = "adapter_path" if adapter else "model_path"
+        body = {"run_id": run_id, source: model_path, "version": version}
         return self._call("POST", "/admin/weights", json=body, timeout=timeout_s)
 
     def publish_distributed(

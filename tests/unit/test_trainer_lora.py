@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from hypothesis import given, settings
@@ -39,6 +40,8 @@ from trainer.batching import packed, shift_logprobs
 from trainer.config import ConfigError, LoraConfig, OptimConfig, load_config
 from trainer.model import check_supported, decoder_layers, load_model, lora_targets, with_lora
 from trainer.plan import MicroBatch, plan_step
+from trainer.publish import Publisher
+from trainer.server_api import ServerAPI
 from trainer.worker import Worker, WorkerSettings
 
 peft = pytest.importorskip("peft", reason="LoRA runs need peft (the [train] extra)")
@@ -198,9 +201,13 @@ def worker(model_dir, lora: LoraConfig | None = None, algorithm=ALGORITHM) -> It
         built.shutdown()
 
 
-def steps(seed: int = 3):
-    samples = make_samples(lambda ids: [0.0] + [-5.0] * (len(ids) - 1), random_rows(seed, 6), 3)
-    return plan_step(samples, 1, minibatch_count=2, max_tokens=64)
+def samples(seed: int = 3) -> list:
+    """Six rows whose behaviour logprobs are about -5 (the tiny model's are near -6.5)."""
+    return make_samples(lambda ids: [0.0] + [-5.0] * (len(ids) - 1), random_rows(seed, 6), 3)
+
+
+def steps(seed: int = 3, world_size: int = 1):
+    return plan_step(samples(seed), world_size, minibatch_count=2, max_tokens=64)
 
 
 def step(trainer: Worker, seed: int = 3) -> dict:
@@ -346,3 +353,34 @@ def test_a_publish_is_peft_s_adapter_directory(tiny_model_dir, tmp_path):
         logits.float() / ALGORITHM.temperature, batch.input_ids[0], batch.cu_seqlens
     )
     assert (got - trained).abs().max() <= PUBLISHED
+
+
+class OneWorker:
+    """`trainer.cluster.WorkerGroup`'s ``call`` on one in-process worker."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def call(self, method: str, *args):
+        return [getattr(self.worker, method)(*args)]
+
+
+@pytest.mark.parametrize("lora", [None, LoraConfig(rank=4)], ids=["full", "lora"])
+def test_the_publish_hands_the_server_an_adapter_path(tiny_model_dir, tmp_path, lora):
+    overrides = [*BASE, f"output_dir={tmp_path}"] + (["lora.rank=4"] if lora else [])
+    config = load_config(None, overrides)
+    bodies = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        bodies.append((request.url.path, json.loads(request.content)))
+        return httpx.Response(200, json={"policy_version": 1})
+
+    api = ServerAPI(config.server, "key", 5.0)
+    api.http = httpx.Client(base_url=api.url, transport=httpx.MockTransport(server))
+    with worker(tiny_model_dir, lora) as trainer:
+        Publisher(config, api, "run-1", OneWorker(trainer), tmp_path).publish(1)  # type: ignore[arg-type]
+    path = str(tmp_path / "weights" / "v000001")
+    source = "adapter_path" if lora else "model_path"
+    assert bodies == [("/admin/weights", {"run_id": "run-1", source: path, "version": 1})]
+    written = "adapter_config.json" if lora else "model.safetensors"
+    assert (Path(path) / written).exists()
