@@ -208,7 +208,26 @@ def _targets(module_name: str, targets: list[str]) -> bool:
 
 # ----- the bank ---------------------------------------------------------------------------------
 
-Group = tuple[Adapter, torch.Tensor | None]  # an adapter and its rows (None: every row)
+
+@dataclass(frozen=True)
+class _Stack:
+    a: torch.Tensor  # the A of every adapter targeting a module, stacked: [sum r, in]
+    b: torch.Tensor  # their B times their scale, side by side: [out, sum r]
+    layout: tuple[int, ...]  # for each rank column, its adapter's index in the batch's
+    columns: torch.Tensor  # the layout as a tensor on the device
+
+
+@dataclass
+class _Mixed:
+    """A batch whose rows hold different adapters (or some none): per target module, the
+    adapters' A stacked ``[sum r, in]`` and scaled B side by side ``[out, sum r]``, and a 0/1
+    mask ``[rows, sum r]`` that keeps each row's own adapter's columns. One pair of matmuls per
+    module however many adapters share the batch; rows of no adapter get exactly zero."""
+
+    adapters: tuple[Adapter, ...]  # the batch's adapters, in order of first row
+    owner: torch.Tensor  # [rows, len(adapters)]: 1 where the row holds that adapter
+    stacks: dict[nn.Module, _Stack | None]
+    masks: dict[tuple[int, ...], torch.Tensor]
 
 
 class AdapterBank:
@@ -224,7 +243,9 @@ class AdapterBank:
         self._held: set[Adapter] = set()  # loaded, retired ones included until freed
         self._lock = threading.Lock()
         self._hooked: set[nn.Module] = set()
-        self._groups: list[Group] = []
+        self._single: Adapter | None = None  # every row of the batch holds this adapter
+        self._mixed: _Mixed | None = None
+        self._stacks: tuple[tuple[int, ...], dict] = ((), {})  # kept while the set is the same
         self._uids = itertools.count(1)
 
     # ----- names and lifetimes ---------------------------------------------------------------
@@ -313,36 +334,60 @@ class AdapterBank:
     @contextmanager
     def batch(self, adapters: Sequence[Adapter | None], device: torch.device) -> Iterator[None]:
         """Within it, forward passes add each row's adapter delta (row b: ``adapters[b]``)."""
-        present = {id(a): a for a in adapters if a is not None}
-        groups: list[Group] = []
-        for adapter in present.values():
-            if all(a is adapter for a in adapters):
-                groups.append((adapter, None))
-            else:
-                rows = [b for b, a in enumerate(adapters) if a is adapter]
-                groups.append((adapter, torch.tensor(rows, device=device)))
-        self._groups = groups
+        present = tuple({id(a): a for a in adapters if a is not None}.values())
+        if len(present) == 1 and all(a is present[0] for a in adapters):
+            self._single = present[0]
+        elif present:
+            self._mixed = self._mixed_batch(adapters, present, device)
         try:
             yield
         finally:
-            self._groups = []
+            self._single = self._mixed = None
+
+    def _mixed_batch(
+        self, adapters: Sequence[Adapter | None], present: tuple[Adapter, ...], device: torch.device
+    ) -> _Mixed:
+        key = tuple(a.uid for a in present)
+        if self._stacks[0] != key:  # stacks are built per module as the forward reaches it
+            self._stacks = (key, {})
+        index = {id(a): k for k, a in enumerate(present)}
+        owner = torch.zeros(len(adapters), len(present), dtype=self._dtype)
+        for row, adapter in enumerate(adapters):
+            if adapter is not None:
+                owner[row, index[id(adapter)]] = 1
+        return _Mixed(present, owner.to(device), self._stacks[1], {})
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
 
     @property
     def active(self) -> bool:
-        return bool(self._groups)
+        return self._single is not None or self._mixed is not None
 
     def add_deltas(self, module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (``module``'s output for input ``x``, rows first) plus each row's delta,
         in place."""
-        for adapter, rows in self._groups:
-            weights = adapter.weights.get(module)
-            if weights is None:
-                continue
-            if rows is None:
+        if self._single is not None:
+            weights = self._single.weights.get(module)
+            if weights is not None:
                 out.add_(_delta(x, weights), alpha=weights.scale)
-            else:
-                delta = _delta(x.index_select(0, rows), weights)
-                out.index_add_(0, rows, delta, alpha=weights.scale)
+        elif self._mixed is not None:
+            self._add_mixed(self._mixed, module, x, out)
+
+    def _add_mixed(
+        self, mixed: _Mixed, module: nn.Module, x: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        if module not in mixed.stacks:
+            mixed.stacks[module] = _stack(mixed.adapters, module)
+        stack = mixed.stacks[module]
+        if stack is None:  # no adapter of the batch targets it
+            return
+        mask = mixed.masks.get(stack.layout)
+        if mask is None:  # [rows, sum r]: each column follows its adapter's owner column
+            mask = mixed.masks[stack.layout] = mixed.owner.index_select(1, stack.columns)
+        mask = mask.view(mask.shape[0], *([1] * (x.dim() - 2)), mask.shape[1])
+        out.add_(torch.nn.functional.linear(torch.nn.functional.linear(x, stack.a) * mask, stack.b))
 
     def add_fused(
         self, x: torch.Tensor, out: torch.Tensor, modules: Sequence[nn.Module], sizes: list[int]
@@ -353,8 +398,23 @@ class AdapterBank:
             self.add_deltas(module, x, part)
 
     def _hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if self._groups:
+        if self._single is not None or self._mixed is not None:
             self.add_deltas(module, args[0], output)
+
+
+def _stack(adapters: tuple[Adapter, ...], module: nn.Module) -> _Stack | None:
+    """The stacked weights of the adapters of ``adapters`` that target ``module``."""
+    parts = [(k, a.weights[module]) for k, a in enumerate(adapters) if module in a.weights]
+    if not parts:
+        return None
+    a = torch.cat([w.a for _, w in parts])
+    layout = tuple(k for k, w in parts for _ in range(w.a.shape[0]))
+    return _Stack(
+        a=a,
+        b=torch.cat([w.b * w.scale for _, w in parts], dim=1),
+        layout=layout,
+        columns=torch.tensor(layout, device=a.device),
+    )
 
 
 def _delta(x: torch.Tensor, weights: LoraWeights) -> torch.Tensor:
