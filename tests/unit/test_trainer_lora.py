@@ -384,3 +384,12 @@ def test_the_publish_hands_the_server_an_adapter_path(tiny_model_dir, tmp_path, 
     assert bodies == [("/admin/weights", {"run_id": "run-1", source: path, "version": 1})]
     written = "adapter_config.json" if lora else "model.safetensors"
     assert (Path(path) / written).exists()
+
+
+def test_the_workers_are_given_the_run_s_lora_settings():
+    from trainer.loop import worker_settings
+
+    config = load_config(None, [*BASE, "lora.rank=4", "lora.target_modules=[q_proj]"])
+    settings = worker_settings(config, "/models/base", ALGORITHM)
+    assert settings.lora == LoraConfig(rank=4, target_modules=("q_proj",))
+    assert worker_settings(load_config(None, BASE), "/models/base", ALGORITHM).lora is None
