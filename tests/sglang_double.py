@@ -23,11 +23,12 @@ Each quirk, with the section of ``docs/architecture/sglang-protocol.md`` that do
   refused); an unload waits for the requests using the adapter. ``/generate``'s ``lora_path``
   (a name, or one per batch item) is refused unless enabled, refused for a name never loaded,
   and *reloads* a name that was loaded once and unloaded or evicted since. ``/v1/models`` lists
-  each loaded adapter after the base model. The adapter itself is loaded into (and unloaded
-  from) the engine behind the double, which applies it; an engine without the routes (404) only
-  leaves the double's registry to answer. The engine must hold one adapter more than
-  ``--max-loaded-loras`` (the double loads, then evicts; the embedded engine refuses past its
-  own bound rather than evict): the double gives the engine it starts that bound.
+  each loaded adapter after the base model; ``/v1/models/{id}`` finds the base model only. The
+  adapter itself is loaded into (and unloaded from) the engine behind the double, which applies
+  it; an engine without the routes (404) only leaves the double's registry to answer. The engine
+  must hold one adapter more than ``--max-loaded-loras`` (the double loads, then evicts; the
+  embedded engine refuses past its own bound rather than evict): the double gives the engine it
+  starts that bound.
 * ``/init_weights_update_group``: an engine of tensor-parallel size t joins the group as ranks
   ``rank_offset .. rank_offset + t - 1`` ("Ranks under tensor parallelism"). The engine behind the
   double holds one rank, so the double cannot take part in a real group of that size: it records the
@@ -332,6 +333,7 @@ class Double:
         app.router.add_get("/server_info", self.server_info)
         app.router.add_get("/get_server_info", self.server_info)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model_card)
         app.router.add_route("POST", "/generate", self.generate)
         app.router.add_route("PUT", "/generate", self.generate)
         app.router.add_post("/init_weights_update_group", self.join_group)
@@ -401,6 +403,20 @@ class Double:
                 for name, path in self.adapters.listing().items()
             ]
         return web.json_response(listing)
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        """SGLang finds only the base model here, not an adapter it lists in /v1/models."""
+        cards = (await self._upstream_json(request.clone(rel_url="/v1/models"))).get("data", [])
+        model = request.match_info["model"]
+        if cards and model == cards[0].get("id"):
+            return await self.forward(request)
+        error = {
+            "message": f"The model '{model}' does not exist",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+        return web.json_response({"error": error}, status=404)
 
     async def generate(self, request: web.Request):
         self.generate_requests += 1

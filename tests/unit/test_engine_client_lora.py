@@ -50,6 +50,7 @@ class Upstream:
         app.router.add_post("/unload_lora_adapter", self.adapter)
         app.router.add_post("/generate", self.generate)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
         return app
 
     async def adapter(self, request: web.Request) -> web.Response:
@@ -77,6 +78,9 @@ class Upstream:
     async def models(self, request: web.Request) -> web.Response:
         card = {"id": "base", "object": "model", "root": "base", "max_model_len": 128}
         return web.json_response({"object": "list", "data": [card]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        return web.json_response({"id": request.match_info["model"], "object": "model"})
 
 
 @asynccontextmanager
@@ -129,19 +133,26 @@ def generate_body(lora_path: Any = None, stream: bool = False) -> dict:
 def test_an_adapter_loads_and_unloads_by_name(tmp_path):
     path = adapter_dir(tmp_path, "a")
 
-    async def scenario() -> tuple[dict, list, dict, list]:
+    async def scenario() -> tuple[dict, list, list, dict, list]:
         async with sglang() as (client, _, upstream):
             loaded = await client.load_lora_adapter("run@1", path)
             cards = (await client.models())["data"]
+            async with aiohttp.ClientSession() as http:
+                found = []
+                for model in ("base", "run@1"):
+                    async with http.get(f"{client.url}/v1/models/{model}") as reply:
+                        found.append((reply.status, await reply.json()))
             unloaded = await client.unload_lora_adapter("run@1")
-            return loaded, cards, unloaded, upstream.calls
+            return loaded, cards, found, unloaded, upstream.calls
 
-    loaded, cards, unloaded, calls = run(scenario)
+    loaded, cards, found, unloaded, calls = run(scenario)
     assert loaded["success"] is True and loaded["error_message"] == ""
     assert loaded["loaded_adapters"] == {"run@1": path}
     assert [card["id"] for card in cards] == ["base", "run@1"]
     assert cards[1]["parent"] == "base" and cards[1]["root"] == path
     assert cards[1]["max_model_len"] is None and cards[0]["max_model_len"] == 128
+    assert found[0] == (200, {"id": "base", "object": "model"})
+    assert found[1][0] == 404 and found[1][1]["error"]["code"] == "model_not_found"
     assert unloaded["success"] is True and unloaded["loaded_adapters"] == {}
     assert calls == [
         ("/load_lora_adapter", {"lora_name": "run@1", "lora_path": path, "pinned": False}),
@@ -444,7 +455,8 @@ class _Engine:
 def test_the_registry_never_holds_more_than_the_bound_nor_evicts_a_pinned_adapter(bound, steps):
     """Whatever the order of loads, pins, requests and unloads: at most --max-loaded-loras
     adapters, every pinned adapter kept until unloaded, and a request for a name loaded before
-    always served."""
+    served, unless it was pinned, unloaded since, and its reload (pinned again, as SGLang does)
+    finds every pin slot taken."""
 
     async def scenario() -> None:
         flags = LoRAFlags(enabled=True, max_loaded=bound, max_per_batch=bound)
@@ -459,9 +471,14 @@ def test_the_registry_never_holds_more_than_the_bound_nor_evicts_a_pinned_adapte
                     pinned.add(name)
                 assert success or "already loaded" in message or "pinned" in message
             elif action == "use" and name in adapters.ever:
-                held = await adapters.acquire(name)
-                assert [adapters.loaded[name]] == held
-                await adapters.release(held)
+                try:
+                    held = await adapters.acquire(name)
+                except ValueError as exc:  # reloaded pinned, as it was loaded: no pin slot left
+                    assert adapters.ever[name][1] and "as a pinned adapter" in str(exc)
+                    assert str(exc).startswith(f"Failed to implicitly load LoRA adapter {name}")
+                else:
+                    assert [adapters.loaded[name]] == held
+                    await adapters.release(held)
             elif action == "unload":
                 held_now = name in adapters.loaded
                 success, _, _ = await adapters.unload(name)
