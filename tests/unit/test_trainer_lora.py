@@ -309,6 +309,25 @@ def test_a_checkpoint_of_the_other_kind_is_refused(tiny_model_dir, tmp_path):
     assert "'rank': 4" in str(no.value)
 
 
+def peft_logprobs(model_dir, adapter_dir: Path, rows: list[list[int]]) -> torch.Tensor:
+    """The packed rows' logprobs (at the step's temperature) of the base with the adapter at
+    ``adapter_dir`` loaded by peft's own ``PeftModel.from_pretrained``."""
+    with warnings.catch_warnings():  # peft reads an attribute transformers 5 deprecates
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
+        loaded = peft.PeftModel.from_pretrained(load_model(model_dir), str(adapter_dir)).eval()
+    batch = packed(rows)
+    with torch.no_grad():
+        logits = loaded(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            cu_seq_lens_q=batch.cu_seqlens,
+            use_cache=False,
+        ).logits[0]
+    return shift_logprobs(
+        logits.float() / ALGORITHM.temperature, batch.input_ids[0], batch.cu_seqlens
+    )
+
+
 def test_a_publish_is_peft_s_adapter_directory(tiny_model_dir, tmp_path):
     lora = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
     with worker(tiny_model_dir) as full:
@@ -338,20 +357,21 @@ def test_a_publish_is_peft_s_adapter_directory(tiny_model_dir, tmp_path):
     full_bytes = (tmp_path / "full" / "model.safetensors").stat().st_size
     print(f"published bytes: full {full_bytes}, adapter {adapter_bytes}")
     assert adapter_bytes < full_bytes / 20
-    with warnings.catch_warnings():  # peft reads an attribute transformers 5 deprecates
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
-        loaded = peft.PeftModel.from_pretrained(load_model(tiny_model_dir), str(out)).eval()
-    batch = packed(rows)
-    with torch.no_grad():
-        logits = loaded(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            cu_seq_lens_q=batch.cu_seqlens,
-            use_cache=False,
-        ).logits[0]
-    got = shift_logprobs(
-        logits.float() / ALGORITHM.temperature, batch.input_ids[0], batch.cu_seqlens
-    )
+    got = peft_logprobs(tiny_model_dir, out, rows)
+    assert (got - trained).abs().max() <= PUBLISHED
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_each_architecture_trains_and_publishes_its_adapter(model_dirs, name, tmp_path):
+    """The fast subset's layouts (fused QKV and parallel residual in GPT-NeoX, tied embeddings
+    in Qwen2/3 and Gemma2, soft-capping in Gemma2), each with its default targets."""
+    with worker(model_dirs[name], LoraConfig(rank=4, alpha=8.0)) as trainer:
+        base = named(trainer, False)
+        step(trainer)
+        assert all(torch.equal(t, base[n]) for n, t in named(trainer, False).items())
+        trainer.save_weights(str(tmp_path / "v1"))
+        trained = trainer.forward(micro()).logprobs
+    got = peft_logprobs(model_dirs[name], tmp_path / "v1", micro().rows)
     assert (got - trained).abs().max() <= PUBLISHED
 
 
