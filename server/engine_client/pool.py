@@ -24,7 +24,10 @@ store.
 Adapters: ``load_adapter`` and ``unload_adapter`` act on every engine a publish loads, at once
 and without pausing anything (an adapter is a new name: no request in flight changes). As in a
 weight publish, an engine that fails while another succeeds leaves the rotation; when none
-succeeds, nothing changed, no engine is blamed, and the call raises.
+succeeds, nothing changed, no engine is blamed, and the call raises. The health check knows
+nothing of adapters, so such an engine is back at its next check that passes: that an engine
+holds an adapter before it serves a request for it is the request path's to ensure (it loads
+the adapter there first).
 """
 
 from __future__ import annotations
