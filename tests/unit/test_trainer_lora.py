@@ -35,7 +35,14 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.support import free_port
-from tests.unit.test_algorithm import ALGORITHMS, make_samples, random_rows
+from tests.unit.test_algorithm import (
+    ALGORITHMS,
+    FSDP_TOLERANCE,
+    PlainBackend,
+    make_samples,
+    random_rows,
+)
+from trainer.algorithm import train_step
 from trainer.batching import packed, shift_logprobs
 from trainer.config import ConfigError, LoraConfig, OptimConfig, load_config
 from trainer.model import check_supported, decoder_layers, load_model, lora_targets, with_lora
@@ -413,3 +420,37 @@ def test_the_workers_are_given_the_run_s_lora_settings():
     settings = worker_settings(config, "/models/base", ALGORITHM)
     assert settings.lora == LoraConfig(rank=4, target_modules=("q_proj",))
     assert worker_settings(load_config(None, BASE), "/models/base", ALGORITHM).lora is None
+
+
+def test_the_worker_s_lora_step_is_a_plain_peft_model_s(tiny_model_dir):
+    """The FSDP2 worker's step on the adapter is the step of `PlainBackend` (tests/unit/
+    test_algorithm.py: plain autograd, one unsharded module) on a peft-wrapped copy of the base
+    with the same starting adapter, AdamW and clip, and the base itself as the KL reference:
+    the same adapter to ``FSDP_TOLERANCE`` of the largest change (measured: equal to the bit),
+    the same figures (the KL to the reference among them)."""
+    lora = LoraConfig(rank=4, alpha=8.0)
+    optim = OptimConfig()
+    plan = steps(3)
+    with worker(tiny_model_dir, lora) as trainer:
+        start = named(trainer, True)
+        sharded = trainer.train_step(plan.per_rank[0], plan.tokens, plan.sequences, ALGORITHM)
+        after = named(trainer, True)
+    model = with_lora(load_model(tiny_model_dir), lora)
+    adapter = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    assert set(adapter) == set(start)
+    with torch.no_grad():
+        for name, parameter in adapter.items():
+            parameter.copy_(start[name])
+    adamw = torch.optim.AdamW(
+        list(adapter.values()), lr=1e-2, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+        weight_decay=optim.weight_decay,
+    )  # fmt: skip
+    reference = load_model(tiny_model_dir).requires_grad_(False)
+    backend = PlainBackend(model, adamw, grad_clip=optim.grad_clip, reference_model=reference)
+    plain = train_step(backend, plan.per_rank[0], plan.tokens, plan.sequences, ALGORITHM, lr=1e-2)
+    change = max(float((after[n] - start[n]).abs().max()) for n in start)
+    gap = max(float((after[n] - adapter[n].detach()).abs().max()) for n in start)
+    print(f"worker against plain: largest gap {gap:.3g} of a change of {change:.3g}")
+    assert change > 1e-3 and gap <= FSDP_TOLERANCE * change
+    for key in plain.keys() - {"seconds", "proximal_seconds"}:
+        assert sharded[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-6), key
