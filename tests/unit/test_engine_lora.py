@@ -394,6 +394,59 @@ def test_any_sequence_of_loads_unloads_and_requests_keeps_the_bank_true(
         model.check()
 
 
+@pytest.fixture(scope="module")
+def llama_service(model_dirs):
+    service = EngineService(settings_for(model_dirs["llama"], max_loaded_loras=2))
+    service.scheduler.start()
+    yield service
+    service.close()
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["load", "unload", "generate"]), st.sampled_from([*NAMES, None])),
+        max_size=12,
+    )
+)
+def test_any_sequence_of_loads_unloads_and_generates_through_the_service(
+    llama_service, adapter_dir, ops
+):
+    """The service against a set of loaded names: a load succeeds when the name is new and the
+    bound (2) not reached, an unload when the name is loaded, a generate unless it names an
+    adapter not loaded; every generate answers, and the engine ends holding what the set says."""
+    service, loaded = llama_service, set()
+
+    async def scenario() -> None:
+        for name in list(service.loaded_adapters()):
+            await service.unload_adapter(protocol.UnloadLoraAdapterIn(lora_name=name))
+        for op, name in ops:
+            if op == "generate":
+                if name is not None and name not in loaded:
+                    with pytest.raises(protocol.EngineInputError, match="not loaded"):
+                        await _generate(service, [5, 6, 7], name, 2)
+                else:
+                    output = await _generate(service, [5, 6, 7], name, 2)
+                    assert len(output["output_ids"]) == 2
+            elif name is None:
+                continue
+            elif op == "load":
+                body = protocol.LoadLoraAdapterIn(lora_name=name, lora_path=str(adapter_dir))
+                expected = name not in loaded and len(loaded) < 2
+                assert (await service.load_adapter(body)).success == expected
+                loaded.update([name] if expected else [])
+            else:
+                body_ = protocol.UnloadLoraAdapterIn(lora_name=name)
+                assert (await service.unload_adapter(body_)).success == (name in loaded)
+                loaded.discard(name)
+            assert set(service.loaded_adapters()) == loaded
+
+    asyncio.run(scenario())
+    assert service.runner.adapters.held == len(loaded)
+
+
 # ----- the prefix cache and unloads under load --------------------------------------------------
 
 
@@ -433,8 +486,9 @@ def test_the_same_prompt_under_two_adapters_never_shares_kv(model_dirs, tmp_path
 
 
 def test_an_unload_waits_for_the_requests_using_it(model_dirs, tmp_path):
-    """Unloading an adapter a request runs with: new requests naming it are refused at once,
-    the running one finishes exactly, then the unload answers and the adapter is gone."""
+    """Loading another adapter and unloading the one a request runs with, while it runs: new
+    requests naming it are refused at once, the running one finishes exactly, then the unload
+    answers and the adapter is gone."""
     model_dir = model_dirs["llama"]
     adapters = four_adapters(tmp_path, "llama", model_dir)
     service = EngineService(settings_for(model_dir))
@@ -447,6 +501,8 @@ def test_an_unload_waits_for_the_requests_using_it(model_dirs, tmp_path):
         running = asyncio.ensure_future(_generate(service, prompt, "a@1", 120))
         while not service.scheduler.running:
             await asyncio.sleep(0.001)
+        other = protocol.LoadLoraAdapterIn(lora_name="b@1", lora_path=str(adapters["b@1"]))
+        assert (await service.load_adapter(other)).success  # a load between its steps
         unload = asyncio.ensure_future(
             service.unload_adapter(protocol.UnloadLoraAdapterIn(lora_name="a@1"))
         )
@@ -463,7 +519,7 @@ def test_an_unload_waits_for_the_requests_using_it(model_dirs, tmp_path):
         output, unloaded_first = asyncio.run(scenario())
     finally:
         service.close()
-    assert not unloaded_first and service.runner.adapters.held == 0
+    assert not unloaded_first and service.runner.adapters.held == 1  # b@1
     tokens, decoded = _logprobs(output, "output_token_logprobs")
     assert len(tokens) == 120
     expected = merged_logprobs(model_dir, adapters["a@1"], prompt + tokens)[len(prompt) - 1 :]
