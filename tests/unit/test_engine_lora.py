@@ -1,12 +1,12 @@
 """LoRA adapters on the embedded engine: exact per row, held within a bound, never mixed up.
 
 * Exactness: four adapters (random A and non-zero random B, different ranks, alphas, targets,
-  one rsLoRA) and one base row run together through the real EngineService; every prompt
-  logprob (prefill) and every sampled token's logprob (decode) of each row equals a float64
-  teacher-forced forward of the base model with that row's adapter merged by hand from the
-  definition (Hu et al. 2021, eq. 3: W = W0 + (alpha/r) B A) within ``TOLERANCE``; the base row
-  equals the base model. On the fast decode path (llama, qwen2, qwen3) and the Hugging Face path
-  (gemma2, gpt_neox).
+  one rsLoRA, the output layer too on llama) and one base row run together through the real
+  EngineService; every prompt logprob (prefill) and every sampled token's logprob (decode) of
+  each row equals a float64 teacher-forced forward of the base model with that row's adapter
+  merged by hand from the definition (Hu et al. 2021, eq. 3: W = W0 + (alpha/r) B A) within
+  ``TOLERANCE``; the base row equals the base model. On the fast decode path (llama, qwen2,
+  qwen3) and the Hugging Face path (gemma2, gpt_neox).
 * The bank: load, unload, the bound, broken directories and duplicate names, and (hypothesis)
   any sequence of loads, unloads and requests against a plain model of what should be held.
 * The prefix cache: the same prompt under two adapters never shares KV.
@@ -119,11 +119,12 @@ def merged_logprobs(model_dir: str, adapter_dir: Path | None, ids: list[int]) ->
 def four_adapters(root: Path, name: str, model_dir: str) -> dict[str, Path]:
     attention = ATTENTION.get(name, DEFAULT_ATTENTION)
     mlp = MLP.get(name, DEFAULT_MLP)
+    output = ["lm_head"] if name == "llama" else []  # untied: the reference can merge into it
     specs: dict[str, dict[str, Any]] = {
         "a@1": dict(targets=attention + mlp, rank=4, alpha=8, seed=1),
         "b@1": dict(targets=attention[:2], rank=2, alpha=16, seed=2),
         "c@1": dict(targets=mlp, rank=8, alpha=8, seed=3, rslora=True),
-        "d@1": dict(targets=[attention[-1], mlp[-1]], rank=1, alpha=1.5, seed=4),
+        "d@1": dict(targets=[attention[-1], mlp[-1], *output], rank=1, alpha=1.5, seed=4),
     }
     return {
         adapter: write_adapter(root / name / adapter.replace("@", "_"), model_dir, **spec)
