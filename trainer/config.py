@@ -520,13 +520,6 @@ def check_lora(config: TrainConfig) -> None:
     when it is made; its targets against the model in ``trainer/model.py``)."""
     if config.lora is None:
         return
-    if config.algorithm.critic:
-        raise ConfigError(
-            "lora",
-            "not with algorithm.critic: true (the value head reads the base model's last "
-            "hidden state, which the adapter's wrapper does not expose yet); train the critic "
-            "with full weights",
-        )
     if config.publish.mode == "distributed":
         raise ConfigError(
             "publish.mode",

@@ -124,7 +124,7 @@ def with_lora(model: Any, lora: LoraConfig) -> Any:
 
     config = peft.LoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # annotated int; any number scales
         target_modules=lora_targets(model, lora),
         lora_dropout=lora.dropout,
         use_rslora=lora.use_rslora,

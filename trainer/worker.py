@@ -13,9 +13,10 @@ checkpoints). The update itself, proximal logprobs, minibatches and the objectiv
 sessions, rewards, the server or Ray (``cluster`` wraps it in an actor).
 
 A LoRA run (``WorkerSettings.lora``) holds the peft-wrapped model, sharded the same way: the
-optimizer holds the adapter alone, the KL reference is the same model with the adapter
-disabled, checkpoints hold the adapter and its optimizer state, and a publish writes the
-adapter alone in peft's ``save_pretrained`` format (``write_adapter_dir``).
+optimizer holds the adapter alone (the critic's value head reads the adapted trunk), the KL
+reference is the same model with the adapter disabled, checkpoints hold the adapter and its
+optimizer state, and a publish writes the adapter alone in peft's ``save_pretrained`` format
+(``write_adapter_dir``).
 """
 
 from __future__ import annotations
@@ -223,9 +224,11 @@ class Worker:
         batch = packed(micro.rows or [[0]])  # an empty micro-batch still runs (collectives)
         position_ids = batch.position_ids.to(self.device)
         # the base model's last_hidden_state (after its final norm), taken by a hook: asking
-        # the FSDP2 root for hidden_states would return views of its outputs
+        # the FSDP2 root for hidden_states would return views of its outputs. A LoRA run's
+        # trunk is inside peft's wrapper (its adapters in place in the trunk's Linears).
         captured: list[torch.Tensor] = []
-        hook = self.model.base_model.register_forward_hook(
+        causal_lm = self.model.get_base_model() if self.settings.lora else self.model
+        hook = causal_lm.base_model.register_forward_hook(
             lambda _module, _args, out: captured.append(out.last_hidden_state)
         )
         try:

@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 
 from tests.support import ROOT, free_port
 
-pytest.importorskip("peft", reason="LoRA runs need peft (the [train] extra)")
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 1e-6

@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import peft
 import pytest
 import torch
 from hypothesis import given, settings
@@ -41,6 +42,7 @@ from tests.unit.test_algorithm import (
     PlainBackend,
     make_samples,
     random_rows,
+    with_rewards,
 )
 from trainer.algorithm import train_step
 from trainer.batching import packed, shift_logprobs
@@ -50,8 +52,6 @@ from trainer.plan import MicroBatch, plan_step
 from trainer.publish import Publisher
 from trainer.server_api import ServerAPI
 from trainer.worker import Worker, WorkerSettings
-
-peft = pytest.importorskip("peft", reason="LoRA runs need peft (the [train] extra)")
 
 EXACT = 1e-10  # float64 against float64
 PUBLISHED = 1e-6  # float32 against float32, the same weights
@@ -80,6 +80,7 @@ def test_any_lora_option_turns_it_on_with_defaults_for_the_rest():
     config = load_config(None, [*BASE, "lora.rank=4", "lora.target_modules=[q_proj, v_proj]"])
     assert config.lora == LoraConfig(rank=4, target_modules=("q_proj", "v_proj"))
     assert load_config(None, [*BASE, "lora={}"]).lora == LoraConfig()
+    assert load_config(None, [*BASE, "lora={}", "algorithm.critic=true"]).algorithm.critic
 
 
 @settings(max_examples=40, deadline=None)
@@ -109,7 +110,6 @@ def test_lora_bounds_are_checked_at_load_naming_the_field(rank, alpha, dropout):
         (["lora.bogus=1"], "lora.bogus"),
         (["lora=3"], "lora"),
         (["lora.target_modules=['']"], "lora.target_modules"),
-        (["lora.rank=8", "algorithm.critic=true"], "lora"),
         (["lora.rank=8", "publish.mode=distributed"], "publish.mode"),
     ],
 )
@@ -422,35 +422,72 @@ def test_the_workers_are_given_the_run_s_lora_settings():
     assert worker_settings(load_config(None, BASE), "/models/base", ALGORITHM).lora is None
 
 
-def test_the_worker_s_lora_step_is_a_plain_peft_model_s(tiny_model_dir):
+def head_state(trainer: Worker) -> dict[str, torch.Tensor]:
+    assert trainer.value_head is not None
+    return {k: v.clone() for k, v in trainer.value_head.state_dict().items()}
+
+
+@pytest.mark.parametrize("critic", [False, True], ids=["kl", "critic"])
+def test_the_worker_s_lora_step_is_a_plain_peft_model_s(tiny_model_dir, tmp_path, critic):
     """The FSDP2 worker's step on the adapter is the step of `PlainBackend` (tests/unit/
     test_algorithm.py: plain autograd, one unsharded module) on a peft-wrapped copy of the base
-    with the same starting adapter, AdamW and clip, and the base itself as the KL reference:
-    the same adapter to ``FSDP_TOLERANCE`` of the largest change (measured: equal to the bit),
-    the same figures (the KL to the reference among them)."""
+    with the same starting adapter, AdamW and clip: with the base itself as the KL reference,
+    or with the critic's value head (on the adapted trunk's last hidden state) learning beside
+    the adapter. The same adapter and head to ``FSDP_TOLERANCE`` of the largest change
+    (measured: equal to the bit), the same figures (the KL to the reference among them); the
+    head survives a checkpoint and is never published."""
     lora = LoraConfig(rank=4, alpha=8.0)
     optim = OptimConfig()
-    plan = steps(3)
-    with worker(tiny_model_dir, lora) as trainer:
+    algorithm = ALGORITHM
+    if critic:
+        algorithm = replace(ALGORITHM, kl_coef=0.0, critic=True, value_clip=0.05)
+    rows = with_rewards(samples(3), 3) if critic else samples(3)  # GAE: rewards, not advantages
+    plan = plan_step(rows, 1, minibatch_count=2, max_tokens=64)
+    with worker(tiny_model_dir, lora, algorithm) as trainer:
         start = named(trainer, True)
-        sharded = trainer.train_step(plan.per_rank[0], plan.tokens, plan.sequences, ALGORITHM)
+        head_start = head_state(trainer) if critic else None
+        sharded = trainer.train_step(plan.per_rank[0], plan.tokens, plan.sequences, algorithm)
         after = named(trainer, True)
+        head_after = head_state(trainer) if critic else {}
+        if critic:
+            trainer.save_checkpoint(str(tmp_path / "checkpoint"))
+            trainer.save_weights(str(tmp_path / "v1"))
+            trainer.load_checkpoint(str(tmp_path / "checkpoint"))
+            restored = head_state(trainer)
+            assert all(torch.equal(restored[k], head_after[k]) for k in head_after)
+            published = load_file(tmp_path / "v1" / "adapter_model.safetensors")
+            assert all(".lora_" in name for name in published)
     model = with_lora(load_model(tiny_model_dir), lora)
     adapter = {name: p for name, p in model.named_parameters() if p.requires_grad}
     assert set(adapter) == set(start)
     with torch.no_grad():
         for name, parameter in adapter.items():
             parameter.copy_(start[name])
+    groups: list[dict] = [{"params": list(adapter.values())}]
+    head = None
+    if head_start is not None:
+        head = torch.nn.Linear(model.config.hidden_size, 1)
+        head.load_state_dict(head_start)
+        groups.append({"params": list(head.parameters()), "value_head": True})
     adamw = torch.optim.AdamW(
-        list(adapter.values()), lr=1e-2, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+        groups, lr=1e-2, betas=(optim.beta1, optim.beta2), eps=optim.eps,
         weight_decay=optim.weight_decay,
     )  # fmt: skip
-    reference = load_model(tiny_model_dir).requires_grad_(False)
-    backend = PlainBackend(model, adamw, grad_clip=optim.grad_clip, reference_model=reference)
-    plain = train_step(backend, plan.per_rank[0], plan.tokens, plan.sequences, ALGORITHM, lr=1e-2)
+    reference = None if critic else load_model(tiny_model_dir).requires_grad_(False)
+    backend = PlainBackend(
+        model.get_base_model(),  # the base with peft's adapters in its Linears
+        adamw, grad_clip=optim.grad_clip, reference_model=reference, value_head=head,
+        value_lr_scale=algorithm.value_lr_scale,
+    )  # fmt: skip
+    plain = train_step(backend, plan.per_rank[0], plan.tokens, plan.sequences, algorithm, lr=1e-2)
     change = max(float((after[n] - start[n]).abs().max()) for n in start)
     gap = max(float((after[n] - adapter[n].detach()).abs().max()) for n in start)
     print(f"worker against plain: largest gap {gap:.3g} of a change of {change:.3g}")
     assert change > 1e-3 and gap <= FSDP_TOLERANCE * change
+    if head is not None:
+        head_change = max(float((head_after[k] - head_start[k]).abs().max()) for k in head_after)
+        plain_head = head.state_dict()
+        head_gap = max(float((head_after[k] - plain_head[k]).abs().max()) for k in head_after)
+        assert head_change > 1e-3 and head_gap <= FSDP_TOLERANCE * head_change
     for key in plain.keys() - {"seconds", "proximal_seconds"}:
         assert sharded[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-6), key
