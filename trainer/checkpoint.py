@@ -1,7 +1,8 @@
 """What a restarted trainer needs to go on exactly where the last checkpoint left off.
 
 A checkpoint is a directory ``checkpoints/step-NNNNNN`` holding the workers' model and optimizer
-(``train_state.pt``, written by the workers) and ``trainer.json``: the run and server it belongs
+(``train_state.pt``, written by the workers; a LoRA run's holds the adapter and its optimizer
+state alone, with the run's ``lora`` settings) and ``trainer.json``: the run and server it belongs
 to, the step, the policy version, the versions republished after restarts (the staleness rule
 needs them), the running baseline, the claims whose sessions the checkpointed weights were
 trained on, each with its size and the sessions the trainer dropped (with their reasons), and
