@@ -304,9 +304,8 @@ async def list_models(engine: Engine) -> dict:
 
 @router.get("/v1/models/{model_id:path}", dependencies=user)
 async def get_model(model_id: str, engine: Engine) -> Response:
-    cards = {card["id"]: card for card in (_model_card(engine), *_adapter_cards(engine))}
-    card = cards.get(model_id)
-    if card is None:
+    card = _model_card(engine)  # the base model only, as SGLang (an adapter's name: a 404)
+    if model_id != card["id"]:
         return JSONResponse(
             {
                 "error": {
@@ -344,9 +343,16 @@ def _model_card(engine: EngineService) -> dict:
 
 
 def _adapter_cards(engine: EngineService) -> list[dict]:
-    """The loaded LoRA adapters as SGLang lists them: a card each, its parent the base."""
+    """The loaded LoRA adapters as SGLang lists them after the base model: a card each, its
+    parent the base, no context length of its own (docs/architecture/sglang-protocol.md)."""
     return [
-        {**_model_card(engine), "id": name, "root": path, "parent": engine.served_model_name}
+        {
+            **_model_card(engine),
+            "id": name,
+            "root": path,
+            "parent": engine.served_model_name,
+            "max_model_len": None,
+        }
         for name, path in engine.loaded_adapters().items()
     ]
 
