@@ -591,3 +591,48 @@ def test_the_routes_answer_in_sglangs_shapes(client, adapter_dir, tmp_path):
     assert twice.status_code == 400 and "does not exist" in twice.json()["error_message"]
     assert [m["id"] for m in client.get("/v1/models").json()["data"]][1:] == []
     assert client.get("/v1/models/run@1").status_code == 404
+
+
+# ----- peft's own files -------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")  # peft's call
+@pytest.mark.parametrize("name", ["llama", "gpt_neox"])
+def test_an_adapter_peft_saved_serves_what_peft_computes(name, model_dirs, tmp_path):
+    """The contract from the other side: an adapter written by peft's ``save_pretrained``
+    (random non-zero B) loads, and the engine's prefill logprobs (float32) equal peft's own
+    forward of base + adapter in float64 within ``TOLERANCE``; a DoRA adapter peft saved is
+    refused by name."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    model_dir = model_dirs[name]
+    targets = ["query_key_value", "dense_4h_to_h"] if name == "gpt_neox" else ["v_proj", "up_proj"]
+    torch.manual_seed(11)
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    config = LoraConfig(r=4, lora_alpha=12, target_modules=targets, init_lora_weights=False)
+    get_peft_model(base, config).save_pretrained(tmp_path / "peft")
+    dora = LoraConfig(r=4, lora_alpha=12, target_modules=targets, use_dora=True)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), dora).save_pretrained(
+        tmp_path / "dora"
+    )
+
+    runner = ModelRunner(RunnerConfig(model_dir, max_slots=1))
+    with pytest.raises(AdapterError, match="use_dora=True is not served"):
+        runner.adapters.read("dora", str(tmp_path / "dora"))
+    adapter = runner.adapters.read("peft", str(tmp_path / "peft"))
+    runner.adapters.add(adapter)
+    ids = list(range(40, 70))
+    chunks: list[torch.Tensor] = []
+    runner.prefill(0, ids, on_logits=lambda _start, logits: chunks.append(logits), adapter=adapter)
+    served = torch.log_softmax(torch.cat(chunks).double(), dim=-1)[:-1]
+    served = served.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+    reference = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64), tmp_path / "peft"
+    ).eval()
+    with torch.no_grad():
+        logits = reference(input_ids=torch.tensor([ids])).logits[0]
+    expected = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    base_only = merged_logprobs(model_dir, None, ids)
+    assert (served - base_only).abs().max().item() > 100 * TOLERANCE  # the adapter matters
+    assert (served - expected).abs().max().item() <= TOLERANCE
