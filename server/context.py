@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
+from server.engine_client.adapters import AdapterLoads
 from server.engine_client.pool import EnginePool
 from server.metrics import Metrics
 from server.proxy.session_cache import SessionRegistry
@@ -14,6 +15,7 @@ from server.rl.admission import Admission
 from server.settings import ServerSettings
 from server.store.byte_lru import MB, ByteLRU
 from server.store.database import StoreHealth
+from server.store.run_adapters import RunAdapters
 from server.store.run_config import RunConfigs
 from server.store.writer import TurnWriter
 from server.text.tokenization import Tokenizer
@@ -31,6 +33,7 @@ class ServerContext:
     tokenizer: Tokenizer
     sessions: SessionRegistry
     run_configs: RunConfigs
+    run_adapters: RunAdapters  # which adapter serves each LoRA run now
     admission: Admission = field(default_factory=Admission)
     metrics: Metrics = field(default_factory=Metrics)
     default_run_id: str = ""
@@ -45,6 +48,7 @@ class ServerContext:
     model_name: str = ""  # the served model's name, fixed at start
     # This process among the replicas sharing the store (server.store.leadership).
     replica_id: str = ""
+    adapter_loads: AdapterLoads = field(default_factory=AdapterLoads)  # what each engine holds
 
     @property
     def context_length(self) -> int | None:

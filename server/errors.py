@@ -30,6 +30,7 @@ document (``documented``) and the error event a stream ends with
     ├── RewardConflict           409  a different reward was already posted for that target
     ├── GroupMixesEval           409  a group_id holds sessions of the other kind (eval/training)
     ├── WeightsConflict          409  a swap's version is served, but not with the weights it names
+    ├── EnginesShared            409  full weights and LoRA adapters would need the same engines
     ├── StalenessBound           429  the run's admission is full (Retry-After)
     ├── Overloaded               503  requests or connections at their bound (Retry-After)
     ├── NoEngineAvailable        503  no engine in rotation could serve (Retry-After)
@@ -205,6 +206,15 @@ class WeightsConflict(ProxrlError):
         super().__init__(message, param="version")
 
 
+class EnginesShared(ProxrlError):
+    """A publish of full weights where LoRA runs' adapters are served on the base model, or of
+    an adapter where a run's full weights replaced the base: one set of engines serves one base
+    model, so the two kinds of run cannot share it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message, param=param)
+
+
 class StalenessBound(ProxrlError):
     def __init__(self, retry_after_s: int) -> None:
         super().__init__(
@@ -329,6 +339,7 @@ RENDERING: dict[type[ProxrlError], Rendering] = {
     RewardConflict: Rendering(409, "conflict_error", "reward_conflict"),
     GroupMixesEval: Rendering(409, "conflict_error", "group_mixes_eval"),
     WeightsConflict: Rendering(409, "conflict_error", "weights_conflict"),
+    EnginesShared: Rendering(409, "conflict_error", "engines_shared"),
     StalenessBound: Rendering(429, "rate_limit_error", "staleness_bound", retry_after_s=1),
     Overloaded: Rendering(
         503, _UNAVAILABLE, "overloaded", 1, lead="The server is at its bound of requests: "

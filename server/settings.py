@@ -240,6 +240,14 @@ class ServerSettings(BaseSettings):
         description="Longest engines stay paused for a publish; a load not done by then is "
         "abandoned, the engines resume, and the publish answers 502 weights_load_timeout.",
     )
+    adapters_kept: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="How many of a LoRA run's newest versions the engines keep loaded: a request "
+        "that began on an older version finishes on its adapter; a publish unloads the run's "
+        "versions older than these.",
+    )
     graceful_shutdown_timeout_s: int = Field(
         120,
         ge=1,

@@ -44,6 +44,7 @@ from server.store import sessions as store_sessions
 from server.store.byte_lru import MB, ByteLRU
 from server.store.keys import hash_key
 from server.store.leadership import Election
+from server.store.run_adapters import RunAdapters
 from server.store.run_config import RunConfig, RunConfigs
 from server.store.tables import Run
 from server.store.writer import TurnWriter
@@ -245,6 +246,7 @@ async def server_context(
             tokenizer=tokenizer,
             sessions=SessionRegistry(maker, tokenizer, int(settings.session_cache_mb * MB)),
             run_configs=RunConfigs(maker, budget_bytes=lookups // 4),
+            run_adapters=RunAdapters(maker),
             model_name=settings.model_name,
             metrics=metrics,
             store_health=health,

@@ -60,8 +60,9 @@ class EngineSettings(BaseSettings):
     max_loaded_loras: int = Field(
         8,
         ge=1,
-        description="LoRA adapters held at once (POST /load_lora_adapter); a load beyond it is "
-        "refused until one is unloaded. Rows of different adapters share a batch.",
+        description="LoRA adapters held at once (loaded through the engine's load_lora_adapter "
+        "route); a load beyond it is refused until one is unloaded. Rows of different adapters "
+        "share a batch.",
     )
     stream_interval: int = Field(1, ge=1, description="Stream a chunk every N tokens.")
     incremental_streaming_output: bool = Field(

@@ -84,10 +84,19 @@ async def sample_all(
     """One completion per choice, concurrently; ``on_piece(index, piece)`` sees streamed tokens.
     An engine failure propagates as it is (it is an error of ``server.errors``' tree)."""
 
+    adapter = await ctx.run_adapters.get(state.run_id)  # a LoRA run's current version
+
     async def one(index: int, rid: str) -> Completion:
         handler = (lambda piece: on_piece(index, piece)) if on_piece else None
         return await complete(
-            ctx.pool, plan.sampling, rid, prefer=state.engine, stream=stream, on_piece=handler
+            ctx.pool,
+            plan.sampling,
+            rid,
+            prefer=state.engine,
+            stream=stream,
+            on_piece=handler,
+            adapter=adapter,
+            loads=ctx.adapter_loads,
         )
 
     tasks = [asyncio.create_task(one(i, rid)) for i, rid in enumerate(plan.completion_ids)]

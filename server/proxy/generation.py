@@ -7,8 +7,14 @@ left for another one, again resuming from the tokens already received; an engine
 the request (``EngineRejected``: the request's fault) ends it and stays in rotation; so do an
 abort that carries an HTTP status (the engine failed this request: a prefill out of memory) and
 a request that outlasts the request timeout (``EngineTimedOut``). Each token
-keeps the policy version that sampled it. This module knows nothing about chat, sessions or
-the store.
+keeps the policy version that sampled it.
+
+A LoRA run's request names its adapter (``ServedAdapter``: the run's version when the request
+came); an engine is loaded with it before it serves the request, once (``AdapterLoads``), and
+every token of the completion carries that version, whatever the engine's base weights are
+tagged (a LoRA publish pauses nothing: a request started before it finishes on the adapter it
+began with). An engine that no longer holds the adapter (it restarted) is loaded again. This
+module knows nothing about chat or sessions.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from server.engine_client.adapters import AdapterLoads
 from server.engine_client.client import EngineUnavailable, Piece
 from server.engine_client.pool import EnginePool, EngineState, NoEngineAvailable, parse_version
 from server.errors import EngineRejected, EngineTimedOut
+from server.store.run_adapters import ServedAdapter
 
 MAX_RESUMES = 32  # swaps or engine failures one completion may live through
 # How long a request waits for an engine to come (back) into rotation before it is refused
@@ -69,7 +77,9 @@ _version = lru_cache(maxsize=1024)(parse_version)
 OnPiece = Callable[[Piece], None]  # sees each streamed piece as it comes (no await: per token)
 
 
-def engine_body(request: SamplingRequest, so_far: list[int], rid: str) -> dict:
+def engine_body(
+    request: SamplingRequest, so_far: list[int], rid: str, adapter: str | None = None
+) -> dict:
     params: dict = {
         "max_new_tokens": request.max_tokens - len(so_far),
         "temperature": request.temperature,
@@ -91,6 +101,8 @@ def engine_body(request: SamplingRequest, so_far: list[int], rid: str) -> dict:
     }
     if request.top_logprobs:
         body["top_logprobs_num"] = request.top_logprobs
+    if adapter is not None:
+        body["lora_path"] = adapter  # SGLang's field: the adapter's name, not a path
     return body
 
 
@@ -137,20 +149,30 @@ async def complete(
     prefer: str | None = None,
     stream: bool = False,
     on_piece: OnPiece | None = None,
+    adapter: ServedAdapter | None = None,
+    loads: AdapterLoads | None = None,
 ) -> Completion:
-    """Sample one completion of ``request``, resuming across weight swaps and engine failures."""
+    """Sample one completion of ``request`` (with ``adapter``, loaded where needed through
+    ``loads``), resuming across weight swaps and engine failures."""
     completion = Completion(prompt_ids=request.prompt_ids)
     failed: set[str] = set()
+    attempt = _Lora(adapter, loads).attempt if adapter and loads else _attempt
     while True:
         if not pool.healthy and not await pool.wait_for_engine(ENGINE_WAIT_S):
             raise NoEngineAvailable("no engine is available to serve this request")
         engine = pool.pick(prefer=completion.engine or prefer, avoid=failed)
         completion.engine = engine.url
-        body = engine_body(request, completion.ids, f"{rid}-{completion.resumes}")
+        name = adapter.name if adapter is not None else None
+        body = engine_body(request, completion.ids, f"{rid}-{completion.resumes}", name)
         try:
-            reason = await _attempt(engine, body, stream, completion, on_piece)
+            reason = await attempt(engine, body, stream, completion, on_piece)
         except EngineTimedOut:
             raise  # the request's time is spent; the engine may well be fine
+        except AdapterUnavailable as exc:  # that engine cannot serve this run; others may
+            failed.add(engine.url)
+            if all(e.url in failed for e in pool.healthy):
+                raise NoEngineAvailable(str(exc)) from exc
+            continue
         except EngineUnavailable as exc:
             pool.mark_down(engine, str(exc))
             failed.add(engine.url)
@@ -165,6 +187,50 @@ async def complete(
         completion.resumes += 1
         if completion.resumes > MAX_RESUMES:
             raise NoEngineAvailable(f"gave up after {MAX_RESUMES} interruptions: {reason}")
+
+
+class AdapterUnavailable(Exception):
+    """An engine could not load the request's adapter: another engine may."""
+
+
+@dataclass
+class _Lora:
+    """A completion served with a LoRA run's ``adapter``: each engine holds it before it serves
+    the request (loaded through ``loads`` if not), and every token is the adapter's version."""
+
+    adapter: ServedAdapter
+    loads: AdapterLoads
+    reloaded: set[str] = field(default_factory=set)  # engines that lost it and got it again
+
+    async def attempt(
+        self,
+        engine: EngineState,
+        body: dict,
+        stream: bool,
+        completion: Completion,
+        on_piece: OnPiece | None,
+    ) -> dict:
+        """``_attempt`` on an engine that holds the adapter; an engine that answers that it
+        does not (it restarted since this proxy loaded it) is loaded again, once, and the
+        request resumed."""
+        adapter, start = self.adapter, len(completion.ids)
+        try:
+            try:
+                await self.loads.ensure(engine.client, adapter.name, adapter.path)
+            except EngineRejected as exc:
+                raise AdapterUnavailable(
+                    f"{engine.url} could not load adapter {adapter.name!r} from "
+                    f"{adapter.path!r}: {exc}"
+                ) from exc
+            return await _attempt(engine, body, stream, completion, on_piece)
+        except EngineRejected as exc:
+            if engine.url in self.reloaded or adapter.name not in str(exc):
+                raise
+            self.loads.forget(engine.url, adapter.name)
+            self.reloaded.add(engine.url)
+            return {"type": "abort", "message": str(exc)}
+        finally:  # its tokens are the adapter's version, not the base weights'
+            completion.versions[start:] = [adapter.version] * (len(completion.ids) - start)
 
 
 def _raise_for_abort_status(url: str, reason: dict) -> None:

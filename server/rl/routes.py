@@ -15,7 +15,7 @@ from server.deps import AdminDep, BodyOffLoop, CallerDep, Ctx, KeyedDep
 from server.errors import AuthenticationRequired, KeyOutOfScope, documented
 from server.export.options import SINCE_HELP, STATUS_HELP, ExportFormat, ExportStatus, Since
 from server.export.writers import FORMATS
-from server.rl import claims, export, runs, sessions, steps, weights, weights_probe
+from server.rl import adapters, claims, export, runs, sessions, steps, weights, weights_probe
 from server.rl.schemas import (
     ClaimIn,
     ClaimOut,
@@ -326,11 +326,13 @@ admin_router = APIRouter(
     "/weights",
     response_model=WeightsOut,
     summary="Swap new weights into every engine",
-    responses=documented(400, 404, 422, 502, 503),
+    responses=documented(400, 404, 409, 422, 502, 503),
 )
 async def publish_weights(body: WeightsIn, ctx: Ctx, _: AdminDep, request: Request) -> Any:
     if not ctx.pool.leading:  # a follower: the leader swaps
         return leaders_answer(await weights.forward(ctx, request.url.path, body, request.headers))
+    if body.adapter_path is not None:  # a version of a LoRA run: loaded beside the others
+        return await adapters.publish(ctx, body)
     return await weights.publish(ctx, body)
 
 

@@ -452,13 +452,22 @@ class WeightsIn(BaseModel):
         description="Instead of model_path: the engines receive the weights from the trainer's "
         "broadcast over the named torch.distributed group while this call holds them paused.",
     )
+    adapter_path: StoredPath | None = Field(
+        None,
+        description="Instead of model_path: a LoRA adapter directory the engines can read "
+        "(peft's layout: adapter_config.json, adapter_model.safetensors), a version of a LoRA "
+        "run on the served base model. The engines load it under the name `<run id>@<version>` "
+        "alongside the other runs' adapters, without pausing; the run's requests are served "
+        "with it from then on.",
+    )
     version: Count | None = Field(None, description="Default: the current version + 1.")
     run_id: Id | None = Field(None, description="Default: the server's default run.")
 
     @model_validator(mode="after")
     def _one_source(self) -> WeightsIn:
-        if (self.model_path is None) == (self.distributed is None):
-            raise ValueError("give exactly one of model_path and distributed")
+        given = [self.model_path, self.distributed, self.adapter_path]
+        if sum(source is not None for source in given) != 1:
+            raise ValueError("give exactly one of model_path, distributed and adapter_path")
         return self
 
 

@@ -53,6 +53,43 @@ def problem_of(model_path: str) -> str | None:
     return None
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+CONFIG_MAX_BYTES = 2**20
+
+
+def adapter_problem_of(adapter_path: str) -> str | None:
+    """What stops the LoRA adapter at ``adapter_path`` (peft's save_pretrained layout:
+    adapter_config.json and adapter_model.safetensors) from loading, or None (also where this
+    machine has no such path). Blocks while the files do."""
+    root = Path(adapter_path)
+    if not root.exists():
+        return None
+    if not root.is_dir():
+        return f"{adapter_path!r} is not a directory"
+    config_path = root / ADAPTER_CONFIG
+    if not config_path.exists():
+        return f"no {ADAPTER_CONFIG} in {adapter_path!r} (is it full weights? send model_path)"
+    try:
+        if not stat.S_ISREG(os.stat(config_path).st_mode):
+            return f"{ADAPTER_CONFIG} is not a regular file"
+        with open(config_path, "rb") as file:
+            data = file.read(CONFIG_MAX_BYTES + 1)
+        if len(data) > CONFIG_MAX_BYTES:
+            return f"{ADAPTER_CONFIG} is over {CONFIG_MAX_BYTES:,} bytes"
+        config = json.loads(data)
+    except OSError as exc:
+        return f"{ADAPTER_CONFIG} cannot be read ({exc.strerror or exc})"
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"{ADAPTER_CONFIG} is not JSON ({exc})"
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        return f'{ADAPTER_CONFIG} is not a LoRA adapter\'s config (peft_type is not "LORA")'
+    if not (root / ADAPTER_WEIGHTS).exists():
+        return f"no {ADAPTER_WEIGHTS} in {adapter_path!r}"
+    weights = _file_problem(root / ADAPTER_WEIGHTS)
+    return None if weights is None else f"{ADAPTER_WEIGHTS}: {weights}"
+
+
 def _file_problem(path: Path) -> str | None:
     try:
         mode = os.stat(path).st_mode
@@ -111,3 +148,10 @@ async def within(seconds: float, work: Callable[[], str | None], what: str) -> s
 async def problem(model_path: str, seconds: float) -> str | None:
     """``problem_of(model_path)``, given at most ``seconds``."""
     return await within(seconds, lambda: problem_of(model_path), "reading the weight files")
+
+
+async def adapter_problem(adapter_path: str, seconds: float) -> str | None:
+    """``adapter_problem_of(adapter_path)``, given at most ``seconds``."""
+    return await within(
+        seconds, lambda: adapter_problem_of(adapter_path), "reading the adapter's files"
+    )

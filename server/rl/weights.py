@@ -46,6 +46,7 @@ from server.context import ServerContext
 from server.engine_client.client import EngineError, EngineRejected
 from server.engine_client.pool import EngineState
 from server.errors import (
+    EnginesShared,
     NoEngineToUpdate,
     NoLeader,
     RendezvousUnreachable,
@@ -137,6 +138,7 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
     if body.distributed is None:
         await _check_files(str(body.model_path), ctx.settings.weights_check_timeout_s)
     async with pool.update_lock:
+        await refuse_shared(ctx, run.id, lora=False)
         engines = pool.loadable
         if body.distributed is None and await _served(ctx, run.id, version, str(body.model_path)):
             log.info("version %d is already served: nothing swapped", version)
@@ -148,7 +150,7 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
             )
         if not engines:
             raise NoEngineToUpdate("No engine is in rotation to load the weights.")
-        lead = await _confirm_lead(ctx, "no engine was paused")
+        lead = await confirm_lead(ctx, "no engine was paused")
         started = time.perf_counter()
         paused = await asyncio.gather(
             *(e.client.pause("abort") for e in engines), return_exceptions=True
@@ -177,6 +179,29 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
     log.info("published version %d (paused %.3fs)", version, pause_seconds)
     return WeightsOut(
         run_id=run.id, policy_version=version, engines=results, pause_seconds=pause_seconds
+    )
+
+
+async def refuse_shared(ctx: ServerContext, run_id: str, lora: bool) -> None:
+    """``EnginesShared`` where a publish for ``run_id`` (``lora``: of an adapter; else of full
+    weights) would put both kinds on the engines: an adapter is trained on the base model and
+    served on it, and full weights replace the base for every request."""
+    async with ctx.sessionmaker() as db:
+        others = [r for r in await runs.published_runs(db, lora=not lora) if r.id != run_id]
+    if not others:
+        return
+    named = ", ".join(f"{r.id} (version {r.policy_version})" for r in others[:3])
+    own = "Serve each kind on engines of its own (a proxrl serve with its own engines)."
+    if lora:
+        raise EnginesShared(
+            f"The engines serve full weights published by run {named} in place of the base "
+            f"model, and a LoRA adapter runs on the base model: nothing was loaded. {own}",
+            "adapter_path",
+        )
+    raise EnginesShared(
+        f"LoRA runs serve their adapters on these engines' base model ({named}), and full "
+        f"weights would replace it under them: nothing was swapped. {own}",
+        "model_path",
     )
 
 
@@ -246,7 +271,7 @@ async def _swap(
     record comes before the engines resume, so no replica sees them serve a version the store
     does not have yet."""
     await _failpoint("paused")
-    await _confirm_lead(ctx, "nothing was loaded; the engines resumed", lead)
+    await confirm_lead(ctx, "nothing was loaded; the engines resumed", lead)
     loader, source = _loader_of(body, version)
     results = await _load_within(engines, loader, ctx.settings.weights_pause_limit_s, source)
     if not any(r["success"] for r in results):  # nothing changed: no engine is to blame
@@ -254,7 +279,7 @@ async def _swap(
         if all(r.get("refused") for r in results):
             raise WeightsRefused(message, "model_path" if body.model_path else "distributed")
         raise WeightUpdateFailed(message)
-    await _confirm_lead(
+    await confirm_lead(
         ctx,
         f"the engines loaded {source} but version {version} was not recorded; they resumed, "
         "and the leader keeps them out of rotation until it loads them",
@@ -275,7 +300,7 @@ STORE_WAIT_S = leadership.QUERY_TIMEOUT_S
 LeadToken = tuple[int, Any]
 
 
-async def _confirm_lead(
+async def confirm_lead(
     ctx: ServerContext,
     then: str,
     lead: LeadToken | None = None,

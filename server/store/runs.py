@@ -81,10 +81,18 @@ async def others_at_version(db: AsyncSession, version: int, run_id: str) -> list
 
 
 async def set_policy_version(
-    db: AsyncSession, run_id: str, version: int, weights_path: str | None
+    db: AsyncSession, run_id: str, version: int, weights_path: str | None, lora: bool = False
 ) -> None:
-    values = {"policy_version": version, "weights_path": weights_path}
+    """The run's new version, from full weights or (``lora``) an adapter at ``weights_path``."""
+    values = {"policy_version": version, "weights_path": weights_path, "lora": lora}
     await db.execute(update(Run).where(Run.id == run_id).values(**values))
+
+
+async def published_runs(db: AsyncSession, lora: bool) -> list[Run]:
+    """The runs that have published a version above 0, of adapters (``lora``) or full weights:
+    the engines serve one base model, so the two kinds cannot share them."""
+    query = select(Run).where(Run.policy_version > 0, Run.lora == lora).order_by(Run.created_at)
+    return list(await db.scalars(query))
 
 
 async def session_counts(db: AsyncSession, run_id: str) -> dict[str, int]:

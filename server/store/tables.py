@@ -53,7 +53,9 @@ class Base(DeclarativeBase):
 
 
 class Run(Base):
-    """One training job: a model, its config, and the policy version the engines serve."""
+    """One training job: a model, its config, and the policy version the engines serve. A LoRA
+    run's versions are adapters on the served base model (``lora``): its ``weights_path`` is the
+    current version's adapter directory, and version 0 is the base model itself."""
 
     __tablename__ = "runs"
 
@@ -63,6 +65,7 @@ class Run(Base):
     config: Mapped[dict[str, Any]] = mapped_column(default=dict)
     policy_version: Mapped[int] = mapped_column(Integer, default=0)
     weights_path: Mapped[str | None] = mapped_column(String(1000))  # where that version lives
+    lora: Mapped[bool] = mapped_column(default=False, server_default=false())
     api_key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     is_default: Mapped[bool] = mapped_column(default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,0 +1,160 @@
+"""A LoRA run's requests through the proxy's generation path, against the SGLang double (SGLang's
+adapter registry and answers: docs/architecture/sglang-protocol.md, "LoRA adapters"): each engine
+gets the adapter before a request names it, once however many requests wait; a name the engine
+holds already (this proxy restarted) counts as loaded; an engine that lost it (it restarted) is
+given it again and the request resumed; every token carries the adapter's version; an adapter no
+engine can load is a 503, not a 500. And the checks a publish makes of an adapter's files."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from server.engine_client.adapters import AdapterLoads
+from server.engine_client.pool import EnginePool
+from server.errors import EngineRejected, NoEngineAvailable
+from server.proxy.generation import SamplingRequest, complete
+from server.rl.schemas import WeightsIn
+from server.rl.weight_files import adapter_problem_of
+from server.store.run_adapters import ServedAdapter
+from tests.sglang_double import Adapters, Double, LoRAFlags
+from tests.unit.test_engine_client_lora import ENABLED, Upstream, adapter_dir, serving, sglang
+
+
+def loads_of(upstream: Upstream) -> list[str]:
+    return [body["lora_name"] for path, body in upstream.calls if path == "/load_lora_adapter"]
+
+
+def test_concurrent_requests_load_an_adapter_once_and_a_known_name_counts_as_loaded(tmp_path):
+    path = adapter_dir(tmp_path, "a")
+
+    async def scenario() -> tuple[list[str], bool]:
+        async with sglang() as (client, _, upstream):
+            loads = AdapterLoads()
+            await asyncio.gather(*(loads.ensure(client, "run@1", path) for _ in range(8)))
+            fresh = AdapterLoads()  # this proxy restarted: the engine holds run@1 already
+            await fresh.ensure(client, "run@1", path)
+            return loads_of(upstream), fresh.holds(client.url, "run@1")
+
+    loaded, known = asyncio.run(scenario())
+    assert loaded == ["run@1"]  # the second load was refused by the double, as SGLang does
+    assert known
+
+
+def test_a_refused_load_is_raised_and_not_remembered(tmp_path):
+    async def scenario() -> tuple[EngineRejected | None, bool]:
+        async with sglang(LoRAFlags(enabled=False)) as (client, _, _):
+            loads = AdapterLoads()
+            try:  # an engine started without --enable-lora
+                await loads.ensure(client, "run@1", adapter_dir(tmp_path, "a"))
+            except EngineRejected as exc:
+                return exc, loads.holds(client.url, "run@1")
+            return None, loads.holds(client.url, "run@1")
+
+    refused, held = asyncio.run(scenario())
+    assert refused is not None and not held
+
+
+@asynccontextmanager
+async def pool_of(url: str) -> AsyncIterator[EnginePool]:
+    """A pool of the one engine at ``url``, in rotation (as a health check would find it: the
+    double's upstream here serves no health routes)."""
+    pool = EnginePool([url])
+    engine = pool.engines[0]
+    engine.healthy, engine.context_length = True, 128
+    try:
+        yield pool
+    finally:
+        await pool.stop()
+
+
+def _request() -> SamplingRequest:
+    return SamplingRequest(prompt_ids=[1, 2, 3], max_tokens=1)
+
+
+def test_an_engine_that_lost_the_adapter_is_given_it_again_and_tokens_carry_its_version(tmp_path):
+    adapter = ServedAdapter("run", 3, adapter_dir(tmp_path, "a"))
+
+    async def scenario():
+        upstream = Upstream()
+        async with serving(upstream.app()) as engine_url:
+            double = Double(engine_url, 1, None, None, ENABLED)
+            async with serving(double.app()) as url, pool_of(url) as pool:
+                loads = AdapterLoads()
+                first = await complete(pool, _request(), "r1", adapter=adapter, loads=loads)
+                double.adapters = Adapters(ENABLED, double)  # the engine restarted: none held
+                second = await complete(pool, _request(), "r2", adapter=adapter, loads=loads)
+                return first, second, upstream
+
+    first, second, upstream = asyncio.run(scenario())
+    assert first.versions == second.versions == [3]  # the engine tags its base weights "0"
+    assert loads_of(upstream) == ["run@3", "run@3"]
+    assert [body.get("lora_path") for body in upstream.generated] == ["run@3", "run@3"]
+
+
+def test_an_adapter_no_engine_can_load_is_a_503(tmp_path):
+    adapter = ServedAdapter("run", 1, adapter_dir(tmp_path, "a"))
+
+    async def scenario() -> None:
+        async with sglang(LoRAFlags(enabled=False)) as (client, _, _), pool_of(client.url) as pool:
+            await complete(pool, _request(), "r", adapter=adapter, loads=AdapterLoads())
+
+    with pytest.raises(NoEngineAvailable, match="could not load adapter 'run@1'"):
+        asyncio.run(scenario())
+
+
+def test_a_publish_names_exactly_one_source():
+    for body in ({}, {"model_path": "/m", "adapter_path": "/a"}):
+        with pytest.raises(ValidationError, match="exactly one of model_path, distributed and"):
+            WeightsIn.model_validate(body)
+    assert WeightsIn.model_validate({"adapter_path": "/a"}).adapter_path == "/a"
+
+
+def _adapter(root: Path, config: object = None, weights: bytes | None = None) -> str:
+    root.mkdir(parents=True)
+    if config is not None:
+        (root / "adapter_config.json").write_text(json.dumps(config))
+    if weights is not None:
+        (root / "adapter_model.safetensors").write_bytes(weights)
+    return str(root)
+
+
+# An empty safetensors file: an 8-byte length, then that many bytes of JSON header.
+EMPTY_SAFETENSORS = len(b"{}").to_bytes(8, "little") + b"{}"
+
+
+@pytest.mark.parametrize(
+    ("config", "weights", "says"),
+    [
+        ({"peft_type": "LORA", "r": 4}, EMPTY_SAFETENSORS, None),
+        (None, EMPTY_SAFETENSORS, "no adapter_config.json"),
+        ({"peft_type": "PREFIX_TUNING"}, EMPTY_SAFETENSORS, "not a LoRA adapter's config"),
+        (["LORA"], EMPTY_SAFETENSORS, "not a LoRA adapter's config"),
+        ({"peft_type": "LORA"}, None, "no adapter_model.safetensors"),
+        ({"peft_type": "LORA"}, EMPTY_SAFETENSORS[:-1], "adapter_model.safetensors: its header"),
+        ({"peft_type": "LORA"}, EMPTY_SAFETENSORS + b"x", "truncated or overwritten"),
+    ],
+)
+def test_an_adapters_files_are_checked_before_any_engine_loads_them(
+    tmp_path, config, weights, says
+):
+    problem = adapter_problem_of(_adapter(tmp_path / "adapter", config, weights))
+    if says is None:
+        assert problem is None
+    else:
+        assert problem is not None and says in problem, problem
+
+
+def test_an_adapter_config_that_is_not_json_or_too_big_is_refused(tmp_path):
+    root = Path(_adapter(tmp_path / "a", None, EMPTY_SAFETENSORS))
+    (root / "adapter_config.json").write_text("{not json")
+    assert "is not JSON" in str(adapter_problem_of(str(root)))
+    (root / "adapter_config.json").write_text(" " * (2**20 + 1))
+    assert "is over 1,048,576 bytes" in str(adapter_problem_of(str(root)))
+    assert adapter_problem_of(str(tmp_path / "elsewhere")) is None  # not this machine's to judge
