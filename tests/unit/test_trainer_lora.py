@@ -5,7 +5,8 @@ The forward is held to LoRA's definition (Hu et al. 2021, arXiv 2106.09685, eq. 
 h = W0 x + (alpha / r) B A x, i.e. the model whose every target Linear has the merged weight
 W0 + (alpha / r) B A (alpha / sqrt(r) with rsLoRA, arXiv 2312.03732). The reference merges a
 random A and B into a float64 copy of the base by hand; the peft-wrapped float64 model must
-give the same logits to ``EXACT`` = 1e-10 (measured: at most ~1e-15 on logits of size ~1).
+give the same logits to ``EXACT`` = 1e-10 (measured: equal to the bit on llama, qwen2, qwen3
+and gemma2, 3.3e-15 on gpt_neox, on logits of size ~3 that the adapter moves by 1.9 to 4).
 
 The worker's checks: a train step moves the adapter and leaves every base tensor equal to the
 bit, and the optimizer holds the adapter's parameters alone; version 0 is the base model; the
@@ -54,6 +55,7 @@ from trainer.server_api import ServerAPI
 from trainer.worker import Worker, WorkerSettings
 
 EXACT = 1e-10  # float64 against float64
+F64 = torch.float64
 PUBLISHED = 1e-6  # float32 against float32, the same weights
 FAST = ("llama", "qwen2", "qwen3", "gemma2", "gpt_neox")
 BASE = ["server=http://127.0.0.1:9"]
@@ -172,8 +174,10 @@ def test_the_lora_forward_is_the_merged_weights_in_float64(model_dirs, name, rsl
         for path, module in wrapped.base_model.model.named_modules():
             if isinstance(module, peft.tuners.lora.LoraLayer):
                 layer = module.base_layer
-                a = torch.randn(rank, layer.in_features, generator=generator, dtype=torch.float64)
-                b = torch.randn(layer.out_features, rank, generator=generator, dtype=torch.float64)
+                # entries of 0.1, as the model's own (INIT): the adapter's delta is of the size of
+                # W0's, and attention stays far from saturated (where errors would not show)
+                a = 0.1 * torch.randn(rank, layer.in_features, generator=generator, dtype=F64)
+                b = 0.1 * torch.randn(layer.out_features, rank, generator=generator, dtype=F64)
                 module.lora_A["default"].weight.copy_(a)
                 module.lora_B["default"].weight.copy_(b)
                 assert module.lora_A["default"].weight.dtype == torch.float64
