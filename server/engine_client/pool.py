@@ -21,13 +21,10 @@ in ``/v1/models``, not ``/server_info``: docs/architecture/sglang-protocol.md, "
 length"): requests are sized against it. This module knows nothing about sessions, chat or the
 store.
 
-Adapters: ``load_adapter`` and ``unload_adapter`` act on every engine a publish loads, at once
-and without pausing anything (an adapter is a new name: no request in flight changes). As in a
-weight publish, an engine that fails while another succeeds leaves the rotation; when none
-succeeds, nothing changed, no engine is blamed, and the call raises. The health check knows
-nothing of adapters, so such an engine is back at its next check that passes: that an engine
-holds an adapter before it serves a request for it is the request path's to ensure (it loads
-the adapter there first).
+Adapters: ``unload_adapter`` unloads one from every engine at once, without pausing anything.
+Which engine holds which adapter, and loading it there, is ``server.engine_client.adapters``'s:
+the health check knows nothing of adapters, so that an engine holds an adapter before it serves
+a request for it is the request path's to ensure (it loads the adapter there first).
 """
 
 from __future__ import annotations
@@ -43,7 +40,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from server.engine_client.client import EngineClient
-from server.errors import EngineError, EngineRejected, EngineUnavailable, NoEngineAvailable
+from server.errors import EngineError, EngineRejected, NoEngineAvailable
 
 log = logging.getLogger(__name__)
 
@@ -222,28 +219,6 @@ class EnginePool:
                 return engine
         idle = [e for e in candidates if e.in_flight == least]
         return idle[next(self._round_robin) % len(idle)]
-
-    async def load_adapter(self, name: str, path: str, pinned: bool = False) -> list[dict]:
-        """Load LoRA adapter ``name`` from ``path`` into every loadable engine; each engine's
-        result (``url``, ``success``, ``message``, ``refused``: it read the request and said
-        no). Engines that failed while others loaded it are marked down (a request for ``name``
-        must not reach an engine without it); if none loaded it, EngineRejected (all refused)
-        or EngineUnavailable, and no engine is marked."""
-        engines = self.loadable
-        if not engines:
-            raise NoEngineAvailable("no engine is in rotation to load the adapter")
-        results = await asyncio.gather(
-            *(_adapter_result(e, e.client.load_lora_adapter(name, path, pinned)) for e in engines)
-        )
-        if not any(result["success"] for result in results):
-            message = f"no engine loaded adapter {name!r}: {results[0]['message']}"
-            if all(result["refused"] for result in results):
-                raise EngineRejected(results[0]["status"], message)
-            raise EngineUnavailable(message)
-        for engine, result in zip(engines, results, strict=True):
-            if not result["success"]:
-                self.mark_down(engine, f"adapter {name!r} failed to load: {result['message']}")
-        return results
 
     async def unload_adapter(self, name: str) -> list[dict]:
         """Unload LoRA adapter ``name`` from every engine (each answers once the requests

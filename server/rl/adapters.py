@@ -23,6 +23,7 @@ import logging
 import time
 
 from server.context import ServerContext
+from server.engine_client.adapters import AdapterLoads
 from server.engine_client.pool import EngineState
 from server.errors import (
     EngineError,
@@ -69,7 +70,8 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
             return WeightsOut(run_id=run.id, policy_version=version, engines=done, pause_seconds=0)
         lead = await confirm_lead(ctx, "nothing was loaded")
         started = time.perf_counter()
-        results = await _load_all(ctx, engines, name, path)
+        limit = ctx.settings.weights_pause_limit_s
+        results = await load_all(engines, ctx.adapter_loads, name, path, limit)
         await confirm_lead(
             ctx,
             f"the engines loaded adapter {name} but version {version} was not recorded",
@@ -85,16 +87,17 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
     return WeightsOut(run_id=run.id, policy_version=version, engines=results, pause_seconds=0.0)
 
 
-async def _load_all(ctx: ServerContext, engines: list[EngineState], name: str, path: str):
+async def load_all(
+    engines: list[EngineState], loads: AdapterLoads, name: str, path: str, limit: float
+) -> list[dict]:
     """Every engine's answer to loading the adapter (one that holds it already, as the name is
     never reused, counts as loaded), within ``--weights-pause-limit-s``: no engine pauses for
     it, but a hung one must not hold the publish lock. An engine that failed stays in rotation
     for the other runs; a request of this run loads it there first, or goes elsewhere."""
-    limit = ctx.settings.weights_pause_limit_s
 
     async def load(engine: EngineState) -> dict:
         try:
-            await ctx.adapter_loads.ensure(engine.client, name, path)
+            await loads.ensure(engine.client, name, path)
         except EngineRejected as exc:
             return {"url": engine.url, "success": False, "message": str(exc), "refused": True}
         except EngineError as exc:

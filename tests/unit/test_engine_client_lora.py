@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from server.engine_client import sglang as launcher
 from server.engine_client.client import EngineClient
 from server.engine_client.pool import EnginePool
-from server.errors import EngineRejected, EngineTimedOut, EngineUnavailable
+from server.errors import EngineRejected, EngineTimedOut
 from server.settings import ServerSettings
 from tests.sglang_double import Adapters, Double, LoRAFlags, lora_flags, parse_args
 from tests.support import free_port
@@ -506,33 +506,6 @@ async def two_doubles(second: LoRAFlags) -> AsyncIterator[EnginePool]:
             await pool.stop()
 
 
-def test_the_pool_loads_an_adapter_everywhere_and_marks_an_engine_that_failed(tmp_path):
-    path = adapter_dir(tmp_path, "a")
-
-    async def scenario() -> tuple[list, list, list]:
-        async with two_doubles(LoRAFlags(enabled=False)) as pool:
-            results = await pool.load_adapter("run@1", path)
-            return results, [e.healthy for e in pool.engines], [e.failures for e in pool.engines]
-
-    results, healthy, failures = run(scenario)
-    assert [r["success"] for r in results] == [True, False]
-    assert results[0]["loaded_adapters"] == {"run@1": path}
-    assert results[1]["refused"] and "LoRA is not enabled" in results[1]["message"]
-    assert healthy == [True, False] and failures == [0, 1]
-
-
-def test_the_pool_blames_no_engine_when_none_loaded_the_adapter(tmp_path):
-    path = adapter_dir(tmp_path, "a", use_dora=True)
-
-    async def scenario() -> list[bool]:
-        async with two_doubles(ENABLED) as pool:
-            with pytest.raises(EngineRejected, match="no engine loaded adapter 'run@1'"):
-                await pool.load_adapter("run@1", path)
-            return [e.healthy for e in pool.engines]
-
-    assert run(scenario) == [True, True]
-
-
 def test_the_pool_unloads_everywhere_and_keeps_an_engine_that_did_not_hold_it(tmp_path):
     path = adapter_dir(tmp_path, "a")
 
@@ -544,34 +517,3 @@ def test_the_pool_unloads_everywhere_and_keeps_an_engine_that_did_not_hold_it(tm
 
     successes, healthy = run(scenario)
     assert successes == [True, False] and healthy == [True, True]
-
-
-def test_the_pool_marks_an_engine_it_cannot_reach(tmp_path):
-    path = adapter_dir(tmp_path, "a")
-
-    async def scenario() -> tuple[list, list]:
-        async with sglang() as (client, _, _):
-            pool = EnginePool([client.url, f"http://127.0.0.1:{free_port()}"])
-            for engine in pool.engines:
-                engine.healthy = True
-            try:
-                results = await pool.load_adapter("run@1", path)
-            finally:
-                await pool.stop()
-            return [r["refused"] for r in results], [e.healthy for e in pool.engines]
-
-    refused, healthy = run(scenario)
-    assert refused == [False, False] and healthy == [True, False]
-
-
-def test_the_pool_raises_unavailable_when_no_engine_answers(tmp_path):
-    async def scenario() -> None:
-        pool = EnginePool([f"http://127.0.0.1:{free_port()}"])
-        pool.engines[0].healthy = True
-        try:
-            await pool.load_adapter("run@1", adapter_dir(tmp_path, "a"))
-        finally:
-            await pool.stop()
-
-    with pytest.raises(EngineUnavailable, match="no engine loaded adapter"):
-        run(scenario)

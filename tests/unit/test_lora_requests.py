@@ -17,13 +17,15 @@ import pytest
 from pydantic import ValidationError
 
 from server.engine_client.adapters import AdapterLoads
-from server.engine_client.pool import EnginePool
-from server.errors import EngineRejected, NoEngineAvailable
+from server.engine_client.pool import EnginePool, EngineState
+from server.errors import EngineRejected, NoEngineAvailable, WeightsRefused, WeightUpdateFailed
 from server.proxy.generation import SamplingRequest, complete
+from server.rl.adapters import load_all
 from server.rl.schemas import WeightsIn
 from server.rl.weight_files import adapter_problem_of
 from server.store.run_adapters import ServedAdapter
 from tests.sglang_double import Adapters, Double, LoRAFlags
+from tests.support import free_port
 from tests.unit.test_engine_client_lora import ENABLED, Upstream, adapter_dir, serving, sglang
 
 
@@ -158,3 +160,72 @@ def test_an_adapter_config_that_is_not_json_or_too_big_is_refused(tmp_path):
     (root / "adapter_config.json").write_text(" " * (2**20 + 1))
     assert "is over 1,048,576 bytes" in str(adapter_problem_of(str(root)))
     assert adapter_problem_of(str(tmp_path / "elsewhere")) is None  # not this machine's to judge
+
+
+# ----- a publish's load on every engine -------------------------------------------------------
+
+
+@asynccontextmanager
+async def two_engines(second: LoRAFlags) -> AsyncIterator[list[EngineState]]:
+    """Two doubles in rotation: one started with --enable-lora, the other with ``second``."""
+    async with sglang() as (first, _, _), sglang(second) as (other, _, _):
+        pool = EnginePool([first.url, other.url])
+        for engine in pool.engines:
+            engine.healthy, engine.context_length = True, 128
+        try:
+            yield pool.engines
+        finally:
+            await pool.stop()
+
+
+def test_a_publish_loads_everywhere_it_can_and_leaves_an_engine_that_refused_in_rotation(tmp_path):
+    path = adapter_dir(tmp_path, "a")
+
+    async def scenario() -> tuple[list[dict], list[bool], list[bool]]:
+        async with two_engines(LoRAFlags(enabled=False)) as engines:
+            loads = AdapterLoads()
+            results = await load_all(engines, loads, "run@1", path, 30.0)
+            held = [loads.holds(e.url, "run@1") for e in engines]
+            return results, held, [e.healthy for e in engines]
+
+    results, held, healthy = asyncio.run(scenario())
+    assert [r["success"] for r in results] == [True, False]
+    assert results[1]["refused"] and "LoRA is not enabled" in results[1]["message"]
+    assert held == [True, False] and healthy == [True, True]
+
+
+def test_a_publish_no_engine_takes_changes_nothing(tmp_path):
+    refused_path = adapter_dir(tmp_path, "dora", use_dora=True)
+
+    async def refused() -> None:
+        async with two_engines(ENABLED) as engines:
+            await load_all(engines, AdapterLoads(), "run@1", refused_path, 30.0)
+
+    with pytest.raises(WeightsRefused, match="No engine loaded the adapter"):
+        asyncio.run(refused())
+
+    async def unreachable() -> None:
+        pool = EnginePool([f"http://127.0.0.1:{free_port()}"])
+        try:
+            await load_all(pool.engines, AdapterLoads(), "run@1", adapter_dir(tmp_path, "a"), 30.0)
+        finally:
+            await pool.stop()
+
+    with pytest.raises(WeightUpdateFailed, match="No engine loaded the adapter") as failed:
+        asyncio.run(unreachable())
+    assert not isinstance(failed.value, WeightsRefused)  # a 502, not the caller's 400
+
+
+def test_a_publish_an_engine_does_not_answer_in_time_is_given_up(tmp_path):
+    async def scenario() -> None:
+        async with sglang(upstream=Upstream(adapters="slow")) as (client, _, _):
+            pool = EnginePool([client.url])
+            try:
+                await load_all(
+                    pool.engines, AdapterLoads(), "run@1", adapter_dir(tmp_path, "a"), 1.0
+                )
+            finally:
+                await pool.stop()
+
+    with pytest.raises(WeightUpdateFailed, match="did not load adapter run@1 within 1 s"):
+        asyncio.run(scenario())
