@@ -248,6 +248,31 @@ class ServerSettings(BaseSettings):
         "that began on an older version finishes on its adapter; a publish unloads the run's "
         "versions older than these.",
     )
+    max_loaded_loras: int = Field(
+        8,
+        ge=1,
+        description="LoRA adapters each launched engine holds at once, of every LoRA run "
+        "(embedded: past it a load is refused; SGLang: past it the least recently used one is "
+        "unloaded, and reloaded when a request names it).",
+    )
+    lora_max_rank: int = Field(
+        0,
+        ge=0,
+        description="Above 0: launched SGLang engines serve LoRA runs' adapters up to this rank "
+        "(SGLang sizes its adapter memory for it at start). 0: they serve none. The embedded "
+        "engine serves adapters of any rank without it.",
+    )
+    lora_target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="With --lora-max-rank: the modules (name suffixes) an adapter served on "
+        "launched SGLang engines may target.",
+    )
+    max_loras_per_batch: int = Field(
+        8,
+        ge=1,
+        description="With --lora-max-rank: distinct adapters in one batch of a launched SGLang "
+        "engine (at most --max-loaded-loras).",
+    )
     graceful_shutdown_timeout_s: int = Field(
         120,
         ge=1,
@@ -288,11 +313,14 @@ class ServerSettings(BaseSettings):
     def _engine_flags_apply(self) -> ServerSettings:
         # A flag left at its default counts as not given (the CLI passes every field).
         fields = type(self).model_fields
-        sglang_flags = ("sglang_args", "sglang_tp_size", "sglang_start_timeout_s", "sglang_module")
+        sglang_flags = (
+            *("sglang_args", "sglang_tp_size", "sglang_start_timeout_s", "sglang_module"),
+            *("lora_max_rank", "lora_target_modules", "max_loras_per_batch"),
+        )
         given = [
             f"--{name.replace('_', '-')}"
             for name in sglang_flags
-            if getattr(self, name) != fields[name].default
+            if getattr(self, name) != fields[name].get_default(call_default_factory=True)
         ]
         if self.engines and self.engine != "embedded":
             raise ValueError(
@@ -301,6 +329,16 @@ class ServerSettings(BaseSettings):
             )
         if given and (self.engines or self.engine != "sglang"):
             raise ValueError(f"{', '.join(given)} only apply with --engine sglang")
+        if self.engines and self.max_loaded_loras != fields["max_loaded_loras"].default:
+            raise ValueError(
+                "--max-loaded-loras applies to the engines proxrl starts; engines given with "
+                "--engines hold what they were started with"
+            )
+        if self.lora_max_rank > 0 and self.max_loras_per_batch > self.max_loaded_loras:
+            raise ValueError(  # SGLang does not start otherwise
+                f"--max-loras-per-batch ({self.max_loras_per_batch}) must be at most "
+                f"--max-loaded-loras ({self.max_loaded_loras})"
+            )
         default_slots = fields["engine_max_running_requests"].default
         if self.engine_max_running_requests != default_slots and (
             self.engines or self.engine != "embedded"

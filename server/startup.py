@@ -62,13 +62,10 @@ def launch_embedded(settings: ServerSettings) -> list[EngineProcess]:
     logs.mkdir(parents=True, exist_ok=True)
     # Leave a core to the proxy: an engine whose OpenMP threads lose a core to it stalls.
     threads = max(1, ((os.cpu_count() or 1) - 1) // settings.num_engines)
-    flags = [
-        "--incremental-streaming-output",
-        *("--max-running-requests", str(settings.engine_max_running_requests)),
-        *("--num-threads", str(threads)),
-    ]
     engines = [
-        EngineProcess(settings.model, logs / f"engine-{index}.log", *flags)
+        EngineProcess(
+            settings.model, logs / f"engine-{index}.log", *embedded_flags(settings, threads)
+        )
         for index in range(settings.num_engines)
     ]
     wait_all(engines)
@@ -77,9 +74,36 @@ def launch_embedded(settings: ServerSettings) -> list[EngineProcess]:
 
 
 # What --engine names: how proxrl starts such engines when no --engines are given.
+def embedded_flags(settings: ServerSettings, threads: int) -> list[str]:
+    """The flags of each embedded engine proxrl starts."""
+    return [
+        "--incremental-streaming-output",
+        *("--max-running-requests", str(settings.engine_max_running_requests)),
+        *("--num-threads", str(threads)),
+        *("--max-loaded-loras", str(settings.max_loaded_loras)),
+    ]
+
+
+def lora_limits(settings: ServerSettings) -> sglang.LoRALimits | None:
+    """What launched SGLang servers are sized for to serve LoRA runs (None: no adapters)."""
+    if settings.lora_max_rank == 0:
+        return None
+    return sglang.LoRALimits(
+        max_rank=settings.lora_max_rank,
+        target_modules=tuple(settings.lora_target_modules),
+        max_loaded=settings.max_loaded_loras,
+        max_per_batch=settings.max_loras_per_batch,
+    )
+
+
+def launch_sglang(settings: ServerSettings) -> list[sglang.SGLangProcess]:
+    """Start --num-engines SGLang servers, serving LoRA runs' adapters with --lora-max-rank."""
+    return sglang.launch(settings, lora_limits(settings))
+
+
 LAUNCHERS: dict[str, Callable[[ServerSettings], Sequence[ServerProcess]]] = {
     "embedded": launch_embedded,
-    "sglang": sglang.launch,
+    "sglang": launch_sglang,
 }
 
 

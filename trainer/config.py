@@ -705,7 +705,7 @@ def _check_choices(config: Any, prefix: str) -> None:
 # --- loading ---------------------------------------------------------------------------------
 
 
-def _nested_class(hint: Any) -> type | None:
+def nested_class(hint: Any) -> type | None:
     """The dataclass of a group of options (``X`` or ``X | None``: a group that may be
     absent), else None."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
@@ -767,7 +767,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
         if key not in fields:
             known = ", ".join(sorted(fields))
             raise ConfigError(name, f"unknown option (known here: {known})")
-        nested = _nested_class(hints[key])
+        nested = nested_class(hints[key])
         if nested is not None and value is None and fields[key].default is None:
             kwargs[key] = None  # an optional group, absent
         elif nested is not None:
@@ -832,7 +832,7 @@ def describe(cls: type = TrainConfig, prefix: str = "") -> list[str]:
     lines = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        nested = _nested_class(hints[f.name])
+        nested = nested_class(hints[f.name])
         if nested is not None:
             lines.append(f"{prefix}{f.name}.*: {f.metadata['help']}")
             lines += describe(nested, f"{prefix}{f.name}.")

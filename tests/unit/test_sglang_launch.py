@@ -4,6 +4,7 @@ and a clear exit where SGLang is not installed."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 
@@ -135,3 +136,45 @@ def test_a_server_that_dies_is_noticed_while_another_is_still_starting(tmp_path)
         wait_all([slow, dying], timeout=30)
     assert time.monotonic() - started < 10
     assert slow.process.poll() is not None  # stopped with the rest
+
+
+def test_lora_runs_size_the_launched_servers_from_the_serve_flags():
+    from server.startup import embedded_flags, lora_limits
+
+    assert lora_limits(settings()) is None
+    assert "--enable-lora" not in sglang.command(settings(), 0, 30000, lora_limits(settings()))
+    served = settings(lora_max_rank=16, lora_target_modules=["q_proj", "v_proj"])
+    argv = sglang.command(served, 0, 30000, lora_limits(served))
+    assert "--enable-lora" in argv and flag(argv, "--max-lora-rank") == "16"
+    assert argv[
+        argv.index("--lora-target-modules") + 1 : argv.index("--lora-target-modules") + 3
+    ] == [
+        "q_proj",
+        "v_proj",
+    ]
+    assert flag(argv, "--max-loaded-loras") == "8" and flag(argv, "--max-loras-per-batch") == "8"
+    embedded = ServerSettings(model="/models/qwen", max_loaded_loras=3)
+    assert flag(embedded_flags(embedded, 1), "--max-loaded-loras") == "3"
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        (
+            {"engine": "embedded", "lora_max_rank": 8},
+            "--lora-max-rank only apply with --engine sglang",
+        ),
+        (
+            {"engine": "embedded", "max_loras_per_batch": 2},
+            "--max-loras-per-batch only apply with --engine sglang",
+        ),
+        ({"engines": "http://127.0.0.1:1", "max_loaded_loras": 2}, "--max-loaded-loras applies"),
+        (
+            {"engine": "sglang", "lora_max_rank": 8, "max_loaded_loras": 2},
+            "--max-loras-per-batch (8) must be at most --max-loaded-loras (2)",
+        ),
+    ],
+)
+def test_lora_flags_that_cannot_apply_are_refused(fields, says):
+    with pytest.raises(ValidationError, match=re.escape(says)):
+        ServerSettings(model="/models/qwen", **fields)

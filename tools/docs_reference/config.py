@@ -48,8 +48,9 @@ def trainer_sections(
     for field in dataclasses.fields(cls):
         name = f"{key}.{field.name}" if key else field.name
         hint = hints[field.name]
-        if dataclasses.is_dataclass(hint):
-            nested.append((hint, name, field.metadata["help"]))
+        group = trainer_config.nested_class(hint)  # a group of options (maybe an optional one)
+        if group is not None:
+            nested.append((group, name, field.metadata["help"]))
             continue
         default = "*secret*" if field.metadata.get("secret") else md.value(_default(field))
         rows.append([md.code(name), md.type_name(hint), default, md.text(field.metadata["help"])])
