@@ -122,6 +122,7 @@ bench: venv
 	$(PY) bench/replicas.py --requests 360 --rounds 2
 	$(PY) bench/store_writes.py --turns 512 --producers 64
 	$(PY) bench/trainer.py
+	$(PY) bench/lora_swap.py --publishes 3
 	$(PY) bench/dashboard.py
 	$(PY) bench/export.py
 	$(PY) bench/async_vs_sync.py
