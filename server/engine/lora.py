@@ -136,9 +136,16 @@ def read_adapter(
                 f"{WEIGHTS_FILE}: {module_name} has lora_A {tuple(a.shape)} and lora_B "
                 f"{tuple(b.shape)}; r={rank} on this module needs {expected_a} and {expected_b}"
             )
-        weights[linear] = LoraWeights(
-            a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype), scale
-        )
+        a, b = a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)
+        # One adapter's NaN or inf would reach every row of a batch it shares (0 x NaN is NaN in
+        # the mixed batch's masked matmuls) and the prefix cache after it: a diverged run's
+        # adapter is refused, never served.
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+            raise AdapterError(
+                f"{WEIGHTS_FILE}: {module_name} has entries that are not finite (NaN or inf) "
+                f"in {dtype}: the adapter is refused"
+            )
+        weights[linear] = LoraWeights(a, b, scale)
     return weights, rank
 
 

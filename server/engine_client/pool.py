@@ -21,10 +21,10 @@ in ``/v1/models``, not ``/server_info``: docs/architecture/sglang-protocol.md, "
 length"): requests are sized against it. This module knows nothing about sessions, chat or the
 store.
 
-Adapters: ``unload_adapter`` unloads one from every engine at once, without pausing anything.
-Which engine holds which adapter, and loading it there, is ``server.engine_client.adapters``'s:
-the health check knows nothing of adapters, so that an engine holds an adapter before it serves
-a request for it is the request path's to ensure (it loads the adapter there first).
+Adapters: which engine holds which LoRA adapter, and loading it there, is
+``server.engine_client.adapters``'s: the health check knows nothing of adapters, so that an
+engine holds an adapter before it serves a request for it is the request path's to ensure (it
+loads the adapter there first).
 """
 
 from __future__ import annotations
@@ -116,23 +116,6 @@ class EngineState:
         self._rate_mark = (now, self.served_tokens)
 
 
-async def _adapter_result(engine: EngineState, call: Awaitable[dict]) -> dict:
-    """One engine's answer to an adapter load or unload, as a result row."""
-    try:
-        answer = await call
-    except EngineRejected as exc:
-        return {
-            "url": engine.url,
-            "success": False,
-            "message": str(exc),
-            "refused": True,
-            "status": exc.engine_status,
-        }
-    except EngineError as exc:
-        return {"url": engine.url, "success": False, "message": str(exc), "refused": False}
-    return {"url": engine.url, "success": True, "message": "", "refused": False, **answer}
-
-
 ENGINE_KEEPALIVE_S = 3.0  # below every engine's keep-alive (uvicorn's default: 5 s)
 
 
@@ -219,18 +202,6 @@ class EnginePool:
                 return engine
         idle = [e for e in candidates if e.in_flight == least]
         return idle[next(self._round_robin) % len(idle)]
-
-    async def unload_adapter(self, name: str) -> list[dict]:
-        """Unload LoRA adapter ``name`` from every engine (each answers once the requests
-        running on it have ended); each engine's result. An engine that could not be reached
-        is marked down; a refusal (it does not hold ``name``) leaves it as it is."""
-        results = await asyncio.gather(
-            *(_adapter_result(e, e.client.unload_lora_adapter(name)) for e in self.engines)
-        )
-        for engine, result in zip(self.engines, results, strict=True):
-            if not result["success"] and not result["refused"]:
-                self.mark_down(engine, f"adapter {name!r} failed to unload: {result['message']}")
-        return results
 
     async def wait_for_engine(self, timeout: float) -> bool:
         """Probe the engines until one is healthy (one that failed a check by chance, say), for

@@ -19,6 +19,7 @@ module knows nothing about chat or sessions.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -26,7 +27,7 @@ from functools import lru_cache
 from server.engine_client.adapters import AdapterLoads
 from server.engine_client.client import EngineUnavailable, Piece
 from server.engine_client.pool import EnginePool, EngineState, NoEngineAvailable, parse_version
-from server.errors import EngineRejected, EngineTimedOut
+from server.errors import EngineError, EngineRejected, EngineTimedOut
 from server.store.run_adapters import ServedAdapter
 
 MAX_RESUMES = 32  # swaps or engine failures one completion may live through
@@ -34,6 +35,9 @@ MAX_RESUMES = 32  # swaps or engine failures one completion may live through
 # (503): long enough to re-probe an engine that missed a health check, short enough that a
 # client whose engines are gone learns it at once, before any byte of a stream.
 ENGINE_WAIT_S = 2.0
+# How long a request waits for an engine to load its run's adapter before it tries another (the
+# load goes on for the requests after it).
+ADAPTER_LOAD_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -215,12 +219,13 @@ class _Lora:
         request resumed."""
         adapter, start = self.adapter, len(completion.ids)
         try:
-            try:
-                await self.loads.ensure(engine.client, adapter.name, adapter.path)
-            except EngineRejected as exc:
+            try:  # refused, down, or slow: another engine may have it, or load it sooner
+                loading = self.loads.ensure(engine.client, adapter.name, adapter.path)
+                await asyncio.wait_for(loading, ADAPTER_LOAD_WAIT_S)
+            except (EngineError, TimeoutError) as exc:
                 raise AdapterUnavailable(
                     f"{engine.url} could not load adapter {adapter.name!r} from "
-                    f"{adapter.path!r}: {exc}"
+                    f"{adapter.path!r}: {exc or 'it did not answer in time'}"
                 ) from exc
             return await _attempt(engine, body, stream, completion, on_piece)
         except EngineRejected as exc:

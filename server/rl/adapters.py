@@ -4,10 +4,11 @@ A LoRA run trains an adapter on the served base model; each version it publishes
 every engine in rotation under its own name (``<run id>@<version>``: a name is never reloaded with
 other weights), without pausing anything: requests of other runs go on, and a request of this
 run that began on the version before finishes on that version's adapter, which the engines keep
-(``--adapters-kept`` newest versions per run; older ones are unloaded by the publish that passes
-them). The run's requests are served with the new version from the moment the store records it
-(``server.store.run_adapters``), and each token records the version of the adapter that sampled
-it (``server.proxy.generation``).
+(``--adapters-kept`` newest versions per run; the publish that passes an older one unloads it
+from every engine that lists it, before it loads the new one, so runs x kept adapters fit an
+engine's bound). The run's requests are served with the new version from the moment the store
+records it (``server.store.run_adapters``), and each token records the version of the adapter
+that sampled it (``server.proxy.generation``).
 
 As for full weights, only the replica that leads publishes, and the version is recorded in a
 transaction that finds it still leading. An engine that failed to load the adapter while others
@@ -19,6 +20,7 @@ weights and adapters never share engines (``weights.refuse_shared``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -70,6 +72,11 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
             return WeightsOut(run_id=run.id, policy_version=version, engines=done, pause_seconds=0)
         lead = await confirm_lead(ctx, "nothing was loaded")
         started = time.perf_counter()
+        # Room first: the run's versions the engines no longer keep once this one is in, then
+        # this version's name, which a publish whose load landed but whose record did not may
+        # have left there with other weights (a name must never serve other weights).
+        await _unload_where_held(ctx, engines, run.id, version - ctx.settings.adapters_kept)
+        await _unload_where_held(ctx, engines, run.id, version, only=version)
         limit = ctx.settings.weights_pause_limit_s
         results = await load_all(engines, ctx.adapter_loads, name, path, limit)
         await confirm_lead(
@@ -80,7 +87,6 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
         )
         ctx.run_adapters.put(ServedAdapter(run.id, version, path))
     seconds = time.perf_counter() - started
-    _retire(ctx, run.id, version - ctx.settings.adapters_kept)
     ctx.metrics.weight_swap_pause_seconds.observe(0.0)  # nothing paused
     await ctx.admission.notify()
     log.info("published adapter %s in %.3fs (no pause)", name, seconds)
@@ -120,36 +126,46 @@ async def load_all(
     return list(results)
 
 
-_retiring: set[asyncio.Task[None]] = set()  # unloads under way (each waits for its requests)
+# How long a publish waits for one engine to list or unload adapters before it loads the new
+# one (an unload waits for the requests running on that adapter): past it, the load goes on.
+UNLOAD_WAIT_S = 30.0
 
 
-def _retire(ctx: ServerContext, run_id: str, newest_dropped: int) -> None:
-    """Unload, in the background, the run's adapters of versions up to ``newest_dropped`` that
-    this proxy knows an engine holds (an unload waits for the requests running on it, so the
-    publish does not wait for it)."""
-    prefix = f"{run_id}@"
-    names = {
-        name
-        for engine in ctx.pool.engines
-        for name in ctx.adapter_loads.names(engine.url)
-        if name.startswith(prefix)
-        and name[len(prefix) :].isdigit()
-        and int(name[len(prefix) :]) <= newest_dropped
-    }
-    for name in sorted(names):
-        task = asyncio.create_task(_unload(ctx, name))
-        _retiring.add(task)
-        task.add_done_callback(_retiring.discard)
+def adapters_listed(cards: object, run_id: str) -> dict[str, int]:
+    """The run's adapters an engine's ``/v1/models`` listing shows (cards with a parent model,
+    named ``<run id>@<version>``), by name: their versions."""
+    held = {}
+    for card in cards if isinstance(cards, list) else []:
+        name = str(card.get("id")) if isinstance(card, dict) and card.get("parent") else ""
+        run, _, version = name.rpartition("@")
+        if run == run_id and version.isdigit():
+            held[name] = int(version)
+    return held
 
 
-async def _unload(ctx: ServerContext, name: str) -> None:
-    """Unload ``name`` everywhere; an engine that holds it no more (refused) forgets it too, and
-    one that failed (it is marked down) keeps it: it costs memory there, not correctness."""
-    try:
-        results = await ctx.pool.unload_adapter(name)
-    except Exception:
-        log.exception("could not unload adapter %s", name)
-        return
-    for result in results:
-        if result["success"] or result.get("refused"):
-            ctx.adapter_loads.unloaded(result["url"], name)
+async def _unload_where_held(
+    ctx: ServerContext,
+    engines: list[EngineState],
+    run_id: str,
+    newest: int,
+    only: int | None = None,
+) -> None:
+    """Unload from each engine the run's adapters it lists (what it holds, not what this proxy
+    remembers loading, which a restart or another replica's requests leave incomplete) of
+    versions up to ``newest`` (``only`` that one). What an engine fails to list or unload within
+    ``UNLOAD_WAIT_S`` stays: it costs memory there, not correctness."""
+
+    async def on(engine: EngineState) -> None:
+        try:
+            async with asyncio.timeout(UNLOAD_WAIT_S):
+                listed = adapters_listed((await engine.client.models()).get("data"), run_id)
+                for name, number in listed.items():
+                    if number > newest or (only is not None and number != only):
+                        continue
+                    with contextlib.suppress(EngineRejected):  # it holds it no more
+                        await engine.client.unload_lora_adapter(name, UNLOAD_WAIT_S)
+                    ctx.adapter_loads.unloaded(engine.url, name)
+        except (EngineError, TimeoutError) as exc:
+            log.warning("could not unload run %s's adapters from %s: %s", run_id, engine.url, exc)
+
+    await asyncio.gather(*map(on, engines))

@@ -60,6 +60,9 @@ class RunAdapters:
         served = None
         if run is not None and run.lora and run.policy_version > 0 and run.weights_path:
             served = ServedAdapter(run.id, run.policy_version, run.weights_path)
+        newer = self._read.get(run_id)
+        if newer is not None and newer[0] > read_at:  # a publish's put while this read ran
+            return newer[1]
         self._read.put(run_id, (read_at, served))
         return served
 

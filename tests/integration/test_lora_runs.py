@@ -170,3 +170,36 @@ def test_a_runs_older_adapters_are_unloaded_past_the_kept_versions(lane, tiny_mo
     # a retry of the last publish (its answer lost) loads nothing and keeps the version
     again = lane.publish(run_id, adapter_path=str(tmp_path / "v4"), version=4)
     assert again.status_code == 200 and again.json()["policy_version"] == 4
+
+
+def test_a_version_number_loaded_with_other_weights_is_loaded_again(lane, tiny_model_dir, tmp_path):
+    """A publish whose load landed but whose record did not leaves ``run@N`` on the engines; a
+    publish of N with other weights (the trainer restarted from a checkpoint) must serve those."""
+    run_id = lane.new_run()["id"]
+    stale = make_adapter(tiny_model_dir, tmp_path / "stale", 21)
+    fresh = make_adapter(tiny_model_dir, tmp_path / "fresh", 22)
+    (engine,) = lane.ok("GET", "/admin/engines")
+    body = {"lora_name": f"{run_id}@1", "lora_path": stale}
+    loaded = httpx.post(f"{engine['url']}/load_lora_adapter", json=body, timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    assert lane.publish(run_id, adapter_path=fresh, version=1).status_code == 200
+    turn = lane.chat(lane.new_session(run_id), "Which weights?")
+    assert set(turn["versions"]) == {1}
+    assert error_of(reference(tiny_model_dir, fresh), turn) < LOGPROB_TOLERANCE
+
+
+def test_runs_times_kept_versions_fit_the_engines_bound(tiny_model_dir, tmp_path):
+    """Two runs publishing in turn, each keeping 2 versions on engines that hold 4 adapters: each
+    publish makes room by unloading the run's version that falls out before it loads."""
+    flags = ("--adapters-kept", "2", "--max-loaded-loras", "4")
+    with ProxyProcess(tiny_model_dir, tmp_path / "serve", *flags) as process:
+        client = Client(process)
+        runs = [client.new_run()["id"], client.new_run()["id"]]
+        for version in range(1, 5):
+            for index, run_id in enumerate(runs):
+                path = make_adapter(tiny_model_dir, tmp_path / f"{index}-{version}", version)
+                reply = client.publish(run_id, adapter_path=path)
+                assert reply.status_code == 200, reply.text
+        want = {f"{run_id}@{version}" for run_id in runs for version in (3, 4)}
+        assert client.engine_adapters() == want
+        client.http.close()

@@ -1,4 +1,4 @@
-"""The engine client's LoRA adapter calls and the pool's, against the SGLang double (SGLang's
+"""The engine client's LoRA adapter calls, against the SGLang double (SGLang's
 multi-LoRA answers: docs/architecture/sglang-protocol.md, "LoRA adapters").
 
 The double runs in this process in front of a small engine of our own (``Upstream``) that takes
@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 
 from server.engine_client import sglang as launcher
 from server.engine_client.client import EngineClient
-from server.engine_client.pool import EnginePool
 from server.errors import EngineRejected, EngineTimedOut
 from server.settings import ServerSettings
 from tests.sglang_double import Adapters, Double, LoRAFlags, lora_flags, parse_args
@@ -488,32 +487,3 @@ def test_the_registry_never_holds_more_than_the_bound_nor_evicts_a_pinned_adapte
             assert pinned <= set(adapters.loaded)
 
     run(scenario)
-
-
-# ----- the pool -------------------------------------------------------------------------------
-
-
-@asynccontextmanager
-async def two_doubles(second: LoRAFlags) -> AsyncIterator[EnginePool]:
-    """A pool of two doubles: one started with --enable-lora, the other with ``second``."""
-    async with sglang() as (first, _, _), sglang(second) as (other, _, _):
-        pool = EnginePool([first.url, other.url])
-        for engine in pool.engines:
-            engine.healthy = True  # as a health check would find them
-        try:
-            yield pool
-        finally:
-            await pool.stop()
-
-
-def test_the_pool_unloads_everywhere_and_keeps_an_engine_that_did_not_hold_it(tmp_path):
-    path = adapter_dir(tmp_path, "a")
-
-    async def scenario() -> tuple[list, list]:
-        async with two_doubles(ENABLED) as pool:
-            await pool.engines[0].client.load_lora_adapter("run@1", path)
-            results = await pool.unload_adapter("run@1")
-            return [r["success"] for r in results], [e.healthy for e in pool.engines]
-
-    successes, healthy = run(scenario)
-    assert successes == [True, False] and healthy == [True, True]

@@ -306,6 +306,12 @@ def test_tensors_that_do_not_fit_are_refused(llama_runner, adapter_dir, tmp_path
             "DoRA tensors",
         ),
         ({}, "no lora_A/lora_B tensors"),
+        # a diverged run's adapter: its NaN would reach every row of a shared batch
+        ({**tensors, a_key: tensors[a_key].clone().fill_(math.nan)}, "not finite"),
+        ({**tensors, a_key.replace("lora_A", "lora_B"): torch.full_like(
+            tensors[a_key.replace("lora_A", "lora_B")], math.inf)}, "not finite"),
+        # finite in float64, infinite in the engine's float32
+        ({**tensors, a_key: tensors[a_key].double().fill_(1e300)}, "not finite"),
     ]  # fmt: skip
     for broken, message in cases:
         with pytest.raises(AdapterError, match=message):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import types
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,11 +20,12 @@ from pydantic import ValidationError
 from server.engine_client.adapters import AdapterLoads
 from server.engine_client.pool import EnginePool, EngineState
 from server.errors import EngineRejected, NoEngineAvailable, WeightsRefused, WeightUpdateFailed
+from server.proxy import generation
 from server.proxy.generation import SamplingRequest, complete
 from server.rl.adapters import load_all
 from server.rl.schemas import WeightsIn
 from server.rl.weight_files import adapter_problem_of
-from server.store.run_adapters import ServedAdapter
+from server.store.run_adapters import RunAdapters, ServedAdapter
 from tests.sglang_double import Adapters, Double, LoRAFlags
 from tests.support import free_port
 from tests.unit.test_engine_client_lora import ENABLED, Upstream, adapter_dir, serving, sglang
@@ -229,3 +231,63 @@ def test_a_publish_an_engine_does_not_answer_in_time_is_given_up(tmp_path):
 
     with pytest.raises(WeightUpdateFailed, match="did not load adapter run@1 within 1 s"):
         asyncio.run(scenario())
+
+
+def test_a_request_whose_engine_is_slow_to_load_the_adapter_goes_to_another(tmp_path, monkeypatch):
+    adapter = ServedAdapter("run", 2, adapter_dir(tmp_path, "a"))
+    monkeypatch.setattr(generation, "ADAPTER_LOAD_WAIT_S", 0.5)
+
+    async def scenario() -> tuple[str, str, list[int]]:
+        slow = Upstream(adapters="slow")  # answers a load after 5 s
+        async with sglang(upstream=slow) as (stuck, _, _), sglang() as (fine, _, _):
+            pool = EnginePool([stuck.url, fine.url])
+            for engine in pool.engines:
+                engine.healthy, engine.context_length = True, 128
+            try:
+                done = await complete(
+                    pool, _request(), "r", prefer=stuck.url, adapter=adapter, loads=AdapterLoads()
+                )
+            finally:
+                await pool.stop()
+            return done.engine or "", fine.url, done.versions
+
+    served_by, fine_url, versions = asyncio.run(scenario())
+    assert served_by == fine_url and versions == [2]
+
+
+class _Store:
+    """A store whose run read waits until told (``release``): what RunAdapters reads."""
+
+    def __init__(self, run: object) -> None:
+        self.run, self.release, self.reading = run, asyncio.Event(), asyncio.Event()
+
+    def __call__(self) -> _Store:
+        return self
+
+    async def __aenter__(self) -> _Store:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def get(self, table: object, run_id: str) -> object:
+        self.reading.set()
+        await self.release.wait()
+        return self.run
+
+
+def test_a_read_under_way_does_not_undo_a_publishs_put():
+    old = types.SimpleNamespace(id="run", lora=True, policy_version=1, weights_path="/v1")
+
+    async def scenario() -> tuple[ServedAdapter | None, ServedAdapter | None]:
+        store = _Store(old)
+        adapters = RunAdapters(store)  # type: ignore[arg-type]
+        reading = asyncio.create_task(adapters.get("run"))  # started before the publish
+        await store.reading.wait()
+        adapters.put(ServedAdapter("run", 2, "/v2"))  # the publish recorded version 2
+        store.release.set()
+        return await reading, await adapters.get("run")
+
+    during, after = asyncio.run(scenario())
+    assert during is not None and during.version == 2
+    assert after is not None and after.version == 2
