@@ -35,8 +35,15 @@ class AdapterLoads:
         if task is None:
             task = asyncio.create_task(self._load(client, name, path))
             self._loading[key] = task
-            task.add_done_callback(lambda _: self._loading.pop(key, None))
+            task.add_done_callback(lambda done: self._settled(key, done))
         await asyncio.shield(task)  # one waiter cancelled leaves the load to the others
+
+    def _settled(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
+        """A load is over: the next ``ensure`` starts another if it failed. Its error is read
+        here too (its waiters may all have given up on it), so it is not reported as lost."""
+        self._loading.pop(key, None)
+        if not task.cancelled():
+            task.exception()
 
     async def _load(self, client: EngineClient, name: str, path: str) -> None:
         try:
