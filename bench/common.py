@@ -24,13 +24,14 @@ def positive_int(text: str) -> int:
     return value
 
 
-async def new_sessions(url: str, admin: dict[str, str], count: int) -> list[dict]:
-    """``count`` new sessions on the proxy at ``url`` (``admin``: its admin key headers):
-    each one's id, api_key and base_url."""
+async def new_sessions(
+    url: str, admin: dict[str, str], count: int, run_id: str | None = None
+) -> list[dict]:
+    """``count`` new sessions on the proxy at ``url`` (``admin``: its admin key headers), in
+    ``run_id`` (default: the proxy's default run): each one's id, api_key and base_url."""
+    body = {"task_id": "bench", **({"run_id": run_id} if run_id else {})}
     async with httpx.AsyncClient(headers=admin, timeout=60) as http:
-        replies = [
-            await http.post(f"{url}/rl/sessions", json={"task_id": "bench"}) for _ in range(count)
-        ]
+        replies = [await http.post(f"{url}/rl/sessions", json=body) for _ in range(count)]
     for reply in replies:
         reply.raise_for_status()
     return [reply.json() for reply in replies]

@@ -48,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,8 +64,8 @@ from openai import AsyncOpenAI  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from bench.common import positive_int  # noqa: E402
-from bench.trainer import PERTURBATION, ensure_model  # noqa: E402
+from bench.common import new_sessions, positive_int  # noqa: E402
+from bench.trainer import PERTURBATION, ensure_model, publish_while_streaming  # noqa: E402
 from server.common.processes import ProxyProcess  # noqa: E402
 from trainer.config import LoraConfig  # noqa: E402
 from trainer.model import adapter_state, output_embedding_name, with_lora  # noqa: E402
@@ -74,7 +75,6 @@ RESULTS = ROOT / "bench" / "results" / "lora_swap.json"
 SEED = 0
 ADAPTER_SCALE = 0.05  # A and B entries: the adapter moves the logits without saturating them
 REQUEST_TIMEOUT_S = 120.0  # a request on the tiny model takes a second or two
-IN_FLIGHT_TIMEOUT_S = 60.0
 KINDS = ("full", "adapter")
 
 
@@ -210,35 +210,22 @@ async def publish_under_streams(
         )
         for s in sessions
     ]
-    stop = asyncio.Event()
-    mids = [asyncio.Event() for _ in sdks]
-    clients = [
-        asyncio.create_task(stream_until(sdk, model, seed + 1000 * i, max_tokens, mid, stop))
-        for i, (sdk, mid) in enumerate(zip(sdks, mids, strict=True))
-    ]
+
+    def stream(index: int, mid: asyncio.Event, stop: asyncio.Event) -> Awaitable[list[Answer]]:
+        return stream_until(sdks[index], model, seed + 1000 * index, max_tokens, mid, stop)
+
     try:
-        deadline = time.monotonic() + IN_FLIGHT_TIMEOUT_S
-        while not all(m.is_set() for m in mids):
-            if time.monotonic() > deadline or any(c.done() for c in clients):
-                raise RuntimeError("the clients never were all mid-answer at once")
-            await asyncio.sleep(0.005)
-        async with httpx.AsyncClient(headers=proxy.admin, timeout=REQUEST_TIMEOUT_S) as http:
-            sent = time.perf_counter()
-            reply = await http.post(f"{proxy.url}/admin/weights", json=body)
-            answered = time.perf_counter()
-        reply.raise_for_status()
+        answer, published, answers = await publish_while_streaming(proxy, stream, len(sdks), body)
     finally:
-        stop.set()
-        answers = [a for client in await asyncio.gather(*clients) for a in client]
         for sdk in sdks:
             await sdk.close()
-    answer = reply.json()
+    sent, answered = published
     return Publish(
         answered - sent,
         answer["pause_seconds"],
         answer["policy_version"],
-        (sent, answered),
-        answers,
+        published,
+        [a for client in answers for a in client],
     )
 
 
@@ -249,16 +236,6 @@ def new_run(proxy: ProxyProcess) -> str:
     )  # fmt: skip
     reply.raise_for_status()
     return reply.json()["id"]
-
-
-def new_sessions(proxy: ProxyProcess, run_id: str | None, count: int) -> list[dict]:
-    body = {"task_id": "bench", **({"run_id": run_id} if run_id else {})}
-    sessions = []
-    for _ in range(count):
-        reply = httpx.post(f"{proxy.url}/rl/sessions", headers=proxy.admin, timeout=60, json=body)
-        reply.raise_for_status()
-        sessions.append(reply.json())
-    return sessions
 
 
 # --- one kind, its own server ---------------------------------------------------------------
@@ -292,7 +269,7 @@ def open_lane(kind: str, model_dir: Path, tmp: Path, args, stack: ExitStack) -> 
         ProxyProcess(model_dir, tmp / f"data-{kind}", secrets.token_hex(16))
     )
     run_id = new_run(proxy) if kind == "adapter" else None
-    sessions = new_sessions(proxy, run_id, args.streams)
+    sessions = asyncio.run(new_sessions(proxy.url, proxy.admin, args.streams, run_id))
     return Lane(kind, proxy, run_id, sessions, paths, write_seconds)
 
 

@@ -65,9 +65,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -107,6 +108,7 @@ PERTURBATION = 1e-3
 # A request on the tiny model takes a second or two; one that takes this long has stalled.
 REQUEST_TIMEOUT_S = 120.0
 IN_FLIGHT_TIMEOUT_S = 60.0
+T = TypeVar("T")  # what one streaming client records of an answer
 
 
 # --- 1. packed vs padded training step ------------------------------------------------------
@@ -359,16 +361,19 @@ async def stream_until(
     return answers
 
 
-async def swap_round(
-    proxy: ProxyProcess, sdks: list[AsyncOpenAI], model: str, path: Path, seed: int, max_tokens: int
-) -> SwapRound:
-    """Clients streaming; publish ``path`` once all are mid-answer; let them finish."""
+async def publish_while_streaming(
+    proxy: ProxyProcess,
+    stream: Callable[[int, asyncio.Event, asyncio.Event], Awaitable[list[T]]],
+    count: int,
+    body: dict,
+) -> tuple[dict, tuple[float, float], list[list[T]]]:
+    """``count`` clients streaming (``stream(index, mid, stop)``: one client's answers until
+    ``stop``, ``mid`` set while it is mid-answer); ``body`` POSTed to /admin/weights once all are
+    mid-answer; then the clients let finish. The publish's answer, when it was sent and
+    answered, and each client's answers."""
     stop = asyncio.Event()
-    mids = [asyncio.Event() for _ in sdks]
-    clients = [
-        asyncio.create_task(stream_until(sdk, model, seed + 1000 * i, max_tokens, mid, stop))
-        for i, (sdk, mid) in enumerate(zip(sdks, mids, strict=True))
-    ]
+    mids = [asyncio.Event() for _ in range(count)]
+    clients = [asyncio.create_task(stream(index, mid, stop)) for index, mid in enumerate(mids)]
     try:
         deadline = time.monotonic() + IN_FLIGHT_TIMEOUT_S
         while not all(m.is_set() for m in mids):
@@ -377,14 +382,26 @@ async def swap_round(
             await asyncio.sleep(0.005)
         async with httpx.AsyncClient(headers=proxy.admin, timeout=REQUEST_TIMEOUT_S) as http:
             sent = time.perf_counter()
-            reply = await http.post(f"{proxy.url}/admin/weights", json={"model_path": str(path)})
+            reply = await http.post(f"{proxy.url}/admin/weights", json=body)
             answered = time.perf_counter()
         reply.raise_for_status()
     finally:
         stop.set()
     answers = await asyncio.gather(*clients)
-    body = reply.json()
-    return SwapRound(body["pause_seconds"], body["policy_version"], (sent, answered), answers)
+    return reply.json(), (sent, answered), list(answers)
+
+
+async def swap_round(
+    proxy: ProxyProcess, sdks: list[AsyncOpenAI], model: str, path: Path, seed: int, max_tokens: int
+) -> SwapRound:
+    """Clients streaming; publish ``path`` once all are mid-answer; let them finish."""
+
+    def stream(index: int, mid: asyncio.Event, stop: asyncio.Event) -> Awaitable[list[Answer]]:
+        return stream_until(sdks[index], model, seed + 1000 * index, max_tokens, mid, stop)
+
+    body = {"model_path": str(path)}
+    answer, published, answers = await publish_while_streaming(proxy, stream, len(sdks), body)
+    return SwapRound(answer["pause_seconds"], answer["policy_version"], published, answers)
 
 
 def stored_turns(proxy: ProxyProcess, session_id: str) -> list[dict]:
