@@ -33,9 +33,38 @@ __all__ = [
     "kill_all",
     "listening",
     "parse_sse",
+    "run_ranks",
     "running",
     "stream_events",
 ]
+
+
+def run_ranks(script: str, world: int, *args: object, timeout: float = 240) -> list[str]:
+    """``script`` (``python -c``) as ``world`` processes, each given its rank then ``args``, all at
+    once (they meet in a process group); each one's output, once every one has exited 0."""
+    import subprocess
+
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(rank), *map(str, args)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    outputs = []
+    try:
+        for worker in workers:
+            outputs.append(worker.communicate(timeout=timeout)[0])
+    finally:
+        for worker in workers:
+            worker.kill()
+    for worker, output in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, output[-3000:]
+    return outputs
+
 
 # Every JSON route of the dashboard: each must refuse a request without the admin key.
 DASHBOARD_API_ROUTES = [

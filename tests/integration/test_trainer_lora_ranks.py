@@ -10,14 +10,12 @@ the adapter to the bit."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.support import ROOT, free_port
+from tests.support import free_port, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -65,26 +63,8 @@ WORKER = textwrap.dedent(
 
 
 def run_workers(world: int, model_dir, out) -> None:
-    port = free_port()
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, *map(str, (rank, world, model_dir, out, port))],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    outputs = []
-    try:
-        for worker in workers:
-            outputs.append(worker.communicate(timeout=240)[0])
-    finally:
-        for worker in workers:
-            worker.kill()
-    for rank, (worker, output) in enumerate(zip(workers, outputs, strict=True)):
-        assert worker.returncode == 0, output[-3000:]
+    outputs = run_ranks(WORKER, world, world, model_dir, out, free_port())
+    for rank, output in enumerate(outputs):
         assert f"rank {rank} done" in output
 
 

@@ -6,11 +6,9 @@ drill (tests/reliability/test_trainer_nodes.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
-from tests.support import ROOT, free_port
+from tests.support import free_port, run_ranks
 
 WORKER = textwrap.dedent(
     """
@@ -42,32 +40,6 @@ WORKER = textwrap.dedent(
 
 
 def test_two_workers_resume_from_their_checkpoint(tiny_model_dir, tmp_path):
-    port = free_port()
-    workers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                WORKER,
-                str(rank),
-                str(tiny_model_dir),
-                str(tmp_path),
-                str(port),
-            ],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = []
-    try:
-        for worker in workers:
-            outputs.append(worker.communicate(timeout=240)[0])
-    finally:
-        for worker in workers:
-            worker.kill()
-    for rank, (worker, output) in enumerate(zip(workers, outputs, strict=True)):
-        assert worker.returncode == 0, output[-3000:]
+    outputs = run_ranks(WORKER, 2, tiny_model_dir, tmp_path, free_port())
+    for rank, output in enumerate(outputs):
         assert f"rank {rank} resumed at step 7" in output

@@ -8,14 +8,12 @@ case (neither option) shows the float32 noise floor the tolerances sit above."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
-from tests.support import ROOT, free_port
+from tests.support import free_port, run_ranks
 from tests.unit.test_algorithm import (
     largest_gap,
     make_samples,
@@ -99,27 +97,7 @@ def samples_of(model_dir):
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_two_workers_make_the_plain_backend_s_step(tiny_model_dir, tmp_path, name):
     out = tmp_path / "rank0.pt"
-    port = free_port()
-    args = [str(tiny_model_dir), str(out), str(port), name]
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(rank), *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = []
-    try:
-        for worker in workers:
-            outputs.append(worker.communicate(timeout=240)[0])
-    finally:
-        for worker in workers:
-            worker.kill()
-    for worker, output in zip(workers, outputs, strict=True):
-        assert worker.returncode == 0, output[-3000:]
+    run_ranks(WORKER, 2, tiny_model_dir, out, free_port(), name)
     sharded = torch.load(out, weights_only=True)
 
     algorithm = algorithm_of(name)
