@@ -201,20 +201,45 @@ async def take_part(ctx: ServerContext, election: Election) -> None:
     pool.leading = leading
 
 
-async def lead(ctx: ServerContext, election: Election) -> None:
+# How long a stopping server waits for a round of its loops under way to end before it cancels it.
+LOOP_STOP_WAIT_S = 10.0
+
+
+async def paused(stopping: asyncio.Event, seconds: float) -> bool:
+    """Wait ``seconds`` or until the server is stopping; whether it is."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await stopping.wait()
+    return stopping.is_set()
+
+
+async def stop_loops(stopping: asyncio.Event, tasks: Sequence[asyncio.Task | None]) -> None:
+    """End the server's loops between rounds: a round cancelled inside a query leaves its SQLite
+    connection to a close that can wait forever (SQLAlchemy's terminate path over aiosqlite: a
+    test's teardown waited 300 s for it in CI). A round still under way after LOOP_STOP_WAIT_S
+    (an engine slow to answer the lead's call) is cancelled, again until it ends."""
+    stopping.set()
+    running = {task for task in tasks if task is not None and not task.done()}
+    if running:
+        await asyncio.wait(running, timeout=LOOP_STOP_WAIT_S)
+    for task in running:
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
+
+
+async def lead(ctx: ServerContext, election: Election, stopping: asyncio.Event) -> None:
     """Every --leader-check-s: take or keep the lead (replicas sharing a PostgreSQL store)."""
-    while True:
-        await asyncio.sleep(ctx.settings.leader_check_s)
+    while not await paused(stopping, ctx.settings.leader_check_s):
         try:
             await take_part(ctx, election)
         except Exception:
             log.exception("the leader check failed")
 
 
-async def sweep(ctx: ServerContext) -> None:
+async def sweep(ctx: ServerContext, stopping: asyncio.Event) -> None:
     """Apply session and reward deadlines every --sweep-interval-s seconds."""
-    while True:
-        await asyncio.sleep(ctx.settings.sweep_interval_s)
+    while not await paused(stopping, ctx.settings.sweep_interval_s):
         try:
             async with ctx.sessionmaker() as db, db.begin():
                 changed = await store_sessions.expire(db)
@@ -251,6 +276,7 @@ async def server_context(
     metrics = metrics or Metrics()
     writer = TurnWriter(writer_engine, on_commit=metrics.store_write_seconds.observe, health=health)
     lookups = int(settings.lookup_cache_mb * MB)
+    stopping = asyncio.Event()
     sweeper: asyncio.Task | None = None
     leader: asyncio.Task | None = None
     election = Election(url, replica_id(), settings.leader_url)
@@ -290,13 +316,11 @@ async def server_context(
         await take_part(ctx, election)
         if pool.leading:  # a follower loads nothing: the leader does
             await serve_current_version(ctx, run)
-        leader = asyncio.create_task(lead(ctx, election), name="proxrl-leader")
-        sweeper = asyncio.create_task(sweep(ctx), name="proxrl-sweeper")
+        leader = asyncio.create_task(lead(ctx, election, stopping), name="proxrl-leader")
+        sweeper = asyncio.create_task(sweep(ctx, stopping), name="proxrl-sweeper")
         yield ctx
     finally:
-        for task in (sweeper, leader):
-            if task is not None:
-                task.cancel()
+        await stop_loops(stopping, (sweeper, leader))
         await election.close()  # the lead goes at once, not when the connection times out
         await writer.stop()
         await pool.stop()
