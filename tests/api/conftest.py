@@ -9,7 +9,9 @@ tiny model is built. The proxy attaches to it with ``--engines`` (``engine_urls`
 no process of its own.
 
 One proxy serves the whole test session; tests that depend on a run's config create a run of
-their own (``Api.new_run``).
+their own (``Api.new_run``). The shared engine stays at version 0: a module that publishes
+weights runs an engine of its own (``app_with_own_engine``), since an app on a fresh store takes
+an engine serving another version out of rotation at its first health check.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from tests.api.api_support import ADMIN_KEY, Api
+from tests.api.api_support import ADMIN_KEY, Api, app_settings
 
 START_TIMEOUT_S = 30.0
 
@@ -97,3 +100,19 @@ def api(tiny_model_dir: Path, engine: ThreadedEngine, tmp_path_factory) -> Itera
     )
     with TestClient(create_app(settings)) as client:
         yield Api(client, tiny_model_dir)
+
+
+@contextmanager
+def app_with_own_engine(
+    model_dir: Path, data_dir: Path, **extra
+) -> Iterator[tuple[Api, ThreadedEngine]]:
+    """An app on an engine of its own (the weights it loads are its business), with the
+    settings of ``app_settings`` and the test's own (``extra``)."""
+    from server.main import create_app
+
+    engine = ThreadedEngine(model_dir).start()
+    try:
+        with TestClient(create_app(app_settings(model_dir, engine.url, data_dir, **extra))) as c:
+            yield Api(c, model_dir), engine
+    finally:
+        engine.stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -25,6 +26,11 @@ def backend_api(store_url: str, tiny_model_dir: Path, engine, tmp_path) -> Itera
     from server.main import create_app
     from server.settings import ServerSettings
 
+    served = httpx.get(f"{engine.url}/model_info", timeout=30).json()["weight_version"]
+    assert served in ("0", "default"), (
+        f"the shared engine serves version {served}: a module that publishes weights must run "
+        "an engine of its own (tests/api/conftest.py: app_with_own_engine)"
+    )
     settings = ServerSettings(
         model=str(tiny_model_dir),
         engines=engine.url,

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import sqlalchemy
@@ -49,6 +50,7 @@ from hypothesis.stateful import (
 from server.store.drop_reasons import NO_TURNS
 from server.store.tables import Session as SessionRow
 from tests.api.api_support import ADMIN_KEY, Api, assert_error
+from tests.api.conftest import app_with_own_engine
 
 OPEN, TRAINABLE, CLAIMED = "open", "trainable", "claimed"
 CONSUMED, DROPPED, EVALUATED = "consumed", "dropped", "evaluated"
@@ -418,6 +420,14 @@ class AdmissionMachine(RuleBasedStateMachine):
 
 # --------------------------------------------------------------------------------------------
 # the tests
+
+
+@pytest.fixture(scope="module")
+def api(tiny_model_dir: Path, tmp_path_factory) -> Iterator[Api]:
+    """An app with an engine of its own: this module publishes weights, which the shared
+    engine's other apps (on fresh stores at version 0) would take it out of rotation for."""
+    with app_with_own_engine(tiny_model_dir, tmp_path_factory.mktemp("admission")) as (app, _):
+        yield app
 
 
 @pytest.fixture(scope="module")

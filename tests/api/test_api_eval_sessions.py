@@ -14,34 +14,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
 from tests import eval_scenarios as scenarios
-from tests.api.api_support import ADMIN_KEY, Api, assert_error
-from tests.api.conftest import ThreadedEngine
+from tests.api.api_support import Api, assert_error
+from tests.api.conftest import app_with_own_engine
 
 SWEEP_INTERVAL_S = 0.2
 
 
 @pytest.fixture(scope="module")
 def api(tiny_model_dir: Path, tmp_path_factory) -> Iterator[Api]:
-    from server.main import create_app
-    from server.settings import ServerSettings
-
-    engine = ThreadedEngine(tiny_model_dir).start()
-    settings = ServerSettings(
-        model=str(tiny_model_dir),
-        engines=engine.url,
-        data_dir=tmp_path_factory.mktemp("api-eval"),
-        admin_key=ADMIN_KEY,
-        sweep_interval_s=SWEEP_INTERVAL_S,
-        log_level="warning",
-    )
-    try:
-        with TestClient(create_app(settings)) as client:
-            yield Api(client, tiny_model_dir)
-    finally:
-        engine.stop()
+    data_dir = tmp_path_factory.mktemp("api-eval")
+    with app_with_own_engine(tiny_model_dir, data_dir, sweep_interval_s=SWEEP_INTERVAL_S) as (
+        app,
+        _,
+    ):
+        yield app
 
 
 def test_eval_sessions_are_never_claimed(api):

@@ -14,34 +14,23 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-from fastapi.testclient import TestClient
 
 from server.store.database import sqlite_file
-from tests.api.api_support import Api, app_settings, assert_error, sse_events
-from tests.api.conftest import ThreadedEngine
+from tests.api.api_support import Api, assert_error, sse_events
+from tests.api.conftest import app_with_own_engine
 
 BUSY_TIMEOUT_S = 0.2
 
 
 @pytest.fixture(scope="module")
 def api(tiny_model_dir: Path, tmp_path_factory) -> Iterator[Api]:
-    """An app with an engine of its own: the shared engine may serve a version another
-    module's app published, which this app's fresh store does not expect (its health check
-    would take the engine out of rotation mid-test)."""
-    from server.main import create_app
-
-    engine = ThreadedEngine(tiny_model_dir).start()
-    settings = app_settings(
-        tiny_model_dir,
-        engine.url,
-        tmp_path_factory.mktemp("store-unavailable"),
-        store_busy_timeout_s=BUSY_TIMEOUT_S,
-    )
-    try:
-        with TestClient(create_app(settings)) as client:
-            yield Api(client, tiny_model_dir)
-    finally:
-        engine.stop()
+    """An app with an engine of its own: its store is made unavailable on purpose."""
+    data_dir = tmp_path_factory.mktemp("store-unavailable")
+    with app_with_own_engine(tiny_model_dir, data_dir, store_busy_timeout_s=BUSY_TIMEOUT_S) as (
+        app,
+        _,
+    ):
+        yield app
 
 
 @contextmanager

@@ -19,11 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
 from server.engine import service as engine_service
-from tests.api.api_support import Api, app_settings, assert_error
-from tests.api.conftest import ThreadedEngine
+from tests.api.api_support import Api, assert_error
+from tests.api.conftest import ThreadedEngine, app_with_own_engine
 
 PAUSE_LIMIT_S = 0.5
 SLOW_READ_S = 2.0
@@ -32,21 +31,11 @@ SLOW_READ_S = 2.0
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir: Path, tmp_path_factory) -> Iterator[tuple[Api, ThreadedEngine]]:
     """An app with an engine of its own (the weights it loads are this module's business)."""
-    from server.main import create_app
-
-    engine = ThreadedEngine(tiny_model_dir).start()
-    settings = app_settings(
-        tiny_model_dir,
-        engine.url,
-        tmp_path_factory.mktemp("publish-abandoned"),
-        weights_pause_limit_s=PAUSE_LIMIT_S,
-        health_interval_s=0.2,
-    )
-    try:
-        with TestClient(create_app(settings)) as client:
-            yield Api(client, tiny_model_dir), engine
-    finally:
-        engine.stop()
+    data_dir = tmp_path_factory.mktemp("publish-abandoned")
+    with app_with_own_engine(
+        tiny_model_dir, data_dir, weights_pause_limit_s=PAUSE_LIMIT_S, health_interval_s=0.2
+    ) as found:
+        yield found
 
 
 def test_an_engine_whose_abandoned_load_finished_late_is_loaded_by_the_next_publish(
