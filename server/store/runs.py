@@ -7,6 +7,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from server.store import run_versions
 from server.store.keys import new_id, new_key
 from server.store.tables import Run, Session, Turn
 
@@ -81,11 +82,23 @@ async def others_at_version(db: AsyncSession, version: int, run_id: str) -> list
 
 
 async def set_policy_version(
-    db: AsyncSession, run_id: str, version: int, weights_path: str | None, lora: bool = False
+    db: AsyncSession,
+    run_id: str,
+    version: int,
+    weights_path: str | None,
+    lora: bool = False,
+    source: int | None = None,
+    size_bytes: int | None = None,
 ) -> None:
-    """The run's new version, from full weights or (``lora``) an adapter at ``weights_path``."""
+    """The run's new version, from full weights or (``lora``) an adapter at ``weights_path``,
+    recorded among its versions after the one current until now (``source``: the earlier
+    version whose weights it serves again, for a rollback)."""
+    parent = await db.scalar(select(Run.policy_version).where(Run.id == run_id))
     values = {"policy_version": version, "weights_path": weights_path, "lora": lora}
     await db.execute(update(Run).where(Run.id == run_id).values(**values))
+    await run_versions.record(
+        db, run_id, version, weights_path, lora, parent, source=source, size_bytes=size_bytes
+    )
 
 
 async def published_runs(db: AsyncSession, lora: bool) -> list[Run]:

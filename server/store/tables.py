@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     DateTime,
     Float,
     ForeignKey,
@@ -66,9 +67,33 @@ class Run(Base):
     policy_version: Mapped[int] = mapped_column(Integer, default=0)
     weights_path: Mapped[str | None] = mapped_column(String(1000))  # where that version lives
     lora: Mapped[bool] = mapped_column(default=False, server_default=false())
+    # The version the run's production sessions are served (its promotion gate); None: no gate.
+    promoted_version: Mapped[int | None] = mapped_column(Integer)
     api_key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     is_default: Mapped[bool] = mapped_column(default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class RunVersion(Base):
+    """One published version of a run, kept as a name (``<run>@<version>``) a request can pin:
+    where its weights (an adapter, for a LoRA run) are, the version that was current before it
+    (``parent``: the lineage), and for a rollback the earlier version whose weights it serves
+    again (``source``). Retention marks a version ``evicted`` (a pin to it is refused, 410);
+    its row stays, as the lineage's."""
+
+    __tablename__ = "run_versions"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    path: Mapped[str | None] = mapped_column(String(1000))
+    lora: Mapped[bool] = mapped_column(default=False)
+    parent: Mapped[int | None] = mapped_column(Integer)
+    source: Mapped[int | None] = mapped_column(Integer)
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    published_at: Mapped[datetime] = mapped_column(default=utcnow)
+    evicted_at: Mapped[datetime | None] = mapped_column()
+    evicted_reason: Mapped[str | None] = mapped_column(String(DROP_REASON_LENGTH))
+    promoted_at: Mapped[datetime | None] = mapped_column()
 
 
 class Session(Base):
@@ -107,6 +132,8 @@ class Session(Base):
     consumed_at: Mapped[datetime | None]
     drop_reason: Mapped[str | None] = mapped_column(String(DROP_REASON_LENGTH))
     eval: Mapped[bool] = mapped_column(default=False, server_default=false())
+    # A production session: never trained, served the run's promoted version (its gate's).
+    production: Mapped[bool] = mapped_column(default=False, server_default=false())
     # The version published by the first training step that trained it (its claim marked
     # trained): from then on it holds no admission place (server.rl.admission).
     trained_version: Mapped[int | None] = mapped_column(Integer)
