@@ -24,13 +24,17 @@ document (``documented``) and the error event a stream ends with
     │   ├── ClaimNotFound        404  no session ever carried that claim id
     │   ├── CompletionNotFound   404  no turn with that completion_id in the session
     │   ├── ResponseNotFound     404  no stored (Responses API) response with that id
-    │   └── ModelNotFound        404  a model name this server does not serve
+    │   ├── ModelNotFound        404  a model name this server does not serve
+    │   └── VersionNotFound      404  a version the run never published
+    ├── VersionEvicted           410  a version whose weights retention evicted, or are gone
     ├── SessionNotOpen           409  the session takes no more turns
     ├── RewardsClosed            409  the session takes no more rewards (claimed, settled)
     ├── RewardConflict           409  a different reward was already posted for that target
     ├── GroupMixesEval           409  a group_id holds sessions of the other kind (eval/training)
     ├── WeightsConflict          409  a swap's version is served, but not with the weights it names
     ├── EnginesShared            409  full weights and LoRA adapters would need the same engines
+    ├── VersionSuperseded        409  a publish under a number a later version (a rollback) took
+    ├── RollbackRefused          409  a rollback to the current version or a later one
     ├── StalenessBound           429  the run's admission is full (Retry-After)
     ├── Overloaded               503  requests or connections at their bound (Retry-After)
     ├── NoEngineAvailable        503  no engine in rotation could serve (Retry-After)
@@ -170,6 +174,19 @@ class ModelNotFound(ResourceNotFound):
         super().__init__(message, param="model")
 
 
+class VersionNotFound(ResourceNotFound):
+    def __init__(self, run_id: str, version: int, param: str | None = "version") -> None:
+        super().__init__(f"Run {run_id!r} never published version {version}.", param=param)
+
+
+class VersionEvicted(ProxrlError):
+    """A version of a run that cannot be served again: retention evicted it, or its weight files
+    are gone (``message`` says which). Its row stays, as the lineage's."""
+
+    def __init__(self, message: str, param: str | None = "version") -> None:
+        super().__init__(message, param=param)
+
+
 class SessionNotOpen(ProxrlError):
     def __init__(self, status: str) -> None:
         super().__init__(f"The session is {status}; it takes no more turns.")
@@ -213,6 +230,23 @@ class EnginesShared(ProxrlError):
 
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message, param=param)
+
+
+class VersionSuperseded(ProxrlError):
+    """A publish that names a version number the run has passed (or reached with other weights),
+    as a trainer does that has not yet seen a rollback: recording it would rewrite the lineage,
+    so nothing is loaded. The trainer reads the run's versions and follows the rollback."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="version")
+
+
+class RollbackRefused(ProxrlError):
+    """A rollback to the run's current version, or to one above it: only an earlier version can
+    be made current again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="version")
 
 
 class StalenessBound(ProxrlError):
@@ -334,12 +368,16 @@ RENDERING: dict[type[ProxrlError], Rendering] = {
     CompletionNotFound: Rendering(404, "not_found_error", "completion_not_found"),
     ResponseNotFound: Rendering(404, "not_found_error", "response_not_found"),
     ModelNotFound: Rendering(404, "not_found_error", "model_not_found"),
+    VersionNotFound: Rendering(404, "not_found_error", "version_not_found"),
+    VersionEvicted: Rendering(410, "gone_error", "version_evicted"),
     SessionNotOpen: Rendering(409, "conflict_error", "session_closed"),
     RewardsClosed: Rendering(409, "conflict_error", "rewards_closed"),
     RewardConflict: Rendering(409, "conflict_error", "reward_conflict"),
     GroupMixesEval: Rendering(409, "conflict_error", "group_mixes_eval"),
     WeightsConflict: Rendering(409, "conflict_error", "weights_conflict"),
     EnginesShared: Rendering(409, "conflict_error", "engines_shared"),
+    VersionSuperseded: Rendering(409, "conflict_error", "version_superseded"),
+    RollbackRefused: Rendering(409, "conflict_error", "rollback_refused"),
     StalenessBound: Rendering(429, "rate_limit_error", "staleness_bound", retry_after_s=1),
     Overloaded: Rendering(
         503, _UNAVAILABLE, "overloaded", 1, lead="The server is at its bound of requests: "
@@ -614,6 +652,7 @@ MEANINGS = {
     403: "The key may not do this.",
     404: "No such resource.",
     409: "The resource's state does not allow this now.",
+    410: "The resource existed but is gone for good (an evicted version).",
     413: "The request is larger than the server takes.",
     422: "A field is missing or out of its bounds (see param).",
     429: "Not admitted now (the run's staleness bound); try again after Retry-After seconds.",

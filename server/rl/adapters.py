@@ -37,17 +37,18 @@ from server.errors import (
 )
 from server.rl import weight_files
 from server.rl.schemas import WeightsIn, WeightsOut
-from server.rl.weights import confirm_lead, refuse_shared
+from server.rl.weights import confirm_lead, refuse_shared, refuse_superseded
 from server.store import runs
 from server.store.run_adapters import ServedAdapter, adapter_name
 
 log = logging.getLogger(__name__)
 
 
-async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
+async def publish(ctx: ServerContext, body: WeightsIn, source: int | None = None) -> WeightsOut:
     """Load the adapter at ``body.adapter_path`` on every engine in rotation as a new version of
     the run, and record it; a retry of a publish that was done (same version, same directory)
-    is answered as done without loading anything."""
+    is answered as done without loading anything. ``source``: the earlier version whose
+    adapter this is (a rollback, ``server.rl.rollback``), loaded again under the new name."""
     assert body.adapter_path is not None
     path = str(body.adapter_path)
     async with ctx.sessionmaker() as db:
@@ -62,6 +63,7 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
     pool = ctx.pool
     async with pool.update_lock:
         await refuse_shared(ctx, run.id, lora=True)
+        await refuse_superseded(ctx, run.id, version, path)
         engines = pool.loadable
         if not engines:
             raise NoEngineToUpdate("No engine is in rotation to load the adapter.")
@@ -83,7 +85,9 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
             ctx,
             f"the engines loaded adapter {name} but version {version} was not recorded",
             lead,
-            record=lambda db: runs.set_policy_version(db, run.id, version, path, lora=True),
+            record=lambda db: runs.set_policy_version(
+                db, run.id, version, path, lora=True, source=source
+            ),
         )
         ctx.run_adapters.put(ServedAdapter(run.id, version, path))
     seconds = time.perf_counter() - started

@@ -15,7 +15,17 @@ from server.deps import AdminDep, BodyOffLoop, CallerDep, Ctx, KeyedDep
 from server.errors import AuthenticationRequired, KeyOutOfScope, documented
 from server.export.options import SINCE_HELP, STATUS_HELP, ExportFormat, ExportStatus, Since
 from server.export.writers import FORMATS
-from server.rl import adapters, claims, export, runs, sessions, steps, weights, weights_probe
+from server.rl import (
+    adapters,
+    claims,
+    export,
+    rollback,
+    runs,
+    sessions,
+    steps,
+    weights,
+    weights_probe,
+)
 from server.rl.schemas import (
     ClaimIn,
     ClaimOut,
@@ -30,9 +40,11 @@ from server.rl.schemas import (
     RenewOut,
     RewardIn,
     RewardOut,
+    RollbackIn,
     RunCreate,
     RunCreated,
     RunOut,
+    RunVersionOut,
     SessionCreate,
     SessionCreated,
     SessionEnded,
@@ -241,6 +253,32 @@ async def patch_run(
     config: Annotated[dict[Name, Any], Body(embed=True, max_length=1000)],
 ) -> dict:
     return await runs.run_view(ctx, await runs.update_config(ctx, run_id, config))
+
+
+@runs_router.get(
+    "/runs/{run_id}/versions",
+    response_model=list[RunVersionOut],
+    summary="A run's published versions, oldest first: the lineage (parent, rollback source)",
+    responses=documented(401, 403, 404, 422),
+)
+async def run_versions(run_id: PathId, ctx: Ctx, caller: KeyedDep) -> list[RunVersionOut]:
+    run = await runs.get_run(ctx, run_id)
+    auth.require_run_access(caller, run.id)
+    return await rollback.lineage(ctx, run)
+
+
+@runs_router.post(
+    "/runs/{run_id}/rollback",
+    response_model=WeightsOut,
+    summary="Serve an earlier version's weights again, published as the run's next version",
+    responses=documented(400, 401, 403, 404, 409, 410, 422, 502, 503),
+)
+async def rollback_run(
+    run_id: PathId, body: RollbackIn, ctx: Ctx, _: AdminDep, request: Request
+) -> Any:
+    if not ctx.pool.leading:  # a follower: the leader swaps
+        return leaders_answer(await weights.forward(ctx, request.url.path, body, request.headers))
+    return await rollback.rollback(ctx, run_id, body.version)
 
 
 @runs_router.post(

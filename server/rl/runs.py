@@ -12,7 +12,7 @@ from server.common.trained_share import share_warning, untrained_warning
 from server.context import ServerContext
 from server.errors import InvalidConfig, RunNotFound
 from server.rl.schemas import EvalFigures, RunEval, RunOut, RunTraining
-from server.store import evaluation, runs, stats, steps
+from server.store import evaluation, run_versions, runs, stats, steps
 from server.store.database import Db
 from server.store.run_config import RunConfig
 from server.store.tables import Run
@@ -30,6 +30,7 @@ async def run_view(ctx: ServerContext, run: Run) -> dict[str, Any]:
         totals = await runs.run_totals(db, run.id)
         eval_figures = await run_eval(db, run.id)
         training = await run_training(db, run)
+        rollbacks = await run_versions.republished(db, run.id)
     return RunOut(
         id=run.id,
         name=run.name,
@@ -44,6 +45,7 @@ async def run_view(ctx: ServerContext, run: Run) -> dict[str, Any]:
         totals=totals,
         eval=eval_figures,
         training=training,
+        rollbacks=rollbacks,
     ).model_dump()
 
 

@@ -156,6 +156,42 @@ class RunOut(BaseModel):
         description="What of the sampled tokens trained (the trainer's totals) and why the rest "
         "did not: masked tokens by cause, dropped sessions by reason."
     )
+    rollbacks: list[tuple[int, int]] = Field(
+        default_factory=list,
+        description="[source, version] for each version that serves an earlier one's weights "
+        "again (a rollback, or a trainer's restart), oldest first: what the staleness rule "
+        "counts (GET /rl/runs/{id}/versions shows the whole lineage).",
+    )
+
+
+class RollbackIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    version: Count = Field(
+        description="The earlier version to serve again (0: the base model); published as the "
+        "run's next version, whose source it is."
+    )
+
+
+class RunVersionOut(BaseModel):
+    version: int
+    path: str | None = Field(
+        description="Its weights directory, or adapter directory for a LoRA run (null: the base "
+        "model, or weights sent over a weight group)."
+    )
+    lora: bool
+    parent: int | None = Field(description="The version current before it was published.")
+    source: int | None = Field(
+        description="The earlier version whose weights it serves again (a rollback or a "
+        "trainer's restart); null for weights trained anew."
+    )
+    size_bytes: int | None
+    published_at: datetime
+    evicted_at: datetime | None = Field(description="When retention evicted it (null: kept).")
+    evicted_reason: str | None
+    promoted_at: datetime | None
+    current: bool = Field(description="The run's version now.")
+    promoted: bool = Field(description="The version the run's promotion gate serves.")
 
 
 class RunCreated(RunOut):

@@ -51,6 +51,7 @@ from server.errors import (
     NoLeader,
     RendezvousUnreachable,
     RunNotFound,
+    VersionSuperseded,
     WeightGroupRefused,
     WeightsConflict,
     WeightsRefused,
@@ -64,7 +65,7 @@ from server.rl.schemas import (
     WeightsIn,
     WeightsOut,
 )
-from server.store import database, leadership, runs
+from server.store import database, leadership, run_versions, runs
 from server.store.database import Db, first_line
 
 log = logging.getLogger(__name__)
@@ -124,10 +125,11 @@ async def _load_within(
         ) from None
 
 
-async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
+async def publish(ctx: ServerContext, body: WeightsIn, source: int | None = None) -> WeightsOut:
     """Swap the weights ``body`` names into every engine in rotation, as a new version; or,
     asked to load from disk the version the run has and every engine serves, answer that
-    without a swap (a caller's retry of a swap that was done, its answer lost)."""
+    without a swap (a caller's retry of a swap that was done, its answer lost). ``source``: the
+    earlier version whose weights these are (a rollback, ``server.rl.rollback``)."""
     run_id, version = body.run_id, body.version
     async with ctx.sessionmaker() as db:
         run = await runs.get_run(db, run_id or ctx.default_run_id)
@@ -139,6 +141,8 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
         await _check_files(str(body.model_path), ctx.settings.weights_check_timeout_s)
     async with pool.update_lock:
         await refuse_shared(ctx, run.id, lora=False)
+        given = None if body.model_path is None else str(body.model_path)
+        await refuse_superseded(ctx, run.id, version, given)
         engines = pool.loadable
         if body.distributed is None and await _served(ctx, run.id, version, str(body.model_path)):
             log.info("version %d is already served: nothing swapped", version)
@@ -157,7 +161,7 @@ async def publish(ctx: ServerContext, body: WeightsIn) -> WeightsOut:
         )
         pool.last_swap = None  # until this one is known to be done
         try:
-            results = await _swap(ctx, engines, body, run.id, version, lead)
+            results = await _swap(ctx, engines, body, run.id, version, lead, source)
         finally:
             await asyncio.gather(*(e.client.resume() for e in engines), return_exceptions=True)
         pause_seconds = time.perf_counter() - started
@@ -203,6 +207,29 @@ async def refuse_shared(ctx: ServerContext, run_id: str, lora: bool) -> None:
         f"weights would replace it under them: nothing was swapped. {own}",
         "model_path",
     )
+
+
+async def refuse_superseded(
+    ctx: ServerContext, run_id: str, version: int, path: str | None
+) -> None:
+    """``VersionSuperseded`` for a publish under a number the run has passed, or under its
+    current number where that is a rollback's and ``path`` other weights than it serves: a
+    trainer that has not yet seen a rollback publishes the number after its own last one, and
+    recording it would rewrite the lineage. Read under the update lock, so no publish or
+    rollback lands between this and the record."""
+    async with ctx.sessionmaker() as db:
+        run = await runs.get_run(db, run_id)
+        current = None if run is None else await run_versions.get(db, run_id, version)
+    if run is None:
+        return
+    taken = current is not None and current.source is not None and run.weights_path != path
+    if version < run.policy_version or (version == run.policy_version and taken):
+        raise VersionSuperseded(
+            f"Run {run_id} is at version {run.policy_version} (see GET /rl/runs/{run_id}/"
+            f"versions: a rollback made an earlier version current again), so version {version} "
+            "cannot be published: nothing was loaded. Publish the run's policy_version + 1, "
+            "from weights that descend from the version it serves."
+        )
 
 
 async def _served(ctx: ServerContext, run_id: str, version: int, model_path: str) -> bool:
@@ -264,6 +291,7 @@ async def _swap(
     run_id: str,
     version: int,
     lead: LeadToken,
+    earlier: int | None,
 ) -> list[dict]:
     """With the engines paused: load the weights and record the version, if this replica still
     leads, under the same lead (``lead``) as when it paused them (else nothing is recorded: the
@@ -284,7 +312,9 @@ async def _swap(
         f"the engines loaded {source} but version {version} was not recorded; they resumed, "
         "and the leader keeps them out of rotation until it loads them",
         lead,
-        record=lambda db: runs.set_policy_version(db, run_id, version, body.model_path),
+        record=lambda db: runs.set_policy_version(
+            db, run_id, version, body.model_path, source=earlier
+        ),
     )
     return results
 

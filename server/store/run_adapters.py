@@ -68,3 +68,7 @@ class RunAdapters:
 
     def put(self, adapter: ServedAdapter) -> None:
         self._read.put(adapter.run_id, (time.monotonic(), adapter))
+
+    def put_base(self, run_id: str) -> None:
+        """The run is served by the base model from now on (a LoRA run rolled back to 0)."""
+        self._read.put(run_id, (time.monotonic(), None))

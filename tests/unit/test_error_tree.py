@@ -160,6 +160,7 @@ SDK_CLASSES = {
     403: client_sdk.PermissionDeniedError,
     404: client_sdk.NotFoundError,
     409: client_sdk.ConflictError,
+    410: client_sdk.APIStatusError,  # no class of its own either
     413: client_sdk.APIStatusError,  # as the openai SDK: no class of its own
     422: client_sdk.UnprocessableEntityError,
     429: client_sdk.RateLimitError,
