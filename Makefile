@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 # mkdocs-material prints a banner about MkDocs 2.0 on every build; the docs build on MkDocs 1.6.
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: venv system-deps test test-slow test-fast lint hooks format bench demo clean
+.PHONY: venv system-deps test test-slow test-fast lint hooks format bench demo demo-lora clean
 
 venv: $(STAMP)
 
@@ -133,6 +133,10 @@ bench: venv
 
 demo: venv
 	$(VENV)/bin/proxrl demo
+
+# Two LoRA runs learning two tasks on one engine, one rolled back mid-way (about 6 minutes).
+demo-lora: venv
+	$(VENV)/bin/proxrl demo --lora
 
 # The documentation site: the reference pages (docs/reference/) regenerated from the code first
 # (tests/unit/test_docs_reference.py fails while a committed one is stale), then built strictly

@@ -167,7 +167,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ----- the pieces ----------------------------------------------------------------------------
 
 
-def start_trainer(server, out: Path, args: argparse.Namespace):
+def start_trainer(
+    server, out: Path, args: argparse.Namespace, name: str = "trainer", extra: tuple[str, ...] = ()
+):
+    """``proxrl train`` on the demo's flags, ``extra`` overrides after them; its output in
+    ``out/<name>``, its log in ``out/<name>.log``."""
     from trainer.run import TrainerProcess
 
     overrides = [
@@ -175,9 +179,9 @@ def start_trainer(server, out: Path, args: argparse.Namespace):
         f"lr={args.lr}", "max_steps=0", "checkpoint_every=1000", f"seed={args.seed}",
         "claim_wait_s=0.2", f"algorithm.group_size={args.group_size}",
         "algorithm.advantage=grpo", "algorithm.ppo_minibatches=1", "optim.grad_clip=1.0",
-        "optim.warmup_steps=10",
+        "optim.warmup_steps=10", *extra,
     ]  # fmt: skip
-    return TrainerProcess(server, out / "trainer", overrides, out / "trainer.log")
+    return TrainerProcess(server, out / name, overrides, out / f"{name}.log")
 
 
 def table(board: Board, args: argparse.Namespace):
@@ -276,6 +280,13 @@ def summarize_set(board: Board, task_id: str) -> dict:
     }
 
 
+def rolling_mean(values: list[float], most: int) -> tuple[int, list[float]]:
+    """The window (``most``, or a quarter of the values when that is less) and each value's
+    mean over the window that ends at it: a curve that is not one lucky session."""
+    window = max(1, min(most, len(values) // 4 or 1))
+    return window, [_mean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+
+
 def plot(board: Board, out: Path) -> Path:
     import matplotlib
 
@@ -286,8 +297,7 @@ def plot(board: Board, out: Path) -> Path:
     fig, (by_time, by_version) = plt.subplots(1, 2, figsize=(11, 4))
     times = [o.at for o in board.outcomes]
     rewards = [o.reward for o in board.outcomes]
-    window = max(1, min(WINDOW, len(rewards) // 4 or 1))
-    rolling = [_mean(rewards[max(0, i - window + 1) : i + 1]) for i in range(len(rewards))]
+    window, rolling = rolling_mean(rewards, WINDOW)
     by_time.plot(times, rolling, label=f"training reward (last {window} sessions)")
     by_time.set(xlabel="seconds", ylabel="reward / accuracy", ylim=(0, 1))
     by_time.set_title("against time")

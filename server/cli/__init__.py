@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
 
 SOURCE_TREE = Path(__file__).resolve().parents[2]
 DEMO_SCRIPT = SOURCE_TREE / "examples" / "demo.py"
+DEMO_LORA_SCRIPT = SOURCE_TREE / "examples" / "demo_lora.py"  # proxrl demo --lora
 
 
 def need_clone_file(path: Path, command: str) -> None:
@@ -106,10 +107,12 @@ def source_tree_module(name: str, command: str) -> Any:
 
 def run_demo(args: list[str]) -> NoReturn:
     """Run ``examples/demo.py`` of this source tree (the demo and its agents are examples, not
-    part of the installed packages): its imports first, then its ``main``."""
+    part of the installed packages): its imports first, then its ``main``. With ``--lora``,
+    ``examples/demo_lora.py`` instead: two LoRA runs on one engine, one rolled back."""
     import runpy
 
-    need_clone_file(DEMO_SCRIPT, "demo")
+    script = DEMO_LORA_SCRIPT if "--lora" in args else DEMO_SCRIPT
+    need_clone_file(script, "demo")
     with role_imports("demo"):  # as a module, not as __main__: this runs its imports only
-        demo = runpy.run_path(str(DEMO_SCRIPT), run_name="proxrl_demo")
-    raise SystemExit(demo["main"](args))
+        demo = runpy.run_path(str(script), run_name="proxrl_demo")
+    raise SystemExit(demo["main"]([arg for arg in args if arg != "--lora"]))
