@@ -33,6 +33,7 @@ document (``documented``) and the error event a stream ends with
     ├── GroupMixesEval           409  a group_id holds sessions of the other kind (eval/training)
     ├── WeightsConflict          409  a swap's version is served, but not with the weights it names
     ├── EnginesShared            409  full weights and LoRA adapters would need the same engines
+    ├── VersionNotServable       409  a pin to a full-weight run's version other than its current
     ├── VersionSuperseded        409  a publish under a number a later version (a rollback) took
     ├── RollbackRefused          409  a rollback to the current version or a later one
     ├── StalenessBound           429  the run's admission is full (Retry-After)
@@ -185,6 +186,16 @@ class VersionEvicted(ProxrlError):
 
     def __init__(self, message: str, param: str | None = "version") -> None:
         super().__init__(message, param=param)
+
+
+class VersionNotServable(ProxrlError):
+    def __init__(self, run_id: str, version: int, current: int, param: str = "model") -> None:
+        super().__init__(
+            f"Run {run_id!r} trains full weights and serves only its current version "
+            f"({current}), not version {version}: a full-weight run's engines serve only its "
+            "current version; pin versions of LoRA runs.",
+            param=param,
+        )
 
 
 class SessionNotOpen(ProxrlError):
@@ -368,6 +379,7 @@ RENDERING: dict[type[ProxrlError], Rendering] = {
     CompletionNotFound: Rendering(404, "not_found_error", "completion_not_found"),
     ResponseNotFound: Rendering(404, "not_found_error", "response_not_found"),
     ModelNotFound: Rendering(404, "not_found_error", "model_not_found"),
+    VersionNotServable: Rendering(409, "conflict_error", "version_not_servable"),
     VersionNotFound: Rendering(404, "not_found_error", "version_not_found"),
     VersionEvicted: Rendering(410, "gone_error", "version_evicted"),
     SessionNotOpen: Rendering(409, "conflict_error", "session_closed"),

@@ -248,6 +248,26 @@ class ServerSettings(BaseSettings):
         "that began on an older version finishes on its adapter; a publish unloads the run's "
         "versions older than these.",
     )
+    pinned_adapters_per_engine: int = Field(
+        2,
+        ge=1,
+        description="Adapters of pinned versions (a request's model@N or X-Proxrl-Version, or a "
+        "production session's promoted version) outside the --adapters-kept window that each "
+        "engine holds at once; loading one more first unloads the least recently used one "
+        "that no request is running on. Less than --max-loaded-loras.",
+    )
+    versions_kept: int = Field(
+        20,
+        ge=1,
+        description="How many of a run's versions stay pinnable; a publish evicts the oldest "
+        "beyond them (a pin to one answers 410), never the current or promoted version or 0.",
+    )
+    versions_max_mb: float = Field(
+        0,
+        ge=0,
+        description="The most a run's pinnable versions' files may hold together, in MB (0: no "
+        "bound); a publish evicts the oldest beyond it, as --versions-kept.",
+    )
     max_loaded_loras: int = Field(
         8,
         ge=1,
@@ -333,6 +353,12 @@ class ServerSettings(BaseSettings):
             raise ValueError(
                 "--max-loaded-loras applies to the engines proxrl starts; engines given with "
                 "--engines hold what they were started with"
+            )
+        if self.pinned_adapters_per_engine >= self.max_loaded_loras:
+            raise ValueError(
+                f"--pinned-adapters-per-engine ({self.pinned_adapters_per_engine}) must be less "
+                f"than --max-loaded-loras ({self.max_loaded_loras}): the runs' current versions "
+                "need room too"
             )
         if self.lora_max_rank > 0 and self.max_loras_per_batch > self.max_loaded_loras:
             raise ValueError(  # SGLang does not start otherwise

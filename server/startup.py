@@ -33,6 +33,7 @@ from server.common.processes import EngineProcess, ServerProcess, wait_all
 from server.context import ServerContext
 from server.engine.settings import model_directory_problem
 from server.engine_client import sglang
+from server.engine_client.adapters import AdapterLoads
 from server.engine_client.pool import EnginePool, parse_version
 from server.errors import StoreUnavailable
 from server.metrics import Metrics
@@ -297,6 +298,7 @@ async def server_context(
             sessions=SessionRegistry(maker, tokenizer, int(settings.session_cache_mb * MB)),
             run_configs=RunConfigs(maker, budget_bytes=lookups // 4),
             run_adapters=RunAdapters(maker),
+            adapter_loads=AdapterLoads(settings.pinned_adapters_per_engine),
             model_name=settings.model_name,
             metrics=metrics,
             store_health=health,

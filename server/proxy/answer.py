@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from server.context import ServerContext
 from server.engine_client.client import Piece, joined
 from server.errors import ProxrlError
-from server.proxy import outputs
+from server.proxy import outputs, versions
 from server.proxy.generation import Completion, complete
 from server.proxy.plan import Plan
 from server.proxy.recording import Served, record
@@ -84,7 +84,7 @@ async def sample_all(
     """One completion per choice, concurrently; ``on_piece(index, piece)`` sees streamed tokens.
     An engine failure propagates as it is (it is an error of ``server.errors``' tree)."""
 
-    adapter = await ctx.run_adapters.get(state.run_id)  # a LoRA run's current version
+    adapter = await versions.served(ctx, state, plan.version, plan.version_param)
 
     async def one(index: int, rid: str) -> Completion:
         handler = (lambda piece: on_piece(index, piece)) if on_piece else None

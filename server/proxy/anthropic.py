@@ -75,7 +75,7 @@ from server.text.tokenization import PromptText, TemplateError, Tokenizer
 
 async def plan_messages(ctx: ServerContext, state: SessionState, body: MessagesRequest) -> Plan:
     config = await run_config(ctx, state)
-    await check_model(ctx, state, body.model)
+    version = await check_model(ctx, state, body.model)
     body.refuse_unsupported()
     client = config.client_special_tokens
     prompt = await build_prompt(ctx, state, lambda: prompt_text(ctx, body, client), "messages")
@@ -88,6 +88,7 @@ async def plan_messages(ctx: ServerContext, state: SessionState, body: MessagesR
         1,
         surface="messages",
         model=body.model,
+        version=version,
         messages=_as_received(body),
         tools=[tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
         tool_names=_tool_names(body),

@@ -217,6 +217,7 @@ class CountTokensRequest(Conversation):
 # Anthropic's name for each error type of ours that its API lacks (the others it shares).
 _ANTHROPIC_TYPES = {
     "conflict_error": "invalid_request_error",
+    "gone_error": "not_found_error",
     "server_error": "api_error",
     "engine_error": "api_error",
     "service_unavailable": "overloaded_error",

@@ -38,7 +38,7 @@ from server.text.tokenization import PromptText
 
 async def plan_chat(ctx: ServerContext, state: SessionState, body: ChatCompletionRequest) -> Plan:
     config = await run_config(ctx, state)
-    await check_model(ctx, state, body.model)
+    version = await check_model(ctx, state, body.model)
     body.refuse_untrainable()
     headers = await structured_output(ctx, state, body.format_type, "response_format")
     forced = body.forced_tool()
@@ -62,6 +62,7 @@ async def plan_chat(ctx: ServerContext, state: SessionState, body: ChatCompletio
         body.n,
         surface="chat",
         model=body.model,
+        version=version,
         messages=messages,
         tools=tools,
         logprobs=body.logprobs,

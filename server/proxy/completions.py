@@ -35,7 +35,7 @@ from server.proxy.tool_calls import ContentDelta, StreamEvent
 
 async def plan_completion(ctx: ServerContext, state: SessionState, body: CompletionRequest) -> Plan:
     config = await run_config(ctx, state)
-    await check_model(ctx, state, body.model)
+    version = await check_model(ctx, state, body.model)
     body.refuse_untrainable()
     (given,) = _single(body)
     last = list(state.last)
@@ -57,6 +57,7 @@ async def plan_completion(ctx: ServerContext, state: SessionState, body: Complet
         body.n,
         surface="completions",
         model=body.model,
+        version=version,
         logprobs=body.logprobs is not None,
         echo=echo if body.echo else "",
     )

@@ -219,15 +219,18 @@ class _Lora:
         request resumed."""
         adapter, start = self.adapter, len(completion.ids)
         try:
-            try:  # refused, down, or slow: another engine may have it, or load it sooner
-                loading = self.loads.ensure(engine.client, adapter.name, adapter.path)
-                await asyncio.wait_for(loading, ADAPTER_LOAD_WAIT_S)
-            except (EngineError, TimeoutError) as exc:
-                raise AdapterUnavailable(
-                    f"{engine.url} could not load adapter {adapter.name!r} from "
-                    f"{adapter.path!r}: {exc or 'it did not answer in time'}"
-                ) from exc
-            return await _attempt(engine, body, stream, completion, on_piece)
+            with self.loads.running(engine.url, adapter.name):
+                try:  # refused, down, or slow: another engine may have it, or load it sooner
+                    loading = self.loads.ensure(
+                        engine.client, adapter.name, adapter.path, adapter.pinned
+                    )
+                    await asyncio.wait_for(loading, ADAPTER_LOAD_WAIT_S)
+                except (EngineError, TimeoutError) as exc:
+                    raise AdapterUnavailable(
+                        f"{engine.url} could not load adapter {adapter.name!r} from "
+                        f"{adapter.path!r}: {exc or 'it did not answer in time'}"
+                    ) from exc
+                return await _attempt(engine, body, stream, completion, on_piece)
         except EngineRejected as exc:
             if engine.url in self.reloaded or adapter.name not in str(exc):
                 raise

@@ -23,7 +23,7 @@ from server.errors import (
     PromptTooLong,
     RunNotFound,
 )
-from server.proxy import prompts
+from server.proxy import prompts, versions
 from server.proxy.generation import SamplingRequest
 from server.proxy.prompts import Prompt
 from server.proxy.recording import RequestLog
@@ -49,6 +49,9 @@ class Plan:
     forced: str = ""
     headers: dict[str, str] = field(default_factory=dict)  # HTTP headers the answer carries
     created: int = field(default_factory=lambda: int(time.time()))
+    # The version of the session's run it pins (``versions``; None: none), and where it did.
+    version: int | None = None
+    version_param: str = "model"
 
 
 def new_plan(  # noqa: PLR0913  # keyword-only: one per field a plan records
@@ -66,6 +69,7 @@ def new_plan(  # noqa: PLR0913  # keyword-only: one per field a plan records
     echo: str = "",
     forced: str = "",
     headers: dict[str, str] | None = None,
+    version: int | None = None,
 ) -> Plan:
     """A plan with a fresh request id (``prefix-<hex>``) and its choices' completion ids (the
     request id itself when ``n`` is 1, else ``<request id>-<i>``)."""
@@ -86,16 +90,35 @@ def new_plan(  # noqa: PLR0913  # keyword-only: one per field a plan records
         },
     )
     return Plan(
-        request_id, prompt, sampling, ids, log, logprobs, tool_names, echo, forced, headers or {}
+        request_id,
+        prompt,
+        sampling,
+        ids,
+        log,
+        logprobs,
+        tool_names,
+        echo,
+        forced,
+        headers or {},
+        version=version,
     )
 
 
-async def check_model(ctx: ServerContext, state: SessionState, model: str) -> None:
-    """Any model name is served (the turn records it), unless the session's run has
-    ``strict_model_names``: then only the served model's name and the run's ``model_aliases``."""
+async def check_model(ctx: ServerContext, state: SessionState, model: str) -> int | None:
+    """The version of the session's run the model name pins (``versions.pin_of``), or None.
+    Any model name is served (the turn records it), unless the session's run has
+    ``strict_model_names``: then only the served model's name and the run's ``model_aliases``
+    (or a pin)."""
     config = await run_config(ctx, state)
-    if config.strict_model_names and not answers_to(config, ctx.model_name, model):
-        raise ModelNotFound(model, [ctx.model_name, *config.model_aliases])
+    names = [ctx.model_name, *config.model_aliases]
+    version = versions.pin_of(model, state.run_id, names)
+    if (
+        version is None
+        and config.strict_model_names
+        and not answers_to(config, ctx.model_name, model)
+    ):
+        raise ModelNotFound(model, names)
+    return version
 
 
 def answers_to(config: RunConfig, served: str, model: str) -> bool:

@@ -49,7 +49,7 @@ MAX_CHAIN = 10_000  # responses one previous_response_id chain may reach back th
 
 async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseRequest) -> Plan:
     config = await run_config(ctx, state)
-    await check_model(ctx, state, body.model)
+    version = await check_model(ctx, state, body.model)
     body.refuse_unsupported()
     headers = await structured_output(ctx, state, body.format_type, "text.format")
     forced = body.forced_tool()
@@ -80,6 +80,7 @@ async def plan_response(ctx: ServerContext, state: SessionState, body: ResponseR
         1,
         surface="responses",
         model=body.model,
+        version=version,
         messages=items,
         tools=tools,
         forced=start,

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Header, Path
 from fastapi.responses import JSONResponse
 
 from server import auth
-from server.bounds import ID_LENGTH
+from server.bounds import ID_LENGTH, MAX_INT
 from server.deps import (
     AnthropicCallerDep,
     AnthropicPathCallerDep,
@@ -18,7 +18,15 @@ from server.deps import (
     PathCallerDep,
 )
 from server.errors import AuthenticationRequired, SessionNotOpen, documented
-from server.proxy import answer, anthropic, chat, completions, responses, responses_render
+from server.proxy import (
+    answer,
+    anthropic,
+    chat,
+    completions,
+    responses,
+    responses_render,
+    versions,
+)
 from server.proxy.anthropic_schemas import (
     ERROR_SHAPE,
     AnthropicErrorBody,
@@ -36,11 +44,22 @@ router = APIRouter(tags=["OpenAI-compatible"], route_class=BodyOffLoop)
 ERROR_SHAPES = [ERROR_SHAPE]
 SessionHeader = Annotated[str | None, Header(alias="X-Session-Id", max_length=ID_LENGTH)]
 SessionPath = Annotated[str, Path(min_length=1, max_length=ID_LENGTH)]
+# A version of the session's run to serve the request with (docs/operations/lora-runs.md).
+VersionHeader = Annotated[
+    int | None,
+    Header(
+        alias=versions.VERSION_HEADER,
+        ge=0,
+        le=MAX_INT,
+        description="A version of the session's run to serve the request (instead of its "
+        "current one): as the model name <model>@<N>.",
+    ),
+]
 # What a generation can answer: the JSON completion, or with stream: true its SSE events; bad
 # input is a 400 (OpenAI's status, validation included), no engine to serve it a 503.
 GENERATION = {
     200: {"content": {"application/json": {}, SSE: {}}},
-    **documented(400, 401, 403, 404, 409, 503),
+    **documented(400, 401, 403, 404, 409, 410, 503),
 }
 
 
@@ -54,23 +73,33 @@ async def _open_session(
 
 
 async def _answer(
-    ctx: Ctx, state: SessionState, plan: Plan, renderer: answer.Renderer, stream: bool
+    ctx: Ctx,
+    state: SessionState,
+    plan: Plan,
+    renderer: answer.Renderer,
+    stream: bool,
+    version: int | None,
 ) -> Any:
+    plan = versions.with_header(plan, version)
     if stream:
         return SSEResponse(await answer.stream(ctx, state, plan, renderer), plan.headers)
     return JSONResponse(await answer.respond(ctx, state, plan, renderer), headers=plan.headers)
 
 
-async def _chat(ctx: Ctx, state: SessionState, body: ChatCompletionRequest) -> Any:
+async def _chat(
+    ctx: Ctx, state: SessionState, body: ChatCompletionRequest, version: int | None
+) -> Any:
     plan = await chat.plan_chat(ctx, state, body)
     renderer = chat.ChatRenderer(ctx, plan, body.include_usage)
-    return await _answer(ctx, state, plan, renderer, body.stream)
+    return await _answer(ctx, state, plan, renderer, body.stream, version)
 
 
-async def _completion(ctx: Ctx, state: SessionState, body: CompletionRequest) -> Any:
+async def _completion(
+    ctx: Ctx, state: SessionState, body: CompletionRequest, version: int | None
+) -> Any:
     plan = await completions.plan_completion(ctx, state, body)
     renderer = completions.CompletionRenderer(ctx, plan, body.include_usage)
-    return await _answer(ctx, state, plan, renderer, body.stream)
+    return await _answer(ctx, state, plan, renderer, body.stream, version)
 
 
 @router.post(
@@ -79,9 +108,14 @@ async def _completion(ctx: Ctx, state: SessionState, body: CompletionRequest) ->
     responses=GENERATION,
 )
 async def chat_completions(
-    body: ChatCompletionRequest, ctx: Ctx, caller: CallerDep, x_session_id: SessionHeader = None
+    body: ChatCompletionRequest,
+    ctx: Ctx,
+    caller: CallerDep,
+    x_session_id: SessionHeader = None,
+    x_proxrl_version: VersionHeader = None,
 ):
-    return await _chat(ctx, await _open_session(ctx, caller, None, x_session_id), body)
+    session = await _open_session(ctx, caller, None, x_session_id)
+    return await _chat(ctx, session, body, x_proxrl_version)
 
 
 @router.post(
@@ -90,18 +124,28 @@ async def chat_completions(
     responses=GENERATION,
 )
 async def session_chat_completions(
-    session_id: SessionPath, body: ChatCompletionRequest, ctx: Ctx, caller: PathCallerDep
+    session_id: SessionPath,
+    body: ChatCompletionRequest,
+    ctx: Ctx,
+    caller: PathCallerDep,
+    x_proxrl_version: VersionHeader = None,
 ):
-    return await _chat(ctx, await _open_session(ctx, caller, session_id, None), body)
+    session = await _open_session(ctx, caller, session_id, None)
+    return await _chat(ctx, session, body, x_proxrl_version)
 
 
 @router.post(
     "/v1/completions", summary="Text completion in the caller's session", responses=GENERATION
 )
 async def text_completions(
-    body: CompletionRequest, ctx: Ctx, caller: CallerDep, x_session_id: SessionHeader = None
+    body: CompletionRequest,
+    ctx: Ctx,
+    caller: CallerDep,
+    x_session_id: SessionHeader = None,
+    x_proxrl_version: VersionHeader = None,
 ):
-    return await _completion(ctx, await _open_session(ctx, caller, None, x_session_id), body)
+    session = await _open_session(ctx, caller, None, x_session_id)
+    return await _completion(ctx, session, body, x_proxrl_version)
 
 
 @router.post(
@@ -110,9 +154,14 @@ async def text_completions(
     responses=GENERATION,
 )
 async def session_text_completions(
-    session_id: SessionPath, body: CompletionRequest, ctx: Ctx, caller: PathCallerDep
+    session_id: SessionPath,
+    body: CompletionRequest,
+    ctx: Ctx,
+    caller: PathCallerDep,
+    x_proxrl_version: VersionHeader = None,
 ):
-    return await _completion(ctx, await _open_session(ctx, caller, session_id, None), body)
+    session = await _open_session(ctx, caller, session_id, None)
+    return await _completion(ctx, session, body, x_proxrl_version)
 
 
 async def _models(ctx: Ctx, run_id: str) -> dict:
@@ -157,17 +206,24 @@ ResponseId = Annotated[str, Path(min_length=1, max_length=ID_LENGTH)]
 STORED = documented(400, 401, 403, 404)
 
 
-async def _response(ctx: Ctx, state: SessionState, body: ResponseRequest) -> Any:
+async def _response(
+    ctx: Ctx, state: SessionState, body: ResponseRequest, version: int | None
+) -> Any:
     plan = await responses.plan_response(ctx, state, body)
     renderer = responses_render.ResponsesRenderer(ctx, plan, body)
-    return await _answer(ctx, state, plan, renderer, body.stream)
+    return await _answer(ctx, state, plan, renderer, body.stream, version)
 
 
 @router.post("/v1/responses", summary="Create a response (Responses API)", responses=GENERATION)
 async def create_response(
-    body: ResponseRequest, ctx: Ctx, caller: CallerDep, x_session_id: SessionHeader = None
+    body: ResponseRequest,
+    ctx: Ctx,
+    caller: CallerDep,
+    x_session_id: SessionHeader = None,
+    x_proxrl_version: VersionHeader = None,
 ):
-    return await _response(ctx, await _open_session(ctx, caller, None, x_session_id), body)
+    session = await _open_session(ctx, caller, None, x_session_id)
+    return await _response(ctx, session, body, x_proxrl_version)
 
 
 @router.post(
@@ -176,9 +232,14 @@ async def create_response(
     responses=GENERATION,
 )
 async def session_create_response(
-    session_id: SessionPath, body: ResponseRequest, ctx: Ctx, caller: PathCallerDep
+    session_id: SessionPath,
+    body: ResponseRequest,
+    ctx: Ctx,
+    caller: PathCallerDep,
+    x_proxrl_version: VersionHeader = None,
 ):
-    return await _response(ctx, await _open_session(ctx, caller, session_id, None), body)
+    session = await _open_session(ctx, caller, session_id, None)
+    return await _response(ctx, session, body, x_proxrl_version)
 
 
 @router.get("/v1/responses/{response_id}", summary="A stored response", responses=STORED)
@@ -230,15 +291,17 @@ async def session_delete_response(
 # Errors on these routes are in Anthropic's shape (ERROR_SHAPES, which server.main installs).
 MESSAGES = {
     200: {"content": {"application/json": {}, SSE: {}}},
-    **documented(400, 401, 403, 404, 409, 503, shape=AnthropicErrorBody),
+    **documented(400, 401, 403, 404, 409, 410, 503, shape=AnthropicErrorBody),
 }
 COUNTED = documented(400, 401, 403, 404, shape=AnthropicErrorBody)
 
 
-async def _messages(ctx: Ctx, state: SessionState, body: MessagesRequest) -> Any:
+async def _messages(
+    ctx: Ctx, state: SessionState, body: MessagesRequest, version: int | None
+) -> Any:
     plan = await anthropic.plan_messages(ctx, state, body)
     renderer = anthropic.MessagesRenderer(ctx, plan, body)
-    return await _answer(ctx, state, plan, renderer, body.stream)
+    return await _answer(ctx, state, plan, renderer, body.stream, version)
 
 
 @router.post(
@@ -252,8 +315,10 @@ async def messages(
     ctx: Ctx,
     caller: AnthropicCallerDep,
     x_session_id: SessionHeader = None,
+    x_proxrl_version: VersionHeader = None,
 ):
-    return await _messages(ctx, await _open_session(ctx, caller, None, x_session_id), body)
+    session = await _open_session(ctx, caller, None, x_session_id)
+    return await _messages(ctx, session, body, x_proxrl_version)
 
 
 @router.post(
@@ -263,9 +328,14 @@ async def messages(
     tags=["Anthropic-compatible"],
 )
 async def session_messages(
-    session_id: SessionPath, body: MessagesRequest, ctx: Ctx, caller: AnthropicPathCallerDep
+    session_id: SessionPath,
+    body: MessagesRequest,
+    ctx: Ctx,
+    caller: AnthropicPathCallerDep,
+    x_proxrl_version: VersionHeader = None,
 ):
-    return await _messages(ctx, await _open_session(ctx, caller, session_id, None), body)
+    session = await _open_session(ctx, caller, session_id, None)
+    return await _messages(ctx, session, body, x_proxrl_version)
 
 
 @router.post(

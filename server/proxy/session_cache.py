@@ -97,6 +97,7 @@ class SessionState:
     # row -> its last completion_id, for the rows of the turns in ``last``
     row_tails: dict[int, str] = field(default_factory=dict)
     engine: str | None = None
+    production: bool = False  # never trained: served its run's promoted version, if any
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # told when what it keeps changed (the registry measures it again)
     on_change: Callable[[SessionState], None] | None = None
@@ -277,7 +278,13 @@ class SessionRegistry:
             session = await store_sessions.get_session(db, session_id)
             if session is None:
                 return None
-            state = SessionState(session.id, session.run_id, session.status, engine=session.engine)
+            state = SessionState(
+                session.id,
+                session.run_id,
+                session.status,
+                engine=session.engine,
+                production=session.production,
+            )
             recent = await store_turns.recent_conversations(db, session_id, MAX_CONVERSATIONS)
             top_turn = await store_turns.last_turn_index(db, session_id)
             top_row = await store_turns.last_row_index(db, session_id)

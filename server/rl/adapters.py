@@ -20,7 +20,6 @@ weights and adapters never share engines (``weights.refuse_shared``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -37,7 +36,7 @@ from server.errors import (
 )
 from server.rl import weight_files
 from server.rl.schemas import WeightsIn, WeightsOut
-from server.rl.weights import confirm_lead, refuse_shared, refuse_superseded
+from server.rl.weights import confirm_lead, refuse_shared, refuse_superseded, retention
 from server.store import runs
 from server.store.run_adapters import ServedAdapter, adapter_name
 
@@ -81,12 +80,20 @@ async def publish(ctx: ServerContext, body: WeightsIn, source: int | None = None
         await _unload_where_held(ctx, engines, run.id, version, only=version)
         limit = ctx.settings.weights_pause_limit_s
         results = await load_all(engines, ctx.adapter_loads, name, path, limit)
+        size_bytes = await weight_files.size(path)
         await confirm_lead(
             ctx,
             f"the engines loaded adapter {name} but version {version} was not recorded",
             lead,
             record=lambda db: runs.set_policy_version(
-                db, run.id, version, path, lora=True, source=source
+                db,
+                run.id,
+                version,
+                path,
+                lora=True,
+                source=source,
+                size_bytes=size_bytes,
+                retention=retention(ctx),
             ),
         )
         ctx.run_adapters.put(ServedAdapter(run.id, version, path))
@@ -166,9 +173,7 @@ async def _unload_where_held(
                 for name, number in listed.items():
                     if number > newest or (only is not None and number != only):
                         continue
-                    with contextlib.suppress(EngineRejected):  # it holds it no more
-                        await engine.client.unload_lora_adapter(name, UNLOAD_WAIT_S)
-                    ctx.adapter_loads.unloaded(engine.url, name)
+                    await ctx.adapter_loads.unload(engine.client, name, UNLOAD_WAIT_S)
         except (EngineError, TimeoutError) as exc:
             log.warning("could not unload run %s's adapters from %s: %s", run_id, engine.url, exc)
 

@@ -155,3 +155,17 @@ async def adapter_problem(adapter_path: str, seconds: float) -> str | None:
     return await within(
         seconds, lambda: adapter_problem_of(adapter_path), "reading the adapter's files"
     )
+
+
+def size_of(path: str) -> int | None:
+    """The bytes of the regular files directly in the directory ``path`` (a checkpoint's or an
+    adapter's), or None where this machine has no such directory. Blocks while the files do."""
+    root = Path(path)
+    if not root.is_dir():
+        return None
+    return sum(entry.stat().st_size for entry in root.iterdir() if entry.is_file())
+
+
+async def size(path: str | None) -> int | None:
+    """``size_of(path)``, off the event loop (a publish's files, already checked readable)."""
+    return None if path is None else await asyncio.to_thread(size_of, path)

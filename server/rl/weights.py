@@ -301,6 +301,7 @@ async def _swap(
     await _failpoint("paused")
     await confirm_lead(ctx, "nothing was loaded; the engines resumed", lead)
     loader, source = _loader_of(body, version)
+    size_bytes = await weight_files.size(body.model_path and str(body.model_path))
     results = await _load_within(engines, loader, ctx.settings.weights_pause_limit_s, source)
     if not any(r["success"] for r in results):  # nothing changed: no engine is to blame
         message = f"No engine loaded {source}: {results[0].get('message')}"
@@ -313,10 +314,23 @@ async def _swap(
         "and the leader keeps them out of rotation until it loads them",
         lead,
         record=lambda db: runs.set_policy_version(
-            db, run_id, version, body.model_path, source=earlier
+            db,
+            run_id,
+            version,
+            body.model_path,
+            source=earlier,
+            size_bytes=size_bytes,
+            retention=retention(ctx),
         ),
     )
     return results
+
+
+def retention(ctx: ServerContext) -> run_versions.Retention:
+    """How many versions of a run stay pinnable, and how many bytes (``--versions-kept``,
+    ``--versions-max-mb``)."""
+    settings = ctx.settings
+    return run_versions.Retention(settings.versions_kept, int(settings.versions_max_mb * 2**20))
 
 
 # The most a check of the lead (and the version's record with it) may take. The engines may be

@@ -89,16 +89,22 @@ async def set_policy_version(
     lora: bool = False,
     source: int | None = None,
     size_bytes: int | None = None,
+    retention: run_versions.Retention | None = None,
 ) -> None:
     """The run's new version, from full weights or (``lora``) an adapter at ``weights_path``,
     recorded among its versions after the one current until now (``source``: the earlier
-    version whose weights it serves again, for a rollback)."""
-    parent = await db.scalar(select(Run.policy_version).where(Run.id == run_id))
+    version whose weights it serves again, for a rollback), then the versions past
+    ``retention`` evicted (never this one or the promoted one)."""
+    query = select(Run.policy_version, Run.promoted_version).where(Run.id == run_id)
+    parent, promoted = (await db.execute(query)).first() or (None, None)
     values = {"policy_version": version, "weights_path": weights_path, "lora": lora}
     await db.execute(update(Run).where(Run.id == run_id).values(**values))
     await run_versions.record(
         db, run_id, version, weights_path, lora, parent, source=source, size_bytes=size_bytes
     )
+    if retention is not None:
+        keep = {version} if promoted is None else {version, promoted}
+        await run_versions.retain(db, run_id, keep, retention)
 
 
 async def published_runs(db: AsyncSession, lora: bool) -> list[Run]:

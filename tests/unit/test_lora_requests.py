@@ -277,7 +277,9 @@ class _Store:
 
 
 def test_a_read_under_way_does_not_undo_a_publishs_put():
-    old = types.SimpleNamespace(id="run", lora=True, policy_version=1, weights_path="/v1")
+    old = types.SimpleNamespace(
+        id="run", lora=True, policy_version=1, weights_path="/v1", promoted_version=None
+    )
 
     async def scenario() -> tuple[ServedAdapter | None, ServedAdapter | None]:
         store = _Store(old)
