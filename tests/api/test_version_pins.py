@@ -145,6 +145,11 @@ def test_what_cannot_be_served_is_refused_in_the_surfaces_shape(lane):
         for surface in ("chat", "completions", "responses"):
             assert_error(ask(api, run, surface, model, header)[0], status, code=code)
         anthropic_error(ask(api, run, "messages", model, header)[0], status, anthropic_kind)
+    # Streamed, the refusal still comes as a status, before any event.
+    session = api.new_session(run["id"], key=run["api_key"])
+    body = {"model": "tiny@9", "messages": [{"role": "user", "content": PROMPT}], "stream": True}
+    reply = api.call("POST", "/v1/chat/completions", key=session["api_key"], json=body)
+    assert_error(reply, 404, code="version_not_found")
     # A name with an "@" that names neither the model nor a run is no pin: served as today.
     assert served(api, run, "chat", "claude-3-5-sonnet@20240620")["versions"][0] == 4
 
