@@ -163,15 +163,17 @@ async def _unload_where_held(
 ) -> None:
     """Unload from each engine the run's adapters it lists (what it holds, not what this proxy
     remembers loading, which a restart or another replica's requests leave incomplete) of
-    versions up to ``newest`` (``only`` that one). What an engine fails to list or unload within
+    versions up to ``newest`` (``only`` that one), but for the pinned ones requests loaded there
+    (``AdapterLoads``: bounded on their own). What an engine fails to list or unload within
     ``UNLOAD_WAIT_S`` stays: it costs memory there, not correctness."""
 
     async def on(engine: EngineState) -> None:
         try:
             async with asyncio.timeout(UNLOAD_WAIT_S):
                 listed = adapters_listed((await engine.client.models()).get("data"), run_id)
+                pinned = set(ctx.adapter_loads.pinned(engine.url)) if only is None else set()
                 for name, number in listed.items():
-                    if number > newest or (only is not None and number != only):
+                    if number > newest or (only is not None and number != only) or name in pinned:
                         continue
                     await ctx.adapter_loads.unload(engine.client, name, UNLOAD_WAIT_S)
         except (EngineError, TimeoutError) as exc:

@@ -157,7 +157,11 @@ def test_what_cannot_be_served_is_refused_in_the_surfaces_shape(lane):
 def test_an_evicted_version_and_one_whose_files_are_gone_answer_410(lane, tiny_model_dir):
     api, run, references, paths = lane
     fifth = make_adapter(tiny_model_dir, f"{paths[4]}-5", 5)
+    served(api, run, "chat", "tiny@3")  # loaded as a pinned adapter
+    pinned = run_adapters(api, run["id"]) - {f"{run['id']}@4"}
+    assert f"{run['id']}@3" in pinned
     api.ok("POST", "/admin/weights", json={"run_id": run["id"], "adapter_path": fifth})
+    assert pinned <= run_adapters(api, run["id"])  # a publish leaves the pinned ones loaded
     time.sleep(RUN_ADAPTER_TTL_S)  # a pin's answer is kept that long
     error = assert_error(ask(api, run, "chat", "tiny@1")[0], 410, code="version_evicted")
     assert "versions_kept" in error["message"], error
