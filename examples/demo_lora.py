@@ -87,6 +87,27 @@ class Lane:
         rewards = [o.reward for o in self.board.outcomes if o.version == version]
         return demo._mean(rewards) if rewards else None
 
+    def reward_until(self, last: int) -> float | None:
+        """The rolling reward as the table showed it at outcome ``last``: the mean of the
+        ``WINDOW`` sessions that end with it (a single version's few sessions cover a few
+        problems only, too few to compare)."""
+        rewards = self.rewards[max(0, last - WINDOW + 1) : last + 1]
+        return demo._mean(rewards) if rewards else None
+
+    def rollback_figures(self, rollback: dict) -> dict:
+        """The rolling reward just before the rollback, once ``WINDOW`` sessions ran after
+        it, and when the version it serves again was current."""
+        outcomes = self.board.outcomes
+        before = sum(o.at < rollback["at_s"] for o in outcomes) - 1
+        under_source = [i for i, o in enumerate(outcomes) if o.version == rollback["source"]]
+        return {
+            "reward_before": self.reward_until(before) if before >= 0 else None,
+            "reward_after": self.reward_until(before + WINDOW)
+            if before + WINDOW < len(outcomes)
+            else None,
+            "reward_at_source": self.reward_until(under_source[-1]) if under_source else None,
+        }
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="proxrl demo --lora", description=__doc__.split("\n\n")[0])
@@ -104,7 +125,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--rollback",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help=f"Roll run {ROLLED_BACK!r} back --rollback-by versions at --rollback-at.",
     )
     p.add_argument(
@@ -364,9 +385,7 @@ def summarize_run(lane: Lane) -> dict:
         "rollbacks": [
             {
                 **rollback,
-                "reward_at_from": lane.reward_at(rollback["from"]),
-                "reward_at_source": lane.reward_at(rollback["source"]),
-                "reward_at_version": lane.reward_at(rollback["version"]),
+                **lane.rollback_figures(rollback),
             }
             for rollback in lane.rollbacks
         ],
@@ -427,8 +446,8 @@ def report(lanes: list[Lane], out: Path, console, seconds: float) -> None:
     for lane in lanes:
         run = summary["runs"][lane.name]
         rollbacks = "".join(
-            f" · rollback {rollback_line(r)}: reward {_figure(r['reward_at_from'])} at "
-            f"v{r['from']}, {_figure(r['reward_at_version'])} at v{r['version']} "
+            f" · rollback {rollback_line(r)}: reward {_figure(r['reward_before'])} before, "
+            f"{_figure(r['reward_after'])} {WINDOW} sessions after "
             f"({_figure(r['reward_at_source'])} at v{r['source']})"
             for r in run["rollbacks"]
         )
