@@ -254,7 +254,7 @@ class ServerSettings(BaseSettings):
         description="Adapters of pinned versions (a request's model@N or X-Proxrl-Version, or a "
         "production session's promoted version) outside the --adapters-kept window that each "
         "engine holds at once; loading one more first unloads the least recently used one "
-        "that no request is running on. Less than --max-loaded-loras.",
+        "that no request is running on. Given, it must be less than --max-loaded-loras.",
     )
     versions_kept: int = Field(
         20,
@@ -354,7 +354,10 @@ class ServerSettings(BaseSettings):
                 "--max-loaded-loras applies to the engines proxrl starts; engines given with "
                 "--engines hold what they were started with"
             )
-        if self.pinned_adapters_per_engine >= self.max_loaded_loras:
+        pinned_given = (
+            self.pinned_adapters_per_engine != fields["pinned_adapters_per_engine"].default
+        )
+        if pinned_given and self.pinned_adapters_per_engine >= self.max_loaded_loras:
             raise ValueError(
                 f"--pinned-adapters-per-engine ({self.pinned_adapters_per_engine}) must be less "
                 f"than --max-loaded-loras ({self.max_loaded_loras}): the runs' current versions "

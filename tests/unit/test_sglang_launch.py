@@ -173,6 +173,10 @@ def test_lora_runs_size_the_launched_servers_from_the_serve_flags():
             {"engine": "sglang", "lora_max_rank": 8, "max_loaded_loras": 2},
             "--max-loras-per-batch (8) must be at most --max-loaded-loras (2)",
         ),
+        (
+            {"pinned_adapters_per_engine": 8},
+            "--pinned-adapters-per-engine (8) must be less than --max-loaded-loras (8)",
+        ),
     ],
 )
 def test_lora_flags_that_cannot_apply_are_refused(fields, says):
