@@ -117,16 +117,15 @@ class Board:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="proxrl demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--minutes", type=float, default=10.0, help="How long the agent trains.")
-    p.add_argument("--out", type=Path, default=Path("demo-out"), help="Where results go.")
-    p.add_argument("--cache", type=Path, default=CACHE_DIR, help="Warm-up cache.")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--concurrency", type=int, default=32, help="Sessions in flight at once.")
-    p.add_argument("--group-size", type=int, default=8, help="Sessions per GRPO group.")
-    p.add_argument("--batch-size", type=int, default=64, help="Sessions per training step.")
-    p.add_argument("--max-staleness", type=int, default=2, help="Versions a token may lag.")
-    p.add_argument("--lr", type=float, default=3e-4, help="The trainer's learning rate.")
+    p = argparse.ArgumentParser(
+        prog="proxrl demo",
+        description=__doc__.split("\n\n")[0],
+        epilog="proxrl demo --lora: two LoRA runs learn two tasks on one engine, one rolled "
+        "back mid-way (examples/demo_lora.py; its flags: proxrl demo --lora --help).",
+    )
+    add_training_arguments(
+        p, minutes=10.0, out="demo-out", concurrency=32, batch_size=64, max_staleness=2, lr=3e-4
+    )
     p.add_argument(
         "--eval-every",
         type=int,
@@ -139,6 +138,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=32,
         help="Problems in each evaluation set: held out (never trained on), and seen.",
     )
+    args = p.parse_args(argv)
+    check_training_arguments(p, args)
+    if args.eval_every < 1:
+        p.error("--eval-every must be at least 1")
+    if not 1 <= args.heldout <= 50:
+        p.error("--heldout must be 1 to 50: the two sets come from 100 problems")
+    return args
+
+
+def add_training_arguments(
+    p: argparse.ArgumentParser,
+    *,
+    minutes: float,
+    out: str,
+    concurrency: int,
+    batch_size: int,
+    max_staleness: int,
+    lr: float,
+) -> None:
+    """The flags this demo and the two-run LoRA demo (examples/demo_lora.py) share, with the
+    demo's defaults."""
+    p.add_argument("--minutes", type=float, default=minutes, help="Minutes of training.")
+    p.add_argument("--out", type=Path, default=Path(out), help="Where results go.")
+    p.add_argument("--cache", type=Path, default=CACHE_DIR, help="Warm-up cache.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--concurrency", type=int, default=concurrency, help="Sessions in flight at once, per run."
+    )
+    p.add_argument("--group-size", type=int, default=8, help="Sessions per GRPO group.")
+    p.add_argument("--batch-size", type=int, default=batch_size, help="Sessions per training step.")
+    p.add_argument(
+        "--max-staleness", type=int, default=max_staleness, help="Versions a token may lag."
+    )
+    p.add_argument("--lr", type=float, default=lr, help="The trainer's learning rate.")
     p.add_argument(
         "--keep-serving",
         action=argparse.BooleanOptionalAction,
@@ -146,7 +179,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="After the summary, keep the server (and its dashboard) up until Ctrl-C. "
         "Default: when stdin and stdout are a terminal.",
     )
-    args = p.parse_args(argv)
+
+
+def check_training_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what ``add_training_arguments``' flags cannot be, and settle --keep-serving."""
     if not args.minutes > 0:
         p.error("--minutes must be positive")
     if min(args.group_size, args.batch_size, args.concurrency) < 1:
@@ -155,13 +191,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--batch-size and --concurrency must be multiples of --group-size")
     if args.max_staleness < 0:
         p.error("--max-staleness must be at least 0 (0: synchronous)")
-    if args.eval_every < 1:
-        p.error("--eval-every must be at least 1")
-    if not 1 <= args.heldout <= 50:
-        p.error("--heldout must be 1 to 50: the two sets come from 100 problems")
     if args.keep_serving is None:  # a person at a terminal gets to look at the run
         args.keep_serving = sys.stdin.isatty() and sys.stdout.isatty()
-    return args
 
 
 # ----- the pieces ----------------------------------------------------------------------------

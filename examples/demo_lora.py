@@ -52,7 +52,7 @@ import arithmetic  # noqa: E402  (examples/agents, on the path above)
 import demo  # noqa: E402  (examples/demo.py: the full-weight demo's pieces)
 import subtraction  # noqa: E402
 from math_agent import MathAgent  # noqa: E402
-from warm_start import CACHE_DIR, two_task_examples, warm_model  # noqa: E402
+from warm_start import two_task_examples, warm_model  # noqa: E402
 
 log = logging.getLogger("proxrl.demo")
 
@@ -87,6 +87,13 @@ class Lane:
         rewards = [o.reward for o in self.board.outcomes if o.version == version]
         return demo._mean(rewards) if rewards else None
 
+    def sessions_trained(self) -> int:
+        """Sessions the trainer's steps trained into the run's lineage: a rollback discards
+        the steps of the versions after the one it serves again, and their sessions are
+        released, to be trained again."""
+        discarded = {v for r in self.rollbacks for v in range(r["source"] + 1, r["from"] + 1)}
+        return sum(s["sessions"] for s in self.board.steps if s["version"] not in discarded)
+
     def reward_until(self, last: int) -> float | None:
         """The rolling reward as the table showed it at outcome ``last``: the mean of the
         ``WINDOW`` sessions that end with it (a single version's few sessions cover a few
@@ -111,15 +118,9 @@ class Lane:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="proxrl demo --lora", description=__doc__.split("\n\n")[0])
-    p.add_argument("--minutes", type=float, default=5.0, help="How long the agents train.")
-    p.add_argument("--out", type=Path, default=Path("demo-lora-out"), help="Where results go.")
-    p.add_argument("--cache", type=Path, default=CACHE_DIR, help="Warm-up cache.")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--concurrency", type=int, default=16, help="Sessions in flight per run.")
-    p.add_argument("--group-size", type=int, default=8, help="Sessions per GRPO group.")
-    p.add_argument("--batch-size", type=int, default=32, help="Sessions per training step.")
-    p.add_argument("--max-staleness", type=int, default=1, help="Versions a token may lag.")
-    p.add_argument("--lr", type=float, default=3e-3, help="The trainers' learning rate.")
+    demo.add_training_arguments(
+        p, minutes=5.0, out="demo-lora-out", concurrency=16, batch_size=32, max_staleness=1, lr=3e-3
+    )
     p.add_argument("--problems", type=int, default=16, help="Distinct problems each run practises.")
     p.add_argument("--lora-rank", type=int, default=8, help="Each run's adapter rank.")
     p.add_argument(
@@ -140,28 +141,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=12,
         help="Versions back: at version k, the run serves version k - this again.",
     )
-    p.add_argument(
-        "--keep-serving",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="After the summary, keep the server (and its dashboard) up until Ctrl-C. "
-        "Default: when stdin and stdout are a terminal.",
-    )
     args = p.parse_args(argv)
-    if not args.minutes > 0:
-        p.error("--minutes must be positive")
-    if min(args.group_size, args.batch_size, args.concurrency, args.lora_rank) < 1:
-        p.error("--group-size, --batch-size, --concurrency and --lora-rank must be at least 1")
-    if args.batch_size % args.group_size or args.concurrency % args.group_size:
-        p.error("--batch-size and --concurrency must be multiples of --group-size")
-    if args.max_staleness < 0:
-        p.error("--max-staleness must be at least 0 (0: synchronous)")
+    demo.check_training_arguments(p, args)
+    if args.lora_rank < 1:
+        p.error("--lora-rank must be at least 1")
     if not 1 <= args.problems <= 50:
         p.error("--problems must be 1 to 50 (subtraction has 55 problems)")
     if not 1 <= args.rollback_by < args.rollback_at:
         p.error("--rollback-by must be at least 1 and less than --rollback-at")
-    if args.keep_serving is None:
-        args.keep_serving = sys.stdin.isatty() and sys.stdout.isatty()
     return args
 
 
@@ -190,7 +177,7 @@ def table(lanes: list[Lane], started: float, args: argparse.Namespace):
     t.add_column("rollback")
     for lane in lanes:
         rewards = lane.rewards
-        trained = sum(step["sessions"] for step in lane.board.steps)
+        trained = lane.sessions_trained()
         t.add_row(
             lane.name,
             str(lane.board.version),
@@ -371,7 +358,7 @@ def summarize_run(lane: Lane) -> dict:
         "reward_start": demo._mean(rewards[:WINDOW]),
         "reward_end": demo._mean(rewards[-WINDOW:]),
         "sessions": len(rewards),
-        "sessions_trained": sum(step["sessions"] for step in lane.board.steps),
+        "sessions_trained": lane.sessions_trained(),
         "steps": len(lane.board.steps),
         "policy_version": lane.board.version,
         "reward_by_version": [
@@ -413,22 +400,9 @@ def plot(lanes: list[Lane], out: Path) -> Path:
             [o.version for o in outcomes], rolling, color=line.get_color(), label=lane.name
         )
         for r in lane.rollbacks:
-            by_time.axvline(r["at_s"], color=line.get_color(), linestyle="--")
-            by_time.annotate(
-                f"{lane.name}: rollback to v{r['source']}",
-                (r["at_s"], 0.05),
-                rotation=90,
-                fontsize=8,
-                ha="right",
-            )
-            by_version.axvline(r["version"], color=line.get_color(), linestyle="--")
-            by_version.annotate(
-                f"v{r['version']} = v{r['source']}",
-                (r["version"], 0.05),
-                rotation=90,
-                fontsize=8,
-                ha="right",
-            )
+            color = line.get_color()
+            mark(by_time, r["at_s"], f"{lane.name}: rollback to v{r['source']}", color)
+            mark(by_version, r["version"], f"v{r['version']} = v{r['source']}", color)
     by_time.set(xlabel="seconds", ylabel="reward", ylim=(0, 1), title="against time")
     by_version.set(xlabel="policy version", ylabel="reward", ylim=(0, 1))
     by_version.set_title("against policy version")
@@ -438,6 +412,12 @@ def plot(lanes: list[Lane], out: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def mark(axes, x: float, text: str, color: str) -> None:
+    """A dashed line at ``x`` with ``text`` along it: where a rollback happened."""
+    axes.axvline(x, color=color, linestyle="--")
+    axes.annotate(text, (x, 0.98), rotation=90, fontsize=8, ha="right", va="top")
 
 
 def report(lanes: list[Lane], out: Path, console, seconds: float) -> None:

@@ -128,3 +128,4 @@ def test_two_lora_runs_learn_two_tasks_with_a_rollback(tmp_path):
     for name, run in (("add", add), ("sub", sub)):
         assert len(trained[name]) == len(set(trained[name])), name
         assert run["server"]["sessions"].get("consumed") == len(trained[name]), run["server"]
+        assert run["sessions_trained"] == len(trained[name]), run
