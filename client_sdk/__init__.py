@@ -32,6 +32,8 @@ from client_sdk._errors import (
 )
 from client_sdk._types import (
     EvalFigures,
+    Promotion,
+    PromotionCandidate,
     RewardResult,
     Row,
     Run,
@@ -61,6 +63,8 @@ __all__ = [
     "InternalServerError",
     "NotFoundError",
     "PermissionDeniedError",
+    "Promotion",
+    "PromotionCandidate",
     "ProxrlError",
     "RateLimitError",
     "RewardResult",

@@ -52,6 +52,26 @@ class RunTraining(TypedDict):
     """A sentence when the trained share is below min_trained_share, else None."""
 
 
+class PromotionCandidate(TypedDict):
+    version: int
+    """A published version newer than the promoted one."""
+    count: int
+    """Its rewarded eval sessions."""
+    mean: float | None
+
+
+class Promotion(TypedDict):
+    """A run's promotion gate: the version its production sessions are served, the candidates."""
+
+    promoted_version: int
+    promoted_count: int
+    promoted_mean: float | None
+    margin: float | None
+    """A candidate is promoted at promoted_mean + margin (None: no gate, promoted by hand)."""
+    min_eval_sessions: int | None
+    candidates: list[PromotionCandidate]
+
+
 class Run(TypedDict):
     """A run: one training job."""
 
@@ -70,12 +90,15 @@ class Run(TypedDict):
     is_default: bool
     created_at: str
     sessions: dict[str, int]
-    """Sessions by status (open, ended, trainable, claimed, consumed, dropped, evaluated)."""
+    """Sessions by status (open, ended, trainable, claimed, consumed, dropped, evaluated,
+    served)."""
     totals: dict[str, int]
     """turns, prompt_tokens, completion_tokens, and of its sessions: rows, conversations,
     breaks."""
     eval: RunEval
     """Eval sessions' rewards by policy version (and task)."""
+    promotion: Promotion | None
+    """Its promotion gate (None: production sessions are served the current version)."""
     training: RunTraining
     """What of the sampled tokens trained, and why the rest did not."""
 
@@ -172,6 +195,8 @@ class SessionDetail(TypedDict):
     """Why it was dropped ("code: a sentence", e.g. "no_reward: ..."); None unless dropped."""
     eval: bool
     """An evaluation session: never trained; "evaluated" once ended and rewarded."""
+    production: bool
+    """A production session: served the promoted version, never trained; "served" once ended."""
     retries: int
     """Requests sent again whose answer the session did not go on from (alternatives)."""
     reward: float | None
@@ -199,4 +224,5 @@ class SessionEnded(TypedDict):
     session_id: str
     status: str
     """"ended", or "trainable" when it already had its session reward (or per-turn rewards,
-    where the run's turn_rewards_suffice is true); "evaluated" instead for an eval session."""
+    where the run's turn_rewards_suffice is true); "evaluated" instead for an eval session;
+    "served" for a production session."""

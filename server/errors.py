@@ -30,7 +30,8 @@ document (``documented``) and the error event a stream ends with
     ├── SessionNotOpen           409  the session takes no more turns
     ├── RewardsClosed            409  the session takes no more rewards (claimed, settled)
     ├── RewardConflict           409  a different reward was already posted for that target
-    ├── GroupMixesEval           409  a group_id holds sessions of the other kind (eval/training)
+    ├── GroupMixesEval           409  a group_id holds sessions of another kind (eval, production)
+    ├── PromotionRefused         409  a promotion a full-weight run's engines could not serve
     ├── WeightsConflict          409  a swap's version is served, but not with the weights it names
     ├── EnginesShared            409  full weights and LoRA adapters would need the same engines
     ├── VersionNotServable       409  a pin to a full-weight run's version other than its current
@@ -218,12 +219,23 @@ class RewardConflict(ProxrlError):
 
 class GroupMixesEval(ProxrlError):
     def __init__(self, group_id: str, holds: str) -> None:
-        """``holds``: "eval" or "training", the kind of session the group already holds."""
+        """``holds``: "training", "eval" or "production", a kind of session the group already
+        holds."""
         super().__init__(
-            f"group_id {group_id!r} holds {holds} sessions; a session of the other kind cannot "
-            "join it (a GRPO group is all eval sessions or none): use another group_id.",
+            f"group_id {group_id!r} holds {holds} sessions; a session of another kind cannot "
+            "join it (a GRPO group's sessions are all training, all eval or all production "
+            "sessions): use another group_id.",
             param="group_id",
         )
+
+
+class PromotionRefused(ProxrlError):
+    """A promotion gate, a promotion or a full-weight publish that would have a full-weight
+    run's production sessions served a version its engines do not serve: they serve one set of
+    full weights, the current version's."""
+
+    def __init__(self, message: str, param: str | None = "version") -> None:
+        super().__init__(message, param=param)
 
 
 class WeightsConflict(ProxrlError):
@@ -386,6 +398,7 @@ RENDERING: dict[type[ProxrlError], Rendering] = {
     RewardsClosed: Rendering(409, "conflict_error", "rewards_closed"),
     RewardConflict: Rendering(409, "conflict_error", "reward_conflict"),
     GroupMixesEval: Rendering(409, "conflict_error", "group_mixes_eval"),
+    PromotionRefused: Rendering(409, "conflict_error", "promotion_refused"),
     WeightsConflict: Rendering(409, "conflict_error", "weights_conflict"),
     EnginesShared: Rendering(409, "conflict_error", "engines_shared"),
     VersionSuperseded: Rendering(409, "conflict_error", "version_superseded"),

@@ -14,7 +14,7 @@ ExportStatus = Literal["consumed", "trainable", "all"]
 ExportFormat = Literal["jsonl", "parquet"]
 STATUS_HELP = (
     "consumed (trained), trainable (ready, not yet claimed), or all (every status: open, ended, "
-    "claimed, dropped and evaluated too)."
+    "claimed, dropped, evaluated and served too)."
 )
 SINCE_HELP = (
     "Only sessions created at or after this: an ISO-8601 time (UTC when it names no zone) or a "

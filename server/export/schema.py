@@ -105,7 +105,10 @@ SESSION = (
     Column("task_id", "string", "Its task.", nullable=True),
     Column("group_id", "string", "Its GRPO group.", nullable=True),
     Column("eval", "bool", "An evaluation session (never trained)."),
-    Column("status", "string", "open, ended, trainable, claimed, consumed, dropped, evaluated."),
+    Column("production", "bool", "A production session (served, never trained)."),
+    Column(
+        "status", "string", "open, ended, trainable, claimed, consumed, dropped, evaluated, served."
+    ),
     Column("drop_reason", "string", "Why it was dropped (null unless dropped).", nullable=True),
     Column("metadata_json", "json", "The metadata it was created with (a JSON object)."),
     Column("created_at", "string", "When it was created (ISO-8601, UTC)."),

@@ -27,7 +27,7 @@ stopped gathering starts it gathering again, and pays for that at its admission.
 
 When the places run out a caller waits (up to the run's ``admission_wait_s``) for the trainer
 to free some, then gets a 429 with Retry-After. Runs without a ``batch_size`` admit everything.
-Evaluation sessions are never trained: they hold no place and never wait
+Evaluation and production sessions are never trained: they hold no place and never wait
 (``server.rl.sessions``, which also makes each check-and-create one transaction under the run's
 row lock, so server processes sharing a store admit one at a time).
 

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 STATUSES: dict[str, tuple[str, ...] | None] = {
     "consumed": (status.CONSUMED,),
     "trainable": (status.TRAINABLE,),
-    "all": None,  # every status: open, ended, claimed, dropped, evaluated too
+    "all": None,  # every status: open, ended, claimed, dropped, evaluated, served too
 }
 PAGE_SIZE = 100  # sessions read, encoded and written at a time
 
@@ -118,6 +118,7 @@ def session_record(view: SessionOut) -> dict[str, Any]:
         "task_id": view.task_id,
         "group_id": view.group_id,
         "eval": view.eval,
+        "production": view.production,
         "status": view.status,
         "drop_reason": view.drop_reason,
         "metadata_json": _json(view.metadata),

@@ -19,6 +19,7 @@ from server.rl import (
     adapters,
     claims,
     export,
+    promotion,
     rollback,
     runs,
     sessions,
@@ -35,6 +36,7 @@ from server.rl.schemas import (
     DropOut,
     LeaderOut,
     LeaderView,
+    PromoteIn,
     ReleaseOut,
     RenewIn,
     RenewOut,
@@ -97,7 +99,8 @@ CREATED: dict[int | str, dict[str, Any]] = {
     "",
     response_model=SessionCreated,
     status_code=201,
-    summary="Start a session (waits for admission, then 429 with Retry-After; eval: at once)",
+    summary="Start a session (waits for admission, then 429 with Retry-After; eval and "
+    "production: at once)",
     responses={**CREATED, **documented(400, 401, 403, 404, 409, 422, 429)},
 )
 async def create_session(body: SessionCreate, ctx: Ctx, caller: CallerDep) -> SessionCreated:
@@ -108,7 +111,7 @@ async def create_session(body: SessionCreate, ctx: Ctx, caller: CallerDep) -> Se
     run_id = body.run_id or caller.run_id or ctx.default_run_id
     auth.require_run_access(caller, run_id)
     return await sessions.create_session(
-        ctx, run_id, body.task_id, body.group_id, body.metadata, body.eval
+        ctx, run_id, body.task_id, body.group_id, body.metadata, body.eval, body.production
     )
 
 
@@ -279,6 +282,16 @@ async def rollback_run(
     if not ctx.pool.leading:  # a follower: the leader swaps
         return leaders_answer(await weights.forward(ctx, request.url.path, body, request.headers))
     return await rollback.rollback(ctx, run_id, body.version)
+
+
+@runs_router.post(
+    "/runs/{run_id}/promote",
+    response_model=RunOut,
+    summary="Serve the run's production sessions a version (a promotion by hand)",
+    responses=documented(401, 403, 404, 409, 410, 422),
+)
+async def promote(run_id: PathId, body: PromoteIn, ctx: Ctx, _: AdminDep) -> dict:
+    return await runs.run_view(ctx, await promotion.promote(ctx, run_id, body.version))
 
 
 @runs_router.post(

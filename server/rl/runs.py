@@ -11,6 +11,7 @@ from typing import Any
 from server.common.trained_share import share_warning, untrained_warning
 from server.context import ServerContext
 from server.errors import InvalidConfig, RunNotFound
+from server.rl import promotion
 from server.rl.schemas import EvalFigures, RunEval, RunOut, RunTraining
 from server.store import evaluation, run_versions, runs, stats, steps
 from server.store.database import Db
@@ -29,6 +30,7 @@ async def run_view(ctx: ServerContext, run: Run) -> dict[str, Any]:
         counts = await runs.session_counts(db, run.id)
         totals = await runs.run_totals(db, run.id)
         eval_figures = await run_eval(db, run.id)
+        gate = await promotion.view(db, run)
         training = await run_training(db, run)
         rollbacks = await run_versions.republished(db, run.id)
     return RunOut(
@@ -44,6 +46,7 @@ async def run_view(ctx: ServerContext, run: Run) -> dict[str, Any]:
         sessions=counts,
         totals=totals,
         eval=eval_figures,
+        promotion=gate,
         training=training,
         rollbacks=rollbacks,
     ).model_dump()
@@ -148,6 +151,7 @@ async def create_run(ctx: ServerContext, name: str, config: RunConfig) -> tuple[
         run, key = await runs.create_run(
             db, name, ctx.model_name, config.model_dump(exclude_none=False)
         )
+        await promotion.configured(db, run, RunConfig(), config)
     ctx.run_configs.put(run.id, config)
     return run, key
 
@@ -163,7 +167,9 @@ async def update_config(ctx: ServerContext, run_id: str, patch: dict[str, Any]) 
             config = RunConfig.model_validate(merged)
         except ValueError as exc:
             raise InvalidConfig(str(exc)) from exc
+        before = RunConfig.model_validate(run.config)
         run.config = config.model_dump()
+        await promotion.configured(db, run, before, config)
     ctx.run_configs.put(run_id, config)
     await ctx.admission.notify()
     return run

@@ -74,6 +74,12 @@ EVAL_SESSION = (
     "An evaluation session: served and recorded like any other, never trained, never counted "
     'against admission; it ends "evaluated" (not "trainable") once ended and rewarded.'
 )
+PRODUCTION_SESSION = (
+    "A production session: traffic the run serves but never trains on, admitted at once, never "
+    "counted against admission; served the run's promoted version where it has one (its "
+    'promotion gate), else its current version; it ends "served" once ended, rewarded or not '
+    "(rewards are recorded all the same)."
+)
 
 
 class EvalFigures(BaseModel):
@@ -99,6 +105,43 @@ class RunEval(BaseModel):
         "mean of its turn rewards; unrewarded eval sessions do not count."
     )
     versions: list[EvalFigures] = Field(description="Per version, over every task.")
+
+
+class PromotionCandidate(BaseModel):
+    version: int = Field(description="A published version newer than the promoted one.")
+    count: int = Field(description="Its rewarded eval sessions.")
+    mean: float | None = Field(description="Their mean reward (null: none).")
+
+
+class PromotionOut(BaseModel):
+    """The run's promotion gate: what its production sessions are served, and what may be
+    promoted next."""
+
+    promoted_version: int = Field(description="The version production sessions are served.")
+    promoted_count: int = Field(description="Rewarded eval sessions of the promoted version.")
+    promoted_mean: float | None = Field(description="Their mean reward (null: none).")
+    margin: float | None = Field(
+        description="A candidate is promoted once its mean is at least promoted_mean + margin "
+        "(null: no gate, a version promoted by hand)."
+    )
+    min_eval_sessions: int | None = Field(
+        description="Rewarded eval sessions a candidate needs (null: no gate)."
+    )
+    candidates: list[PromotionCandidate] = Field(
+        description="The published versions newer than the promoted one, not evicted, oldest "
+        "first: the newest that passes is promoted."
+    )
+
+
+class PromoteIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    version: int = Field(
+        ge=0,
+        le=MAX_INT,
+        description="The version to serve the run's production sessions: 0 (the base) or one "
+        "it published and has not evicted.",
+    )
 
 
 class RunTraining(BaseModel):
@@ -152,6 +195,11 @@ class RunOut(BaseModel):
         "conversations, breaks."
     )
     eval: RunEval = Field(description="Held-out rewards of eval sessions by version and task.")
+    promotion: PromotionOut | None = Field(
+        description="Its promotion gate: the version production sessions are served, the "
+        "candidates with their eval figures (null: no gate and no promotion by hand; production "
+        "sessions are served the current version).",
+    )
     training: RunTraining = Field(
         description="What of the sampled tokens trained (the trainer's totals) and why the rest "
         "did not: masked tokens by cause, dropped sessions by reason."
@@ -222,6 +270,20 @@ class SessionCreate(BaseModel):
         description=EVAL_SESSION + " Admitted even at the staleness bound; its group_id may not "
         "be shared with training sessions.",
     )
+    production: bool = Field(
+        False,
+        description=PRODUCTION_SESSION + " Not with eval; its group_id may not be shared with "
+        "sessions of another kind.",
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> SessionCreate:
+        if self.eval and self.production:
+            raise ValueError(
+                "a session is eval or production, not both: an eval session scores a version, "
+                "a production session is served the promoted one"
+            )
+        return self
 
 
 class SessionCreated(BaseModel):
@@ -258,7 +320,7 @@ class SessionEnded(BaseModel):
     status: str = Field(
         description='"ended", or "trainable" when it already had its session reward (or per-turn '
         'rewards, where the run\'s turn_rewards_suffice is true); "evaluated" instead of '
-        '"trainable" for an eval session.'
+        '"trainable" for an eval session; "served" for a production session.'
     )
 
 
@@ -280,7 +342,9 @@ class RowOut(BaseModel):
     turns: list[dict[str, Any]] = Field(description=ROW_TURNS)
 
 
-SessionStatus = Literal["open", "ended", "trainable", "claimed", "consumed", "dropped", "evaluated"]
+SessionStatus = Literal[
+    "open", "ended", "trainable", "claimed", "consumed", "dropped", "evaluated", "served"
+]
 
 
 class SessionSummary(BaseModel):
@@ -297,6 +361,7 @@ class SessionSummary(BaseModel):
     breaks: int = Field(description=BREAKS)
     drop_reason: str | None = Field(description=DROP_REASON)
     eval: bool = Field(description=EVAL_SESSION)
+    production: bool = Field(description=PRODUCTION_SESSION)
 
 
 class SessionOut(BaseModel):
@@ -315,6 +380,7 @@ class SessionOut(BaseModel):
     breaks: int = Field(description=BREAKS)
     drop_reason: str | None = Field(description=DROP_REASON)
     eval: bool = Field(description=EVAL_SESSION)
+    production: bool = Field(description=PRODUCTION_SESSION)
     retries: int = Field(
         description="Requests the agent sent again (the same prompt) whose answer the session "
         "did not go on from: their turns are alternatives."

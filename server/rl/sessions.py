@@ -1,8 +1,12 @@
 """Sessions as the REST API sees them: create (admission), show, reward, end.
 
 An eval session (``eval``) is admitted at once, even at the staleness bound: it will never be
-trained, so it cannot make training staler. A group_id is either all eval sessions or none: a
-GRPO group with eval members would never fill (they are never trainable), so mixing is refused.
+trained, so it cannot make training staler. A production session (``production``: traffic the
+run serves, its promoted version where it has one, but never trains on) is admitted at once for
+the same reason. A group_id holds one kind of session (training, eval or production): a GRPO
+group with members that are never trainable would never fill, so mixing is refused. Each eval
+session's reward recorded lets the run's promotion gate decide (``server.rl.promotion``): an
+eval session counts once rewarded, so only a reward changes the figures it decides on.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any
 
 from server.context import ServerContext
 from server.errors import GroupMixesEval, InvalidRequest, RunNotFound, SessionNotFound
+from server.rl import promotion
 from server.rl import runs as run_views
 from server.rl.admission import Held, admits
 from server.rl.schemas import RewardOut, RowOut, SessionCreated, SessionOut, SessionSummary, TurnOut
@@ -32,10 +37,12 @@ async def create_session(
     group_id: str | None,
     metadata: dict,
     eval: bool = False,
+    production: bool = False,
 ) -> SessionCreated:
-    """A new session once the run's staleness bound admits it (waits, then 429); an eval
-    session at once."""
+    """A new session once the run's staleness bound admits it (waits, then 429); an eval or
+    production session at once."""
     _check_metadata(metadata, ctx.settings.max_metadata_bytes)
+    kind = store.kind_of(eval, production)
     created: list = []
 
     async def check() -> tuple[bool, RunConfig]:
@@ -48,11 +55,11 @@ async def create_session(
             if run is None:
                 raise RunNotFound(run_id)
             if group_id is not None:
-                kinds = await store.group_eval_flags(db, run_id, group_id)
-                if (not eval) in kinds:
-                    raise GroupMixesEval(group_id, "training" if eval else "eval")
+                others = await store.group_kinds(db, run_id, group_id) - {kind}
+                if others:
+                    raise GroupMixesEval(group_id, min(others))
             config = RunConfig.model_validate(run.config)
-            room = eval or config.admission_limit() is None
+            room = kind != store.TRAINING or config.admission_limit() is None
             if not room:
                 size = config.group_size or 1
                 rows = await store.held_places(db, run_id)
@@ -60,7 +67,9 @@ async def create_session(
                 room = admits(held, key_of(group_id, task_id, size > 1), config)
             if room:
                 created.append(
-                    await store.create_session(db, run_id, task_id, group_id, metadata, eval)
+                    await store.create_session(
+                        db, run_id, task_id, group_id, metadata, eval, production
+                    )
                 )
             return room, config
 
@@ -132,6 +141,7 @@ def summary_fields(session: Session) -> dict[str, Any]:
         "breaks": session.breaks,
         "drop_reason": session.drop_reason,
         "eval": session.eval,
+        "production": session.production,
     }
 
 
@@ -213,6 +223,8 @@ async def post_reward(
             db, session, float(value), completion_id, suffice
         )
         status = session.status
+        if session.eval and created:
+            await promotion.decide(db, run_id)
     ctx.sessions.set_status(session_id, status)
     return RewardOut(
         session_id=session_id,

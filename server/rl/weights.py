@@ -57,7 +57,7 @@ from server.errors import (
     WeightsRefused,
     WeightUpdateFailed,
 )
-from server.rl import weight_files
+from server.rl import promotion, weight_files
 from server.rl.schemas import (
     RENDEZVOUS_WAIT_S,
     DistributedWeightsIn,
@@ -141,6 +141,7 @@ async def publish(ctx: ServerContext, body: WeightsIn, source: int | None = None
         await _check_files(str(body.model_path), ctx.settings.weights_check_timeout_s)
     async with pool.update_lock:
         await refuse_shared(ctx, run.id, lora=False)
+        await promotion.refuse_full_weights(ctx, run.id)
         given = None if body.model_path is None else str(body.model_path)
         await refuse_superseded(ctx, run.id, version, given)
         engines = pool.loadable

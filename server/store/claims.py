@@ -105,9 +105,14 @@ async def claim(
 
 
 def _trainable(run_id: str) -> tuple:
-    # An eval session never becomes trainable; the flag is checked as well, so that no claim
-    # could ever take one.
-    return (Session.run_id == run_id, Session.status == status.TRAINABLE, Session.eval.is_(False))
+    # Eval and production sessions never become trainable; the flags are checked as well, so
+    # that no claim could ever take one.
+    return (
+        Session.run_id == run_id,
+        Session.status == status.TRAINABLE,
+        Session.eval.is_(False),
+        Session.production.is_(False),
+    )
 
 
 async def _return_lapsed(db: AsyncSession, run_id: str, now: datetime) -> None:

@@ -3,7 +3,8 @@
 An ended session becomes trainable with its session reward; per-turn rewards alone make it
 trainable only when the run says they suffice (``turn_rewards_suffice``). The session's
 ``rewarded`` flag means exactly that: it has what it needs to become trainable. An eval session
-becomes ``evaluated`` instead, and keeps taking rewards there as a trainable one does.
+becomes ``evaluated`` instead, and keeps taking rewards there as a trainable one does; a
+production session, ``served`` once ended, keeps taking them too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from server.errors import CompletionNotFound, RewardConflict, RewardsClosed
 from server.store import sessions
 from server.store.tables import SESSION_TARGET, Reward, Session, Turn, utcnow
 
-TAKES_REWARDS = (sessions.OPEN, sessions.ENDED, sessions.TRAINABLE, sessions.EVALUATED)
+TAKES_REWARDS = (
+    sessions.OPEN,
+    sessions.ENDED,
+    sessions.TRAINABLE,
+    sessions.EVALUATED,
+    sessions.SERVED,
+)
 
 
 async def add_reward(

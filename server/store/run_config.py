@@ -1,5 +1,5 @@
 """A run's configuration: sampling temperature, admission (staleness bound), reward deadlines,
-groups and claims, the model names it answers to.
+groups and claims, the model names it answers to, its promotion gate.
 
 Plain data validated by pydantic; the server and the trainer read the same fields. Keys it does
 not know are kept (the trainer's own settings may live here) but never acted on by the server.
@@ -24,6 +24,28 @@ MAX_SECONDS = 10 * 365 * 24 * 3600.0
 MODEL_NAME_LENGTH = 200  # a model name's longest: requests are bounded by it, turns.model holds it
 MAX_ALIASES = 64
 Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
+
+
+class PromotionGate(BaseModel):
+    """When a LoRA run's newer version is promoted: served to its production sessions
+    (``server.rl.promotion``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    margin: float = Field(
+        0.0,
+        allow_inf_nan=False,
+        ge=-REWARD_BOUND,
+        le=REWARD_BOUND,
+        description="A version is promoted when its eval sessions' mean reward is at least the "
+        "promoted version's mean plus this.",
+    )
+    min_eval_sessions: int = Field(
+        8,
+        ge=1,
+        le=MAX_COUNT,
+        description="Rewarded eval sessions a version needs before it can be promoted.",
+    )
 
 
 class RunConfig(BaseModel):
@@ -161,6 +183,14 @@ class RunConfig(BaseModel):
         "file_search, ...: tools OpenAI runs, which the engine cannot) get: omit leaves them "
         "out of the prompt, counts them (proxrl_hosted_tools_omitted) and records them on the "
         "turn (sampling.omitted_tools); refuse answers 400 naming the tool.",
+    )
+
+    promotion: PromotionGate | None = Field(
+        None,
+        description="A promotion gate (LoRA runs only): the run's production sessions are "
+        "served its promoted version, version 0 (the base) until a newer version's eval "
+        "sessions number min_eval_sessions and their mean reward is at least the promoted "
+        "version's plus margin; null: no gate.",
     )
 
     def admission_limit(self) -> int | None:

@@ -10,6 +10,11 @@ group, deadline or admission count looks at. At the reward deadline an eval sess
 rewards is evaluated (whatever ``turn_rewards_suffice`` says: they are its score); one with no
 reward at all is dropped ("no_reward"), never given the run's default reward, which would be a
 made-up score.
+
+A production session (``production``) is traffic the run serves but does not train on: its end
+makes it ``served`` at once, rewarded or not (nothing waits for its reward), a final status that,
+like ``evaluated``, no claim, group, deadline or admission count looks at; rewards posted to it
+are recorded all the same.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from server.store.tables import SESSION_TARGET, Reward, Run, Session, utcnow
 
 log = logging.getLogger(__name__)
 
-OPEN, ENDED, TRAINABLE, CLAIMED, CONSUMED, DROPPED, EVALUATED = (
+OPEN, ENDED, TRAINABLE, CLAIMED, CONSUMED, DROPPED, EVALUATED, SERVED = (
     "open",
     "ended",
     "trainable",
@@ -36,18 +41,25 @@ OPEN, ENDED, TRAINABLE, CLAIMED, CONSUMED, DROPPED, EVALUATED = (
     "consumed",
     "dropped",
     "evaluated",
+    "served",
 )
-STATUSES = (OPEN, ENDED, TRAINABLE, CLAIMED, CONSUMED, DROPPED, EVALUATED)
+STATUSES = (OPEN, ENDED, TRAINABLE, CLAIMED, CONSUMED, DROPPED, EVALUATED, SERVED)
+# The kinds of session a group_id may hold, one kind per group (``group_kinds``).
+TRAINING, EVAL, PRODUCTION = "training", "eval", "production"
+
+
+def kind_of(eval: bool, production: bool) -> str:
+    return EVAL if eval else PRODUCTION if production else TRAINING
 
 
 def rewarded_status(session: Session) -> str:
     """What an ended session with the rewards it needs becomes."""
-    return EVALUATED if session.eval else TRAINABLE
+    return EVALUATED if session.eval else SERVED if session.production else TRAINABLE
 
 
 def rewarded_status_sql() -> Any:
     """:func:`rewarded_status` in SQL, for an UPDATE of the session's own row."""
-    return case((Session.eval, EVALUATED), else_=TRAINABLE)
+    return case((Session.eval, EVALUATED), (Session.production, SERVED), else_=TRAINABLE)
 
 
 async def create_session(
@@ -57,6 +69,7 @@ async def create_session(
     group_id: str | None,
     metadata: dict[str, Any],
     eval: bool = False,
+    production: bool = False,
 ) -> tuple[Session, str]:
     key, key_hash = new_key("proxrl-sess")
     session = Session(
@@ -67,6 +80,7 @@ async def create_session(
         meta=metadata,
         api_key_hash=key_hash,
         eval=eval,
+        production=production,
     )
     db.add(session)
     await db.flush()
@@ -83,7 +97,7 @@ async def session_by_key_hash(db: AsyncSession, key_hash: str) -> Session | None
 
 async def end_session(db: AsyncSession, session: Session, now: datetime | None = None) -> None:
     """End an open session (ending twice is a no-op); rewarded, it becomes trainable (an eval
-    session: evaluated)."""
+    session: evaluated); a production session becomes served, rewarded or not."""
     if session.status != OPEN:
         return
     now = now or utcnow()
@@ -92,8 +106,12 @@ async def end_session(db: AsyncSession, session: Session, now: datetime | None =
         .where(Session.id == session.id, Session.status == OPEN)
         .values(
             ended_at=now,
-            status=case((Session.rewarded, rewarded_status_sql()), else_=ENDED),
-            trainable_at=case((Session.rewarded & ~Session.eval, now), else_=None),
+            status=case(
+                (Session.rewarded | Session.production, rewarded_status_sql()), else_=ENDED
+            ),
+            trainable_at=case(
+                (Session.rewarded & ~Session.eval & ~Session.production, now), else_=None
+            ),
         )
         .execution_options(synchronize_session=False)
     )
@@ -108,14 +126,15 @@ async def held_places(
     db: AsyncSession, run_id: str
 ) -> list[tuple[str | None, str | None, int, datetime]]:
     """(group_id, task_id, sessions, the newest one's created_at) of the run's sessions that
-    hold admission places: not eval, not yet trained by a step, neither consumed nor dropped
-    (``server.rl.admission``)."""
+    hold admission places: neither eval nor production, not yet trained by a step, neither
+    consumed nor dropped (``server.rl.admission``)."""
     query = (
         select(Session.group_id, Session.task_id, func.count(), func.max(Session.created_at))
         .where(
             Session.run_id == run_id,
             Session.status.in_(HOLDING),
             Session.eval.is_(False),
+            Session.production.is_(False),
             Session.trained_version.is_(None),
         )
         .group_by(Session.group_id, Session.task_id)
@@ -124,10 +143,13 @@ async def held_places(
     return [(group, task, int(count), newest) for group, task, count, newest in rows]
 
 
-async def group_eval_flags(db: AsyncSession, run_id: str, group_id: str) -> set[bool]:
-    """Which kinds (eval or not) the run's sessions of ``group_id`` are."""
-    query = select(Session.eval).where(Session.run_id == run_id, Session.group_id == group_id)
-    return {bool(flag) for flag in await db.scalars(query.distinct())}
+async def group_kinds(db: AsyncSession, run_id: str, group_id: str) -> set[str]:
+    """Which kinds (training, eval, production: ``kind_of``) the run's sessions of ``group_id``
+    are."""
+    query = select(Session.eval, Session.production).where(
+        Session.run_id == run_id, Session.group_id == group_id
+    )
+    return {kind_of(bool(e), bool(p)) for e, p in (await db.execute(query.distinct())).all()}
 
 
 async def expire(db: AsyncSession, now: datetime | None = None) -> dict[str, str]:

@@ -3,7 +3,8 @@
 Every read here is a GROUP BY or a page: none loads a table. Time buckets are computed in SQL
 from each backend's own clock functions (SQLite stores datetimes as text, Postgres as
 timestamptz), so a run's sessions are summarised without being fetched. Reward figures are the
-training sessions' only: eval sessions' rewards are held-out scores (``server.store.evaluation``).
+training sessions' only: eval sessions' rewards are held-out scores (``server.store.evaluation``),
+production sessions' are not the training's either.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ async def reward_means(db: AsyncSession, run_ids: list[str]) -> dict[str, tuple[
             Session.run_id.in_(run_ids),
             Reward.target == SESSION_TARGET,
             Session.eval.is_(False),
+            Session.production.is_(False),
         )
         .group_by(Session.run_id)
     )
@@ -167,7 +169,12 @@ async def reward_buckets(db: AsyncSession, run_id: str, width: int) -> list[Rewa
             func.max(Reward.value),
         )
         .join(Session, Session.id == Reward.session_id)
-        .where(Session.run_id == run_id, Reward.target == SESSION_TARGET, Session.eval.is_(False))
+        .where(
+            Session.run_id == run_id,
+            Reward.target == SESSION_TARGET,
+            Session.eval.is_(False),
+            Session.production.is_(False),
+        )
         .group_by(bucket)
         .order_by(bucket)
     )

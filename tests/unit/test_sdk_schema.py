@@ -38,6 +38,8 @@ SCHEMAS = {
     "EvalFigures": "EvalFigures",
     "RunEval": "RunEval",
     "RunTraining": "RunTraining",
+    "Promotion": "PromotionOut",
+    "PromotionCandidate": "PromotionCandidate",
 }
 # Types the SDK builds from another answer: the schema, and each field's name there.
 SAME = "policy_version", "sessions", "totals"
@@ -191,6 +193,7 @@ class DriftedRun(TypedDict):
     sessions: dict[str, int]
     totals: dict[str, float]
     eval: _types.RunEval
+    promotion: _types.Promotion | None
     training: _types.RunTraining
     note: str
 
