@@ -98,11 +98,23 @@ class Checkpoints:
 
     def latest(self) -> tuple[Path, TrainerState] | None:
         """The newest complete checkpoint (``trainer.json`` is written last)."""
-        for path in sorted(self.root.glob("step-*"), reverse=True):
-            marker = path / "trainer.json"
-            if marker.exists():
-                return path, TrainerState.from_json(json.loads(marker.read_text()))
-        return None
+        found = self.complete()
+        return found[-1] if found else None
+
+    def complete(self) -> list[tuple[Path, TrainerState]]:
+        """Every complete checkpoint, oldest first."""
+        return [
+            (path, TrainerState.from_json(json.loads((path / "trainer.json").read_text())))
+            for path in sorted(self.root.glob("step-*"))
+            if (path / "trainer.json").exists()
+        ]
+
+    def forget(self, step: int) -> None:
+        """Remove the checkpoint of ``step`` (its marker first: never half a checkpoint that
+        counts), to save another at that step: the weights a rollback restored."""
+        path = self.path(step)
+        (path / "trainer.json").unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
 
     def commit(self, path: Path, state: TrainerState) -> None:
         """Mark the checkpoint at ``path`` complete, then prune older ones."""

@@ -38,8 +38,9 @@ from trainer.figures import (
 from trainer.model import check_supported
 from trainer.plan import plan_step
 from trainer.publish import Publisher
+from trainer.rollback import new_rollbacks, plan_restore, to_release
 from trainer.rollouts import Batch, Rules, build_batch
-from trainer.server_api import ServerAPI, ServerError
+from trainer.server_api import ServerAPI, ServerError, VersionSuperseded
 from trainer.tracking import RunInfo, Tracking, check_installed
 from trainer.worker import WorkerSettings
 
@@ -182,6 +183,7 @@ class Trainer:
         self.baseline = RunningBaseline(config.algorithm.baseline_momentum)
         self.leases = Leases(server.clone(), config.claim_lease_s)
         self.pending: list[Claim] = []  # trained on, not yet covered by a checkpoint
+        self.trained_into: dict[str, int] = {}  # of the pending claims: the version trained into
         self.confirmed: list[Claim] = []  # of batches that trained nothing: no checkpoint yet
         self.stopping = False
         found = self.checkpoints.latest()
@@ -212,6 +214,7 @@ class Trainer:
             if pair not in self.state.republished:
                 self.state.republished.append(pair)
         self._settle_journal()
+        self.follow_rollbacks()  # one made while this trainer was away
         if self.server_version != self.state.version:
             self.republish()
         self.leases.start()
@@ -227,6 +230,68 @@ class Trainer:
         self.state.version = version
         self.publisher.publish(version)
         log.info("republished the weights of version %d as version %d", restored, version)
+
+    def follow_rollbacks(self, claimed: Claimed | None = None) -> bool:
+        """Follow the run's rollbacks this trainer has not followed (the last one counts):
+        restore the weights of the version rolled back to (``trainer.rollback``), give back
+        the claims trained into the versions it discarded, count each rollback as a republish
+        (journalled first, as ``republish``), and checkpoint at once, so a restart goes on from
+        the restored weights (``claimed``: the step's claims, not trained yet, journalled
+        again after it). Whether there was one."""
+        listed = self.server.rollbacks(self.run_id)
+        new = new_rollbacks(self.state.republished, listed, self.state.version)
+        if not new:
+            return False
+        source, version = new[-1]
+        restore = plan_restore(
+            source,
+            version,
+            self.checkpoints.complete(),
+            self.server.version_path(self.run_id, source) if source else None,
+        )
+        if restore.checkpoint is not None:
+            self.workers.call("load_checkpoint", str(restore.checkpoint))
+            found = [s for p, s in self.checkpoints.complete() if p == restore.checkpoint]
+            self.baseline.load_state_dict(found[0].baseline)
+        else:
+            self.workers.call("load_published", restore.files)
+        log.warning("%s", restore.says())
+        released = set(to_release(self.trained_into, source))
+        for claim in [c for c in self.pending if c.claim_id in released]:
+            self.leases.let_go(claim.claim_id)
+            try:
+                count = self.server.release(claim.claim_id)
+            except ServerError as exc:  # its lease lapses: the sessions come back all the same
+                log.warning("could not release claim %s: %s", claim.claim_id, exc)
+                continue
+            log.info(
+                "released claim %s (%d sessions): trained into a version the rollback "
+                "discarded, they train again on the restored weights",
+                claim.claim_id,
+                count,
+            )
+        self.pending = [c for c in self.pending if c.claim_id not in released]
+        self.trained_into = {k: v for k, v in self.trained_into.items() if k not in released}
+        for pair in new:
+            self.checkpoints.journal_republish(*pair)
+            self.state.republished.append(pair)
+        self.state.version = self.server_version = version
+        self.checkpoints.forget(self.state.step)  # it held the discarded weights
+        self.commit_checkpoint(self.save_checkpoint())
+        for claim in claimed.claims if claimed is not None else []:  # the commit cleared them
+            self.checkpoints.journal_claim(claim.claim_id, self.state.step, claim.size)
+        return True
+
+    def abandon_step(self, claimed: Claimed, refused: VersionSuperseded) -> None:
+        """The step's publish was refused: the run was rolled back meanwhile. The step's
+        update is discarded with the weights it was made on, its claims given back with the
+        others the rollback discarded."""
+        self.state.version -= 1  # not published
+        for claim in claimed.claims:
+            self.trained_into[claim.claim_id] = self.state.version + 1
+        log.warning("the step's publish was refused (%s); following the rollback", refused)
+        if not self.follow_rollbacks():
+            raise refused
 
     def _settle_journal(self) -> None:
         """Confirm the journalled claims the checkpoint covers, release the others, and count
@@ -281,6 +346,7 @@ class Trainer:
                 claimed = self.claim()  # 1. a batch of trainable sessions, exactly once
                 if claimed is None:
                     break
+                self.follow_rollbacks(claimed)  # before the batch's staleness is judged
                 self.reach("claimed", step)
                 claim_s = time.monotonic() - started
                 batch = build_batch(claimed.sessions, self.rules(), self.baseline)  # 2. samples
@@ -293,7 +359,11 @@ class Trainer:
                 stats = self.train(batch)  # 3. proximal logprobs, PPO minibatches
                 add_to_totals(self.state, batch, stats)  # the stats say what the loss masked
                 self.reach("trained", step)
-                publish_s = self.publish()  # 4. the engines swap
+                try:
+                    publish_s = self.publish()  # 4. the engines swap
+                except VersionSuperseded as exc:  # a rollback since this step's claim
+                    self.abandon_step(claimed, exc)
+                    continue
                 self.reach("published", step)
                 self.state.step = step
                 self.mark_trained(claimed.claims)  # they stop counting against admission
@@ -460,6 +530,7 @@ class Trainer:
         they stop counting against admission now (best effort: the confirm after the next
         checkpoint settles them anyway)."""
         for claim in claims:
+            self.trained_into[claim.claim_id] = self.state.version
             try:
                 self.server.trained(claim.claim_id, self.state.version)
             except ServerError as exc:
@@ -511,7 +582,7 @@ class Trainer:
         self.reach("checkpointed", self.state.step)
         for claim in self.pending:
             self._confirm(claim.covered(), "at a checkpoint")
-        self.pending, self.confirmed = [], []
+        self.pending, self.confirmed, self.trained_into = [], [], {}
         self.checkpoints.clear_journal()  # the checkpoint holds every republish and drop
 
     def _confirm(self, covered: dict[str, Any], when: str) -> None:

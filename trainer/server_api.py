@@ -20,6 +20,10 @@ class ServerError(RuntimeError):
     pass
 
 
+class VersionSuperseded(ServerError):
+    """A publish refused because the run has passed its version (a rollback took it)."""
+
+
 class ServerAPI:
     def __init__(self, url: str, admin_key: str, timeout_s: float, retries: int = 5) -> None:
         self.url = url.rstrip("/")
@@ -63,6 +67,18 @@ class ServerAPI:
 
     def run(self, run_id: str) -> dict:
         return self._call("GET", f"/rl/runs/{run_id}")
+
+    def rollbacks(self, run_id: str) -> list[list[int]]:
+        """[source, version] for each version of the run that serves an earlier one's weights
+        again, oldest first (empty from a server without rollbacks)."""
+        return [list(pair) for pair in self.run(run_id).get("rollbacks", [])]
+
+    def version_path(self, run_id: str, version: int) -> str | None:
+        """Where the server recorded the files of the run's ``version`` (None: none)."""
+        for row in self._call("GET", f"/rl/runs/{run_id}/versions"):
+            if row["version"] == version:
+                return row["path"]
+        return None
 
     def configure_run(self, run_id: str, config: dict[str, Any]) -> dict:
         return self._call("PATCH", f"/rl/runs/{run_id}", json={"config": config})
@@ -151,9 +167,12 @@ class ServerAPI:
 
 def _result(method: str, path: str, response: httpx.Response) -> Any:
     if response.status_code >= 400:
+        code = None
         try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
+            error = response.json()["error"]
+            message, code = error["message"], error.get("code")
+        except (ValueError, KeyError, TypeError, AttributeError):
             message = response.text[:500]
-        raise ServerError(f"{method} {path}: HTTP {response.status_code}: {message}")
+        kind = VersionSuperseded if code == "version_superseded" else ServerError
+        raise kind(f"{method} {path}: HTTP {response.status_code}: {message}")
     return response.json()

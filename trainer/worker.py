@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -52,6 +52,7 @@ from trainer.config import AlgorithmConfig, LoraConfig, OptimConfig
 from trainer.model import (
     adapter_state,
     checkpoint_names,
+    load_model,
     load_sharded_model,
     output_embedding_name,
 )
@@ -170,13 +171,7 @@ class Worker:
         ]
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.trainable_names = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        optim = settings.optim
-        adamw = dict(
-            lr=settings.lr,
-            betas=(optim.beta1, optim.beta2),
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-        )
+        adamw = self._adamw()
         self.optimizer = torch.optim.AdamW(trainable, **adamw)  # type: ignore[arg-type]
         # algorithm.critic: a value head on the last hidden state, zero at the start on every
         # worker (every value 0: GAE starts from the returns, and no value gradient reaches the
@@ -467,6 +462,61 @@ class Worker:
         dist.barrier()
         return time.perf_counter() - started
 
+    def _adamw(self) -> dict[str, Any]:
+        optim = self.settings.optim
+        return dict(
+            lr=self.settings.lr,
+            betas=(optim.beta1, optim.beta2),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+
+    # ----- weights in (a rollback) ------------------------------------------------------------
+
+    def load_published(self, path: str | None) -> None:
+        """The weights of a published version (``save_weights``'s directory: an adapter for a
+        LoRA run, else full weights; None: the base model, version 0) in place of the model's,
+        with a fresh optimizer state: what a rollback restores when no checkpoint of that
+        version is left (collective; rank 0 reads)."""
+        own: dict[str, Any] = {}
+        if self.settings.lora is not None:  # collective: the adapter's names and its tensors
+            options = StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=True
+            )
+            own = get_model_state_dict(self.model, options=options)
+            own = {n: t for n, t in own.items() if n in self.trainable_names}
+        state: dict[str, Any] = {}
+        if self.rank == 0:
+            state = self._published_tensors(path, own)
+        options = self._state_options(broadcast_from_rank0=True)
+        loaded = set_model_state_dict(self.model, state, options=options)
+        if self.settings.lora is not None:
+            missing = self.trainable_names & set(loaded.missing_keys)
+            if missing or loaded.unexpected_keys:
+                raise RuntimeError(
+                    f"the adapter at {path} does not fit this model: missing {sorted(missing)}, "
+                    f"unexpected {sorted(loaded.unexpected_keys)}"
+                )
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, **self._adamw())  # type: ignore[arg-type]
+
+    def _published_tensors(self, path: str | None, own: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0's full state dict (the model's own names) of a published version; ``own``:
+        a LoRA run's adapter now, whose names (and, for the base, whose A) it takes."""
+        if self.settings.lora is None:
+            return load_model(path or self.settings.model_dir).state_dict()
+        if path is None:  # the base: every B zero (what an untrained adapter adds)
+            return {n: torch.zeros_like(t) if ".lora_B." in n else t for n, t in own.items()}
+        saved = load_file(str(Path(path) / "adapter_model.safetensors"))
+        by_file_name = {adapter_file_name(n): n for n in own}
+        if set(saved) != set(by_file_name):
+            raise RuntimeError(
+                f"the adapter at {path} does not fit this model: it holds {len(saved)} tensors "
+                f"({sorted(saved)[0]}, ...), the model's adapter {len(by_file_name)} "
+                f"({sorted(by_file_name)[0]}, ...)"
+            )
+        return {by_file_name[name]: tensor for name, tensor in saved.items()}
+
     # ----- checkpoints --------------------------------------------------------------------------
 
     def _state_options(self, **kwargs: Any) -> StateDictOptions:
@@ -574,6 +624,12 @@ def write_model_dir(
     (tmp / "proxrl.json").write_text(json.dumps({"base_model": str(base)}))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)  # readers never see a half-written directory
+
+
+def adapter_file_name(name: str) -> str:
+    """The name peft's ``save_pretrained`` gives the adapter tensor the wrapped model calls
+    ``name`` (the adapter's name, "default", left out)."""
+    return name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
 
 
 def write_adapter_dir(state: dict[str, torch.Tensor], config: Any, base: Path, out: Path) -> None:
