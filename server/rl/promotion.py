@@ -73,13 +73,15 @@ async def _servable(db: Db, run_id: str) -> set[int]:
 
 
 async def decide(db: Db, run_id: str) -> int | None:
-    """Promote what the run's gate now passes, if anything (the run's row locked meanwhile, so
-    server processes sharing the store decide one at a time); the version promoted, or None."""
-    run = await runs.lock_run(db, run_id)
-    if run is None or run.promoted_version is None:
+    """Promote what the run's gate now passes, if anything (a gated run's row locked meanwhile,
+    so server processes sharing the store decide one at a time; a run without a gate is not
+    locked, as most eval rewards are of such runs); the version promoted, or None."""
+    found = await runs.get_run(db, run_id)
+    if found is None or RunConfig.model_validate(found.config).promotion is None:
         return None
-    gate = RunConfig.model_validate(run.config).promotion
-    if gate is None:
+    run = await runs.lock_run(db, run_id)  # read again under the lock
+    gate = None if run is None else RunConfig.model_validate(run.config).promotion
+    if run is None or gate is None or run.promoted_version is None:
         return None
     chosen = promotable(
         run.promoted_version, await standings(db, run_id), gate, await _servable(db, run_id)
