@@ -97,6 +97,10 @@ def test_production_sessions_are_admitted_at_the_bound_and_never_trained(lora_ap
     assert {s["session_id"] for s in page["items"]} == {rewarded, unrewarded}
     assert all(s["production"] for s in page["items"])
     assert api.ok("GET", f"/admin/api/sessions/{open_one}")["production"] is True
+    page = api.call("GET", f"/admin/sessions/{unrewarded}")
+    assert page.status_code == 200 and 'class="pill production"' in page.text
+    listing = api.call("GET", "/admin/sessions", params={"run_id": run, "status": "served"})
+    assert listing.status_code == 200 and listing.text.count('class="pill production"') == 2
     exported = api.call("GET", f"/rl/runs/{run}/export", params={"status": "all"})
     assert exported.status_code == 200, exported.text
     records = {r["session_id"]: r for r in map(json.loads, exported.text.splitlines())}
