@@ -140,6 +140,10 @@ def test_refusals_in_the_rest_shape(own, tiny_model_dir, tmp_path):
         assert_error(reply, 403)
         assert_error(api.call("GET", "/rl/runs/no-such-run/versions"), 404, code="run_not_found")
         assert api.ok("GET", f"/rl/runs/{run['id']}/versions", key=run["api_key"])
+        pool = api.http.app.state.ctx.pool  # type: ignore[attr-defined]
+        for engine in pool.engines:  # back at the next health check
+            pool.mark_down(engine, "taken out by the test")
+        assert_error(rollback(api, run["id"], 0), 503)
         assert api.ok("GET", f"/rl/runs/{run['id']}")["policy_version"] == 2
 
 
