@@ -123,15 +123,21 @@ async def ensure_default_run(ctx: ServerContext) -> Run:
     return run
 
 
+def engine_version(run: Run) -> int:
+    """The version of the weights the engines serve for ``run``: its policy version for a run of
+    full weights; 0 for a LoRA run, whose versions are adapters on the served base model (an
+    adapter publish leaves the engines' weights, and their version, as they were)."""
+    return 0 if run.lora else run.policy_version
+
+
 async def serve_current_version(ctx: ServerContext, run: Run) -> None:
     """Engines that came up with other weights than the run's version load that version."""
-    wanted = str(run.policy_version)
+    wanted = str(engine_version(run))
+    weights_path = None if run.lora else run.weights_path  # a LoRA run's is its adapter's
     for engine in ctx.pool.healthy:
-        if engine.weight_version == wanted or (
-            run.weights_path is None and run.policy_version == 0
-        ):
+        if engine.weight_version == wanted or (weights_path is None and wanted == "0"):
             continue
-        if run.weights_path is None:
+        if weights_path is None:
             log.warning(
                 "engine %s serves %s, the run is at %s with no weights path",
                 engine.url,
@@ -139,7 +145,7 @@ async def serve_current_version(ctx: ServerContext, run: Run) -> None:
                 wanted,
             )
             continue
-        await engine.client.update_weights_from_disk(run.weights_path, wanted)
+        await engine.client.update_weights_from_disk(weights_path, wanted)
         engine.weight_version = wanted
 
 
@@ -150,20 +156,23 @@ def replica_id() -> str:
 
 
 async def store_version(ctx: ServerContext) -> int | None:
-    """The default run's policy version, as the store has it (what a follower's engines serve)."""
+    """The version the default run's engines serve, as the store has it (what a follower's
+    engines serve)."""
     async with ctx.sessionmaker() as db:
         run = await runs.get_run(db, ctx.default_run_id)
-    return None if run is None else run.policy_version
+    return None if run is None else engine_version(run)
 
 
 async def version_recorded(ctx: ServerContext, version: int) -> bool:
-    """Whether some run's policy version is ``version`` (an engine a follower may keep). Not
-    version 0: a run there has published nothing, and an engine there serves the model it
-    started with (one restarted, say), which only the default run's 0 makes current."""
+    """Whether some run of full weights is at policy version ``version`` (an engine a follower
+    may keep; a LoRA run's versions are adapters, never the engines' weights). Not version 0: a
+    run there has published nothing, and an engine there serves the model it started with (one
+    restarted, say), which only the default run's 0 makes current."""
     if version <= 0:
         return False
+    query = select(Run.id).where(Run.policy_version == version, Run.lora.is_(False)).limit(1)
     async with ctx.sessionmaker() as db:
-        found = await db.execute(select(Run.id).where(Run.policy_version == version).limit(1))
+        found = await db.execute(query)
     return found.first() is not None
 
 
@@ -309,7 +318,7 @@ async def server_context(
         metrics.state.ctx = ctx
         run = await ensure_default_run(ctx)
         ctx.default_run_id = run.id
-        pool.expected_version = run.policy_version
+        pool.expected_version = engine_version(run)
         pool.read_version = lambda: store_version(ctx)
         pool.recorded = lambda version: version_recorded(ctx, version)
         # A first leader over Postgres may find engines a dead one left paused (take_part);

@@ -203,3 +203,28 @@ def test_runs_times_kept_versions_fit_the_engines_bound(tiny_model_dir, tmp_path
         want = {f"{run_id}@{version}" for run_id in runs for version in (3, 4)}
         assert client.engine_adapters() == want
         client.http.close()
+
+
+def test_a_lora_default_run_keeps_its_engine_through_health_rounds_and_a_restart(
+    tiny_model_dir, tmp_path
+):
+    """The default run trained as LoRA: its versions are adapters, so the engines' own weights
+    stay at version 0. The pool once expected the default run's adapter version of the engines
+    (what a publish of full weights sets), took the engine out of rotation at the next health
+    round, and answered every request 503; a restart did the same at once."""
+    data = tmp_path / "data"
+    (data / "adapters").mkdir(parents=True)
+    adapter = make_adapter(tiny_model_dir, data / "adapters" / "v1", seed=11)
+    for restart in (False, True):
+        with ProxyProcess(tiny_model_dir, data, "--health-interval-s", "0.2") as process:
+            client = Client(process)
+            if not restart:  # no run_id: the default run's
+                published = client.ok("POST", "/admin/weights", json={"adapter_path": adapter})
+                assert published["policy_version"] == 1
+            time.sleep(1.0)  # five health rounds
+            (engine,) = client.ok("GET", "/admin/engines")
+            assert engine["healthy"], engine
+            session = client.new_session()
+            turn = client.chat(session, "one two")
+            assert set(turn["versions"]) == {1}, (restart, turn["versions"])
+            client.http.close()
