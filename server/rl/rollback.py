@@ -37,9 +37,6 @@ from server.store.tables import Run
 
 log = logging.getLogger(__name__)
 
-# The reason a version whose files a rollback found gone is marked evicted with.
-FILES_GONE = "files_gone"
-
 
 async def rollback(ctx: ServerContext, run_id: str, version: int) -> WeightsOut:
     """Publish the weights of the run's earlier ``version`` as its next version."""
@@ -119,7 +116,7 @@ async def _refuse_gone(
         return
     why = f"its files at {path!r} are gone" if not exists else f"its files: {problem}"
     async with ctx.sessionmaker() as db, db.begin():
-        await run_versions.evict(db, run_id, [version], FILES_GONE)
+        await run_versions.evict(db, run_id, [version], run_versions.FILES_GONE)
     raise VersionEvicted(f"Version {version} of run {run_id} cannot be served again: {why}.")
 
 
