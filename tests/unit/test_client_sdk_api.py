@@ -50,7 +50,8 @@ PUBLIC_API = {
     "BadRequestError", "AuthenticationError", "PermissionDeniedError", "NotFoundError",
     "ConflictError", "UnprocessableEntityError", "RateLimitError", "InternalServerError",
     "Run", "RunCreated", "RunMetrics", "SessionCreated", "SessionDetail", "Turn", "Row",
-    "RewardResult", "SessionEnded", "EvalFigures", "RunEval", "RunTraining",
+    "RewardResult", "SessionEnded", "EvalFigures", "RunEval", "RunTraining", "Promotion",
+    "PromotionCandidate",
 }  # fmt: skip
 KEY = "sk-admin"
 RUN = {"id": "run-1", "name": "r", "policy_version": 3, "sessions": {"open": 1}, "totals": {}}
