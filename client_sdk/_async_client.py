@@ -102,10 +102,13 @@ class AsyncClient:
         group_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         eval: bool = False,
+        production: bool = False,
     ) -> AsyncSession:
         """A session to create: ``async with client.session(...) as s`` (ended on exit) or
-        ``s = await client.session(...)``. Admission and ``eval`` as in ``Client.session``."""
-        return AsyncSession(self, session_body(run_id, task_id, group_id, metadata, eval))
+        ``s = await client.session(...)``. Admission, ``eval`` and ``production`` as in
+        ``Client.session``."""
+        body = session_body(run_id, task_id, group_id, metadata, eval, production)
+        return AsyncSession(self, body)
 
     async def get_session(self, session_id: str) -> SessionDetail:
         """The stored session: status, rewards, every turn's tokens, and its training rows."""

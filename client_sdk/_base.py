@@ -167,6 +167,7 @@ def session_body(
     group_id: str | None,
     metadata: dict[str, Any] | None,
     eval: bool = False,
+    production: bool = False,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"run_id": run_id, "task_id": task_id, "group_id": group_id}
     body = {key: value for key, value in body.items() if value is not None}
@@ -174,6 +175,8 @@ def session_body(
         body["metadata"] = metadata
     if eval:
         body["eval"] = True
+    if production:
+        body["production"] = True
     return body
 
 

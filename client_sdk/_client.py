@@ -111,6 +111,7 @@ class Client:
         group_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         eval: bool = False,
+        production: bool = False,
     ) -> Session:
         """Start a session now (in the server's default run unless ``run_id``); use it as a
         context manager to end it on exit. Sessions of one ``task_id``/``group_id`` form a
@@ -118,8 +119,10 @@ class Client:
         ``admission_wait_s``, then answers 429, which is retried (``RateLimitError`` at last).
         ``eval=True``: an evaluation session, served and recorded but never trained, admitted
         at once; its rewards show by policy version in ``get_run(...)["eval"]``.
+        ``production=True``: traffic the run serves (its promoted version, where its promotion
+        gate has one) but never trains on, admitted at once; not with ``eval``.
         """
-        body = session_body(run_id, task_id, group_id, metadata, eval)
+        body = session_body(run_id, task_id, group_id, metadata, eval, production)
         return Session(self, cast(SessionCreated, self._request("POST", "/rl/sessions", json=body)))
 
     def get_session(self, session_id: str) -> SessionDetail:

@@ -456,6 +456,23 @@ def test_a_session_ends_on_exit_even_when_the_block_raises():
     ]
 
 
+def test_a_session_says_eval_or_production_only_when_asked():
+    async def main(url: str) -> None:
+        async with AsyncClient(url, KEY) as client, client.session(production=True):
+            pass
+
+    with TinyServer(sessions_api()) as server, Client(server.url, KEY) as client:
+        client.session(eval=True)
+        client.session(run_id="run-1", production=True)
+        asyncio.run(main(server.url))
+    created = [seen.body for seen in server.seen if seen.path == "/rl/sessions"]
+    assert created == [
+        {"eval": True},
+        {"run_id": "run-1", "production": True},
+        {"production": True},
+    ]
+
+
 def test_a_failed_end_does_not_hide_the_blocks_own_error():
     with (
         TinyServer(sessions_api(end_status=500)) as server,
