@@ -101,6 +101,8 @@ class Run(TypedDict):
     """Its promotion gate (None: production sessions are served the current version)."""
     training: RunTraining
     """What of the sampled tokens trained, and why the rest did not."""
+    rollbacks: list[list[int]]
+    """[source, version] for each rollback, oldest first."""
 
 
 class RunCreated(Run):

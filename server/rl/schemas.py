@@ -204,11 +204,10 @@ class RunOut(BaseModel):
         description="What of the sampled tokens trained (the trainer's totals) and why the rest "
         "did not: masked tokens by cause, dropped sessions by reason."
     )
-    rollbacks: list[tuple[int, int]] = Field(
-        default_factory=list,
-        description="[source, version] for each version that serves an earlier one's weights "
-        "again (a rollback, or a trainer's restart), oldest first: what the staleness rule "
-        "counts (GET /rl/runs/{id}/versions shows the whole lineage).",
+    rollbacks: list[list[int]] = Field(
+        description="[source, version] for each rollback: a version that serves an earlier "
+        "one's weights again, oldest first, as the staleness rule counts it (GET "
+        "/rl/runs/{id}/versions shows the whole lineage).",
     )
 
 

@@ -195,6 +195,7 @@ class DriftedRun(TypedDict):
     eval: _types.RunEval
     promotion: _types.Promotion | None
     training: _types.RunTraining
+    rollbacks: list[list[int]]
     note: str
 
 
