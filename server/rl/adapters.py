@@ -62,7 +62,7 @@ async def publish(ctx: ServerContext, body: WeightsIn, source: int | None = None
     pool = ctx.pool
     async with pool.update_lock:
         await refuse_shared(ctx, run.id, lora=True)
-        await refuse_superseded(ctx, run.id, version, path)
+        await refuse_superseded(ctx, run.id, version, path, source)
         engines = pool.loadable
         if not engines:
             raise NoEngineToUpdate("No engine is in rotation to load the adapter.")

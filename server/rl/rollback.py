@@ -125,7 +125,7 @@ async def _serve_base(ctx: ServerContext, run_id: str, new: int, source: int) ->
     adapter from the record on."""
     pool = ctx.pool
     async with pool.update_lock:
-        await weights.refuse_superseded(ctx, run_id, new, None)
+        await weights.refuse_superseded(ctx, run_id, new, None, source)
         engines = pool.loadable
         if not engines:
             raise NoEngineToUpdate("No engine is in rotation to serve the base model.")

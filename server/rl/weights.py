@@ -143,7 +143,7 @@ async def publish(ctx: ServerContext, body: WeightsIn, source: int | None = None
         await refuse_shared(ctx, run.id, lora=False)
         await promotion.refuse_full_weights(ctx, run.id)
         given = None if body.model_path is None else str(body.model_path)
-        await refuse_superseded(ctx, run.id, version, given)
+        await refuse_superseded(ctx, run.id, version, given, source)
         engines = pool.loadable
         if body.distributed is None and await _served(ctx, run.id, version, str(body.model_path)):
             log.info("version %d is already served: nothing swapped", version)
@@ -211,18 +211,24 @@ async def refuse_shared(ctx: ServerContext, run_id: str, lora: bool) -> None:
 
 
 async def refuse_superseded(
-    ctx: ServerContext, run_id: str, version: int, path: str | None
+    ctx: ServerContext, run_id: str, version: int, path: str | None, source: int | None = None
 ) -> None:
     """``VersionSuperseded`` for a publish under a number the run has passed, or under its
     current number where that is a rollback's and ``path`` other weights than it serves: a
     trainer that has not yet seen a rollback publishes the number after its own last one, and
-    recording it would rewrite the lineage. Read under the update lock, so no publish or
-    rollback lands between this and the record."""
+    recording it would rewrite the lineage. A rollback (``source``) must be the very next
+    version: a publish that landed after the rollback read the run's version took its number.
+    Read under the update lock, so no publish or rollback lands between this and the record."""
     async with ctx.sessionmaker() as db:
         run = await runs.get_run(db, run_id)
         current = None if run is None else await run_versions.get(db, run_id, version)
     if run is None:
         return
+    if source is not None and version != run.policy_version + 1:
+        raise VersionSuperseded(
+            f"Run {run_id} went on to version {run.policy_version} while the rollback to version "
+            f"{source} was prepared: nothing was loaded. Roll back again if it is still wanted."
+        )
     taken = current is not None and current.source is not None and run.weights_path != path
     if version < run.policy_version or (version == run.policy_version and taken):
         raise VersionSuperseded(

@@ -8,6 +8,7 @@ REST error shape, and a publish under a number the rollback took refused with th
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from server.rl import rollback as rollback_module
 from tests.api.api_support import Api, assert_error
 from tests.api.conftest import app_with_own_engine
 from tests.integration.test_lora_runs import make_adapter
@@ -179,3 +181,31 @@ def test_a_full_weight_run_rolled_back_swaps_the_earlier_weights_in(own, tiny_mo
         after = publish(api, run, model_path=weights[1])  # training goes on from there
         assert after.status_code == 200 and after.json()["policy_version"] == 5, after.text
         assert lineage(api, run)[5]["parent"] == 4
+
+
+def test_a_publish_that_lands_while_a_rollback_is_prepared_wins_and_the_rollback_is_refused(
+    own, tiny_model_dir, tmp_path, monkeypatch
+):
+    """The trainer's publish of version 4 lands between the rollback's read of the run (at 3)
+    and its update lock. Before, the rollback took number 4 too: it overwrote the trainer's
+    version (v1's adapter served as run@4, lineage row 4 its own parent) and the trainer, told
+    200, never followed. Now the rollback is refused (409 version_superseded) and changes
+    nothing."""
+    with own("race") as (api, _):
+        run = api.new_run()["id"]
+        adapters = [make_adapter(tiny_model_dir, tmp_path / f"a{v}", v) for v in (1, 2, 3, 4)]
+        for version, path in enumerate(adapters[:3], 1):
+            assert publish(api, run, adapter_path=path).json()["policy_version"] == version
+        checked = rollback_module._refuse_gone
+
+        async def trainer_publishes_meanwhile(*args, **kwargs):
+            reply = await asyncio.to_thread(publish, api, run, adapter_path=adapters[3], version=4)
+            assert reply.status_code == 200, reply.text
+            return await checked(*args, **kwargs)
+
+        monkeypatch.setattr(rollback_module, "_refuse_gone", trainer_publishes_meanwhile)
+        assert_error(rollback(api, run, 1), 409, code="version_superseded")
+        rows = lineage(api, run)
+        assert (rows[4]["parent"], rows[4]["source"], rows[4]["path"]) == (3, None, adapters[3])
+        assert api.ok("GET", f"/rl/runs/{run}")["rollbacks"] == []
+        assert set(greedy(api, run)[2]) == {4}
