@@ -94,9 +94,10 @@ async def set_policy_version(
     """The run's new version, from full weights or (``lora``) an adapter at ``weights_path``,
     recorded among its versions after the one current until now (``source``: the earlier
     version whose weights it serves again, for a rollback), then the versions past
-    ``retention`` evicted (never this one or the promoted one)."""
+    ``retention`` evicted (never this one or the promoted one). The run's row is locked first
+    (Postgres), so a promotion committing meanwhile is read, not evicted."""
     query = select(Run.policy_version, Run.promoted_version).where(Run.id == run_id)
-    parent, promoted = (await db.execute(query)).first() or (None, None)
+    parent, promoted = (await db.execute(query.with_for_update())).first() or (None, None)
     values = {"policy_version": version, "weights_path": weights_path, "lora": lora}
     await db.execute(update(Run).where(Run.id == run_id).values(**values))
     await run_versions.record(
