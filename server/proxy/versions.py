@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from server.bounds import MAX_INT
 from server.context import ServerContext
 from server.errors import InvalidRequest, ModelNotFound
 from server.proxy.session_cache import SessionState
@@ -33,9 +34,14 @@ def pin_of(model: str, run_id: str, names: list[str]) -> int | None:
     None where it pins none. ``<another run's id>@<N>`` is refused: a session is served only its
     own run's versions."""
     name, at, number = model.rpartition("@")
-    if not at or not number.isdigit():
+    if not at or not (number.isascii() and number.isdigit()):
         return None
     if name == run_id or name in names:
+        if len(number) > len(str(MAX_INT)) or int(number) > MAX_INT:
+            raise InvalidRequest(
+                f"The model name pins a version past {MAX_INT}, which no run publishes.",
+                param="model",
+            )
         return int(number)
     if name.startswith(RUN_ID_PREFIX):
         raise ModelNotFound(model, [*names, f"{run_id}@<version>"])

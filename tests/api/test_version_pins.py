@@ -140,6 +140,8 @@ def test_what_cannot_be_served_is_refused_in_the_surfaces_shape(lane):
         ("tiny@1", "2", 400, None, "invalid_request_error"),
         ("tiny", "one", 400, None, "invalid_request_error"),
         ("tiny", "-1", 400, None, "invalid_request_error"),
+        ("tiny@" + "9" * 5000, None, 400, None, "invalid_request_error"),  # past int's parse
+        ("tiny@2147483648", None, 400, None, "invalid_request_error"),
     ]
     for model, header, status, code, anthropic_kind in cases:
         for surface in ("chat", "completions", "responses"):
@@ -150,8 +152,12 @@ def test_what_cannot_be_served_is_refused_in_the_surfaces_shape(lane):
     body = {"model": "tiny@9", "messages": [{"role": "user", "content": PROMPT}], "stream": True}
     reply = api.call("POST", "/v1/chat/completions", key=session["api_key"], json=body)
     assert_error(reply, 404, code="version_not_found")
-    # A name with an "@" that names neither the model nor a run is no pin: served as today.
+    # A name with an "@" that names neither the model nor a run is no pin: served as today; so
+    # is one whose "number" is digits only outside ASCII (int() refused them: a 500).
     assert served(api, run, "chat", "claude-3-5-sonnet@20240620")["versions"][0] == 4
+    for model in ("tiny@\u00b2", f"{run['id']}@\u00b3"):
+        for surface in ("chat", "completions", "responses", "messages"):
+            assert ask(api, run, surface, model)[0].status_code == 200, (model, surface)
 
 
 def test_an_evicted_version_and_one_whose_files_are_gone_answer_410(lane, tiny_model_dir):
