@@ -32,6 +32,13 @@ def upgrade() -> None:
         sa.Column("evicted_reason", sa.String(length=500), nullable=True),
         sa.Column("promoted_at", sa.DateTime(timezone=True), nullable=True),
     )
+    # A run already past version 0 keeps its current version as a name (pinnable, promotable,
+    # a rollback's parent); the versions before it were never recorded.
+    op.execute(
+        "INSERT INTO run_versions (run_id, version, path, lora, published_at) "
+        "SELECT id, policy_version, weights_path, lora, CURRENT_TIMESTAMP FROM runs "
+        "WHERE policy_version > 0"
+    )
     with op.batch_alter_table("runs", schema=None) as batch_op:
         batch_op.add_column(sa.Column("promoted_version", sa.Integer(), nullable=True))
     with op.batch_alter_table("sessions", schema=None) as batch_op:
