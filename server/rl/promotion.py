@@ -18,7 +18,9 @@ A gate needs a LoRA run: the engines serve one set of full weights, the current 
 full-weight run cannot serve its production sessions another version. Configuring a gate on a
 run that has published full weights is refused, and so is a full-weight publish to a run with a
 promoted version. This module knows nothing of HTTP or of how a version is served
-(``server.proxy`` reads ``Run.promoted_version``).
+(``server.proxy`` reads ``Run.promoted_version`` through ``ctx.run_adapters``, kept a moment in
+memory: once a promotion or a changed gate is committed, the run's entry there is forgotten, so
+this replica serves it from the next request on).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ async def _servable(db: Db, run_id: str) -> set[int]:
 async def decide(db: Db, run_id: str) -> int | None:
     """Promote what the run's gate now passes, if anything (a gated run's row locked meanwhile,
     so server processes sharing the store decide one at a time; a run without a gate is not
-    locked, as most eval rewards are of such runs); the version promoted, or None."""
+    locked, as most eval rewards are of such runs); the version promoted, or None (where a
+    version is, the caller forgets the run's entry in ``ctx.run_adapters`` once committed)."""
     found = await runs.get_run(db, run_id)
     if found is None or RunConfig.model_validate(found.config).promotion is None:
         return None
@@ -119,6 +122,7 @@ async def promote(ctx: ServerContext, run_id: str, version: int) -> Run:
                 "Promotion is for LoRA runs."
             )
         await _promote(db, run, version)
+    ctx.run_adapters.forget(run_id)
     return run
 
 
@@ -130,7 +134,8 @@ def full_weights(run: Run) -> bool:
 async def configured(db: Db, run: Run, before: RunConfig, after: RunConfig) -> None:
     """The run's config changes from ``before`` to ``after`` (in ``db``'s transaction): a gate
     configured starts at version 0 (or the version promoted by hand) and decides at once; a
-    gate removed leaves the run with no promoted version. Refused for a full-weight run."""
+    gate removed leaves the run with no promoted version. Refused for a full-weight run. The
+    caller forgets the run's entry in ``ctx.run_adapters`` once committed."""
     if after.promotion is None:
         if before.promotion is not None:
             run.promoted_version = None

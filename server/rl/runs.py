@@ -171,5 +171,6 @@ async def update_config(ctx: ServerContext, run_id: str, patch: dict[str, Any]) 
         run.config = config.model_dump()
         await promotion.configured(db, run, before, config)
     ctx.run_configs.put(run_id, config)
+    ctx.run_adapters.forget(run_id)
     await ctx.admission.notify()
     return run

@@ -215,6 +215,7 @@ async def post_reward(
     ctx: ServerContext, run_id: str, session_id: str, value: float, completion_id: str | None
 ) -> RewardOut:
     suffice = (await run_views.run_config(ctx, run_id)).turn_rewards_suffice
+    promoted = None
     async with ctx.sessionmaker() as db, db.begin():
         session = await store.get_session(db, session_id)
         if session is None:
@@ -224,7 +225,9 @@ async def post_reward(
         )
         status = session.status
         if session.eval and created:
-            await promotion.decide(db, run_id)
+            promoted = await promotion.decide(db, run_id)
+    if promoted is not None:
+        ctx.run_adapters.forget(run_id)
     ctx.sessions.set_status(session_id, status)
     return RewardOut(
         session_id=session_id,

@@ -2,7 +2,10 @@
 every ``ttl_s`` seconds and kept in memory meanwhile (every request of every run needs it). A
 replica that published it knows at once (``put``); another sharing the store within ``ttl_s``, and
 meanwhile serves the version before, whose adapter the engines still hold
-(``--adapters-kept``).
+(``--adapters-kept``). The version a run's promotion gate serves its production sessions is read
+with it and only from the store: a publish keeps the time of that read (so a trainer publishing
+faster than ``ttl_s`` cannot keep an old answer alive), and a promotion or a gate changed on this
+replica drops the run's entry (``forget``); another replica sees it within ``ttl_s``.
 
 A request may pin another version of its run (``version``): a LoRA run's published version that
 retention kept and whose files are still there, or 0 (the base model); a full-weight run only
@@ -14,6 +17,8 @@ kept ``ttl_s`` seconds as the current version's are."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +76,8 @@ class RunAdapters:
     ) -> None:
         self.sessionmaker = sessionmaker
         self.ttl_s = ttl_s
-        # run id -> (monotonic time, what serves it; None: no such run)
+        # run id -> (monotonic time of the store read, what serves it; None: no such run). A
+        # publish's put may have made the version newer than that read; never the rest.
         self._read: ByteLRU[str, tuple[float, RunServing | None]] = ByteLRU(
             budget_bytes // 2, size_of=lambda entry: 300 + len(_path_of(entry[1]))
         )
@@ -79,6 +85,7 @@ class RunAdapters:
         self._pins: ByteLRU[tuple[str, int], tuple[float, Pinned]] = ByteLRU(
             budget_bytes // 2, size_of=lambda entry: 400 + len(str(entry[1]))
         )
+        self._forgotten = 0  # how many times forget ran: a read under way then is not kept
 
     async def get(self, run_id: str) -> ServedAdapter | None:
         """The adapter that serves ``run_id`` now; None where the base model does (a full-weight
@@ -93,7 +100,7 @@ class RunAdapters:
             return cached[1]
         from server.store.runs import get_run
 
-        read_at = time.monotonic()
+        read_at, forgotten = time.monotonic(), self._forgotten
         async with self.sessionmaker() as db:
             run = await get_run(db, run_id)
         serving = None
@@ -102,18 +109,34 @@ class RunAdapters:
             if run.lora and run.policy_version > 0 and run.weights_path:
                 adapter = ServedAdapter(run.id, run.policy_version, run.weights_path)
             serving = RunServing(run.policy_version, run.lora, adapter, run.promoted_version)
-        newer = self._read.get(run_id)
-        if newer is not None and newer[0] > read_at:  # a publish's put while this read ran
-            return newer[1]
-        self._read.put(run_id, (read_at, serving))
+        put = self._read.peek(run_id)
+        newer = None if put is None else put[1]
+        if serving is not None and newer is not None and newer.version > serving.version:
+            # a publish's put while this read ran: its version, the rest as read
+            serving = dataclasses.replace(
+                serving, version=newer.version, lora=True, adapter=newer.adapter
+            )
+        if forgotten == self._forgotten:  # else what it read may be older than a promotion
+            self._read.put(run_id, (read_at, serving))
         return serving
 
     def put(self, adapter: ServedAdapter) -> None:
-        """A publish made ``adapter`` the run's current version."""
+        """A publish made ``adapter`` the run's current version. The rest of what serves the run
+        (its promoted version) stays as the store last said, as old as it was: with nothing
+        read yet, the next request reads the store (which has this version already)."""
         cached = self._read.peek(adapter.run_id)
-        promoted = cached[1].promoted if cached is not None and cached[1] is not None else None
+        if cached is None or cached[1] is None:
+            read_at, promoted = -math.inf, None
+        else:
+            read_at, promoted = cached[0], cached[1].promoted
         serving = RunServing(adapter.version, True, adapter, promoted)
-        self._read.put(adapter.run_id, (time.monotonic(), serving))
+        self._read.put(adapter.run_id, (read_at, serving))
+
+    def forget(self, run_id: str) -> None:
+        """A promotion, or a gate configured or removed, committed: the run's next request reads
+        what serves it from the store."""
+        self._forgotten += 1
+        self._read.pop(run_id)
 
     def put_base(self, run_id: str) -> None:
         """A publish recorded that the base model serves the LoRA run again (a rollback to 0):

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from server.store.run_adapters import RUN_ADAPTER_TTL_S
 from tests.api.api_support import Api, assert_error
 from tests.api.conftest import app_with_own_engine
 from tests.integration.test_lora_runs import make_adapter
@@ -325,3 +326,52 @@ def test_production_sessions_are_served_the_promoted_version_training_the_curren
     while (served := versions_of(production=True)) != {0}:
         assert time.monotonic() < deadline, served
         time.sleep(0.2)
+
+
+def test_production_sessions_see_each_promotion_however_often_the_run_publishes(
+    own, tiny_model_dir, tmp_path
+):
+    """A publish never makes the proxy forget or invent the promoted version: with nothing read
+    yet (a gate from the run's creation), after a gate's promotion, a promotion by hand, a gate
+    removed, each seen by the next production session. A promotion by another replica sharing
+    the store is seen within the run cache's TTL even while this one publishes faster than it.
+    An engine of its own: its many publishes would fill the shared one's adapter slots."""
+    context, data_dir = own("promotion-publishes")
+    paths = [make_adapter(tiny_model_dir, tmp_path / f"a{seed}", 20 + seed) for seed in (1, 2)]
+    published = 0
+    with context as (api, _):
+        run = api.new_run(promotion={"margin": 0.0, "min_eval_sessions": 1})["id"]
+
+        def publish() -> None:
+            nonlocal published
+            body = {"run_id": run, "adapter_path": paths[published % 2]}
+            api.ok("POST", "/admin/weights", json=body)
+            published += 1
+
+        def production() -> set[int]:
+            session = api.new_session(run, production=True)
+            api.chat(session, max_tokens=4, temperature=0.0)
+            (turn,) = api.session(session["session_id"])["turns"]
+            return set(turn["versions"])
+
+        publish()  # the proxy had not read the run yet
+        assert production() == {0}  # the gate's base, not the version just published
+        finished(api, run, 1.0, eval=True)  # answered by version 1: the gate promotes it
+        assert promoted(api, run) == 1
+        publish()
+        assert production() == {1}
+        api.ok("POST", f"/rl/runs/{run}/promote", json={"version": 0})
+        publish()
+        assert production() == {0}
+        api.ok("PATCH", f"/rl/runs/{run}", json={"config": {"promotion": None}})
+        publish()
+        assert production() == {published}  # no gate: the current version
+
+        with sqlite3.connect(data_dir / "proxrl.db") as db:  # another replica promotes 2
+            db.execute("UPDATE runs SET promoted_version = 2 WHERE id = ?", (run,))
+        start, seen = time.monotonic(), []
+        while (served := production()) != {2}:
+            seen.append(served)
+            assert time.monotonic() - start < RUN_ADAPTER_TTL_S + 2, seen
+            publish()
+            time.sleep(0.1)
