@@ -9,9 +9,12 @@ trained on, each with its size and the sessions the trainer dropped (with their 
 the run's totals of tokens sampled, trained and masked and of sessions dropped.
 
 Claims are confirmed (their sessions marked consumed, or dropped) only once a checkpoint covers
-them, and every claim is written to a journal (``claims.jsonl``) the moment it is taken. On
-restart a journalled claim that the checkpoint covers is confirmed, and any other one is
-released, so no session is trained twice or skipped across a crash. A republish (the restored
+them, and every claim is written to a journal (``claims.jsonl``) the moment it is taken, and
+again, with the version it trained into, once that version is published. On restart a
+journalled claim that the checkpoint covers is confirmed; one that trained into a version after
+the checkpoint is released, unless a rollback the restarted trainer follows restores a version
+that holds it (it is confirmed then); any other one is released: so no session is trained twice
+or skipped across a crash. A republish (the restored
 weights served under a new version) is journalled before it happens, and stays in the journal
 until a checkpoint holds it, so a second crash cannot lose it. So are the tallies of sessions
 the trainer dropped (what they sampled, and why dropped) once the server knows: a dropped
@@ -52,6 +55,11 @@ class TrainerState:
     total_trained_tokens: int = 0
     total_masked_tokens: dict[str, int] = field(default_factory=dict)  # cause -> tokens
     total_dropped_sessions: dict[str, int] = field(default_factory=dict)  # reason code -> sessions
+    # [version, sessions]: the sessions a checkpoint confirmed (consumed) as trained into each
+    # version of the lineage the weights descend from. A rollback to c discards the versions
+    # after c, and with them these sessions, which the server will not hand out again: the
+    # trainer counts them (`trainer.rollback.discarded`) and forgets them.
+    consumed_into: list[list[int]] = field(default_factory=list)
 
     @property
     def total_trained_share(self) -> float:
@@ -131,6 +139,12 @@ class Checkpoints:
     def journal_claim(self, claim_id: str, step: int, sessions: int) -> None:
         self._append({"claim_id": claim_id, "step": step, "sessions": sessions})
 
+    def journal_trained(self, version: int, claims: list[dict[str, Any]]) -> None:
+        """The claims (each as ``dataclasses.asdict(Claim)``: its id, session ids and drops)
+        that trained into ``version``, once it is published: a restart that follows a rollback
+        to that version or a later one confirms them (the weights it restores hold them)."""
+        self._append(*({"trained_into": version, "claim": claim} for claim in claims))
+
     def journal_republish(self, restored: int, version: int) -> None:
         self._append({"republished": [restored, version]})
 
@@ -141,9 +155,9 @@ class Checkpoints:
         adds them to the restored totals (`journalled_drops`)."""
         self._append({"drops_of": claim_id, "tally": tally})
 
-    def _append(self, record: dict[str, Any]) -> None:
+    def _append(self, *records: dict[str, Any]) -> None:
         with self.journal.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write("".join(json.dumps(record) + "\n" for record in records))
             f.flush()
             os.fsync(f.fileno())
 
@@ -155,6 +169,15 @@ class Checkpoints:
     def journalled(self) -> list[str]:
         """The claims taken since the journal was last cleared, in order."""
         return [record["claim_id"] for record in self._records() if "claim_id" in record]
+
+    def journalled_trained(self) -> dict[str, tuple[int, dict[str, Any]]]:
+        """The journalled claims whose version was published: claim id -> (that version, the
+        claim as `journal_trained` took it)."""
+        return {
+            r["claim"]["claim_id"]: (r["trained_into"], r["claim"])
+            for r in self._records()
+            if "trained_into" in r
+        }
 
     def journalled_republishes(self) -> list[list[int]]:
         """The republishes no checkpoint holds yet, in order."""
@@ -168,12 +191,16 @@ class Checkpoints:
         self,
         republished: list[list[int]] | None = None,
         drops: dict[str, dict[str, Any]] | None = None,
+        trained: dict[str, tuple[int, dict[str, Any]]] | None = None,
     ) -> None:
-        """Forget the journal but for ``republished`` and ``drops`` (by claim): those no
-        checkpoint holds yet (a restart counted them in totals that only the next checkpoint
-        keeps)."""
+        """Forget the journal but for ``republished``, ``drops`` (by claim) and ``trained`` (as
+        `journalled_trained` gives them): those no checkpoint holds yet (a restart counted them
+        in totals that only the next checkpoint keeps, or has yet to settle the claims)."""
         records: list[dict[str, Any]] = [{"republished": pair} for pair in republished or []]
         records += [{"drops_of": claim, "tally": tally} for claim, tally in (drops or {}).items()]
+        for claim_id, (version, claim) in (trained or {}).items():
+            taken = {"claim_id": claim_id, "sessions": len(claim["session_ids"])}
+            records += [taken, {"trained_into": version, "claim": claim}]
         _write_atomic(self.journal, "".join(json.dumps(r) + "\n" for r in records))
 
 

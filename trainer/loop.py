@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from trainer.config import AlgorithmConfig, TrainConfig, to_dict
 from trainer.figures import (
     Phases,
     Progress,
+    add_counts,
     add_tally,
     add_to_totals,
     combine,
@@ -38,7 +40,14 @@ from trainer.figures import (
 from trainer.model import check_supported
 from trainer.plan import plan_step
 from trainer.publish import Publisher
-from trainer.rollback import new_rollbacks, plan_restore, to_release
+from trainer.rollback import (
+    ROLLED_BACK,
+    discarded,
+    new_rollbacks,
+    plan_restore,
+    served_weights,
+    to_release,
+)
 from trainer.rollouts import Batch, Rules, build_batch
 from trainer.server_api import ServerAPI, ServerError, VersionSuperseded
 from trainer.tracking import RunInfo, Tracking, check_installed
@@ -210,14 +219,23 @@ class Trainer:
             workers.call("load_checkpoint", str(path))
             self.baseline.load_state_dict(state.baseline)
             log.info("resumed from %s: step %d, version %d", path, state.step, state.version)
+        self.resume_claims()
+        if self.server_version != self.state.version:
+            self.republish()
+        self.leases.start()
+
+    def resume_claims(self) -> None:
+        """Settle what the stopped run left in the journal: its republishes, its claims
+        (`_settle_journal`), and those trained since the checkpoint, which a rollback made
+        meanwhile keeps when the version it restores holds them (`follow_rollbacks`) and which
+        are released otherwise. The rollback is worked out first, so no session is trained
+        twice."""
         for pair in self.checkpoints.journalled_republishes():  # a crash lost its checkpoint
             if pair not in self.state.republished:
                 self.state.republished.append(pair)
         self._settle_journal()
-        self.follow_rollbacks()  # one made while this trainer was away
-        if self.server_version != self.state.version:
-            self.republish()
-        self.leases.start()
+        if not self.follow_rollbacks():  # one made while this trainer was away
+            self._release_trained_since_checkpoint()
 
     def republish(self) -> None:
         """The engines serve weights this trainer no longer has (trained after the last
@@ -234,7 +252,8 @@ class Trainer:
     def follow_rollbacks(self, claimed: Claimed | None = None) -> bool:
         """Follow the run's rollbacks this trainer has not followed (the last one counts):
         restore the weights of the version rolled back to (``trainer.rollback``), give back
-        the claims trained into the versions it discarded, count each rollback as a republish
+        the claims trained into the versions it discarded (and count, as dropped, the sessions
+        of those a checkpoint already confirmed: lost), count each rollback as a republish
         (journalled first, as ``republish``), and checkpoint at once, so a restart goes on from
         the restored weights (``claimed``: the step's claims, not trained yet, journalled
         again after it). Whether there was one."""
@@ -256,7 +275,21 @@ class Trainer:
         else:
             self.workers.call("load_published", restore.files)
         log.warning("%s", restore.says())
-        released = set(to_release(self.trained_into, source))
+        held = served_weights(source, [*self.state.republished, *new])  # what it holds
+        self.state.consumed_into, lost = discarded(self.state.consumed_into, held)
+        if lost:
+            add_counts(self.state.total_dropped_sessions, {ROLLED_BACK: lost})
+            log.warning(
+                "%d sessions trained into versions after %d were already confirmed (consumed) "
+                "by a checkpoint: the rollback discarded their update and the server will not "
+                "hand them out again, so they are lost to the run (counted as dropped: %s). "
+                "Roll back only to versions at or after the trainer's last checkpoint, or "
+                "raise checkpoint_every, to keep them",
+                lost,
+                held,
+                ROLLED_BACK,
+            )
+        released = set(to_release(self.trained_into, held))
         for claim in [c for c in self.pending if c.claim_id in released]:
             self.leases.let_go(claim.claim_id)
             try:
@@ -294,12 +327,23 @@ class Trainer:
             raise refused
 
     def _settle_journal(self) -> None:
-        """Confirm the journalled claims the checkpoint covers, release the others, and count
-        the sessions dropped from those (never claimed again) in the restored totals."""
+        """Confirm the journalled claims the checkpoint covers; take those trained into a
+        published version since back as pending (a rollback to that version or a later one
+        keeps them, `follow_rollbacks`; else `_release_trained_since_checkpoint`), kept in the
+        journal until settled; release the others; and count the sessions dropped from any not
+        covered (never claimed again) in the restored totals."""
         covered = {c["claim_id"]: c for c in self.state.covered_claims}
-        for claim_id in self.checkpoints.journalled():
+        trained = self.checkpoints.journalled_trained()
+        kept = {}
+        for claim_id in dict.fromkeys(self.checkpoints.journalled()):
             if claim_id in covered:
                 self._confirm(covered[claim_id], "on restart")
+            elif claim_id in trained:
+                version, record = kept[claim_id] = trained[claim_id]
+                claim = Claim(**record)
+                self.leases.hold(claim_id, claim.size - len(claim.dropped))
+                self.pending.append(claim)
+                self.trained_into[claim_id] = version
             else:
                 released = self.server.release(claim_id)
                 log.info(
@@ -312,7 +356,25 @@ class Trainer:
         }
         for tally in uncounted.values():
             add_tally(self.state, tally)
-        self.checkpoints.clear_journal(republished=self.state.republished, drops=uncounted)
+        self.checkpoints.clear_journal(self.state.republished, uncounted, trained=kept)
+
+    def _release_trained_since_checkpoint(self) -> None:
+        """On restart without a rollback to follow: the claims trained after the checkpoint
+        (`_settle_journal`) are not in the weights it restored, so their sessions train again.
+        Out of the journal first: a claim released and later confirmed would be lost."""
+        if not self.pending:
+            return
+        store = self.checkpoints
+        store.clear_journal(store.journalled_republishes(), store.journalled_drops())
+        for claim in self.pending:
+            self.leases.let_go(claim.claim_id)
+            released = self.server.release(claim.claim_id)
+            log.info(
+                "released claim %s (%d sessions) trained after the checkpoint by a stopped run",
+                claim.claim_id,
+                released,
+            )
+        self.pending, self.trained_into = [], {}
 
     @property
     def algorithm(self) -> AlgorithmConfig:
@@ -528,7 +590,11 @@ class Trainer:
     def mark_trained(self, claims: list[Claim]) -> None:
         """Tell the server the claims' sessions trained into the version just published, so
         they stop counting against admission now (best effort: the confirm after the next
-        checkpoint settles them anyway)."""
+        checkpoint settles them anyway). The journal records the version first: a restart that
+        follows a rollback to it or a later one confirms them."""
+        self.checkpoints.journal_trained(
+            self.state.version, [dataclasses.asdict(claim) for claim in claims]
+        )
         for claim in claims:
             self.trained_into[claim.claim_id] = self.state.version
             try:
@@ -578,6 +644,11 @@ class Trainer:
         # confirmed already, but covered too: a restart must not count their drops again
         covered_confirmed = [claim.covered() for claim in self.confirmed]
         self.state.covered_claims += covered_confirmed
+        consumed: Counter[int] = Counter()  # what a rollback past these versions would lose
+        for claim in self.pending:
+            if claim.claim_id in self.trained_into:
+                consumed[self.trained_into[claim.claim_id]] += claim.size - len(claim.dropped)
+        self.state.consumed_into += [[version, n] for version, n in sorted(consumed.items())]
         self.checkpoints.commit(path, self.state)
         self.reach("checkpointed", self.state.step)
         for claim in self.pending:

@@ -8,8 +8,14 @@ left (optimizer state included), else from c's published files (an adapter or a 
 directory) with a fresh optimizer state, and from the base model for c = 0; it gives back the
 claims it trained into versions after c that no checkpoint confirmed, so their sessions are
 claimed again and trained on the restored weights (each session trained once along the lineage
-the run serves); and it counts (c, r) as a republish (``trainer.staleness``). Pure: what the
-trainer has and what the server says in, decisions out (``trainer.loop`` acts on them).
+the run serves), and confirms those it trained into c or before (the restored weights hold
+them); and it counts (c, r) as a republish (``trainer.staleness``). A restarted trainer decides
+the same way for the claims its journal holds, once it knows the rollback to follow.
+
+The sessions of claims a checkpoint already confirmed (consumed) that trained into versions after
+c cannot be given back: the server hands a consumed session out no more. They are lost to the
+lineage; the trainer counts them (`discarded`) and says so. Pure: what the trainer has and what
+the server says in, decisions out (``trainer.loop`` acts on them).
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.checkpoint import TrainerState
+
+# The reason code the trainer's dropped-session totals count the sessions of `discarded` under.
+ROLLED_BACK = "rolled_back"
 
 
 class CannotRestore(RuntimeError):
@@ -87,9 +96,29 @@ def plan_restore(
     )
 
 
+def served_weights(version: int, republished: Iterable[Sequence[int]]) -> int:
+    """The version whose trained weights ``version`` serves: itself, or for one that serves an
+    earlier version's again (``republished``: [earlier, version] pairs, a rollback's or a
+    restart's), that one's, followed back. A rollback to a rollback's version holds only what
+    the version it served again holds."""
+    again = {new: old for old, new in republished}
+    while version in again:
+        version = again[version]
+    return version
+
+
 def to_release(trained_into: Mapping[str, int], source: int) -> list[str]:
     """The claims (``trained_into``: claim id -> the version its step published, for the claims
     no checkpoint confirmed yet) trained into versions after ``source``, which the rollback
     discarded: their sessions must train again. Those trained into ``source`` or before stay:
     the restored weights hold them."""
     return [claim_id for claim_id, version in trained_into.items() if version > source]
+
+
+def discarded(consumed_into: Iterable[Sequence[int]], source: int) -> tuple[list[list[int]], int]:
+    """Of ``consumed_into`` ([version, sessions] a checkpoint confirmed as trained into each
+    version): those of ``source`` and before, which the restored weights hold, and how many
+    sessions the versions after ``source`` held, consumed on the server and lost with them."""
+    kept = [[version, sessions] for version, sessions in consumed_into if version <= source]
+    lost = sum(sessions for version, sessions in consumed_into if version > source)
+    return kept, lost

@@ -16,7 +16,14 @@ from tests.unit.test_trained_share import RecordingServer, trainer
 from trainer.checkpoint import Checkpoints, TrainerState
 from trainer.claims import Claim
 from trainer.loop import Claimed
-from trainer.rollback import CannotRestore, new_rollbacks, plan_restore, to_release
+from trainer.rollback import (
+    CannotRestore,
+    discarded,
+    new_rollbacks,
+    plan_restore,
+    served_weights,
+    to_release,
+)
 from trainer.server_api import VersionSuperseded
 
 
@@ -199,3 +206,134 @@ def test_the_step_s_claims_stay_journalled_across_the_rollback_s_checkpoint(tmp_
     t.checkpoints.journal_claim("c4", 3, 2)
     assert t.follow_rollbacks(Claimed([step]))
     assert t.checkpoints.journalled() == ["c4"]
+
+
+# ----- a restart that finds a rollback, and sessions a checkpoint confirmed -------------------
+
+
+def stopped_at_three(tmp_path: Path, server: RollingServer) -> None:
+    """A trainer that trained claims c1, c2, c3 into versions 1, 2, 3 through the journal, as
+    `Trainer.run` does, checkpointed after the first (c1 confirmed), then stopped."""
+    t = trainer(tmp_path, server)
+    t.workers = Workers()
+    for version in (1, 2, 3):
+        claim = Claim(f"c{version}", [f"s{version}a", f"s{version}b"])
+        t.checkpoints.journal_claim(claim.claim_id, t.state.step, claim.size)  # as `claim`
+        t.pending.append(claim)
+        t.state.version = t.state.step = version
+        t.mark_trained([claim])
+        if version == 1:
+            t.commit_checkpoint(t.save_checkpoint())
+
+
+def restarted(tmp_path: Path, server: RollingServer) -> tuple:
+    """A new trainer on the stopped one's output directory, resumed from its checkpoint as
+    `Trainer.start` does."""
+    t = trainer(tmp_path, server)
+    t.workers = Workers()
+    t.state = t.checkpoints.latest()[1]  # type: ignore[index]
+    t.resume_claims()
+    return t, t.workers
+
+
+def released(server: RollingServer) -> set[str]:
+    return {claim_id for name, claim_id in server.calls if name == "release"}
+
+
+@pytest.mark.parametrize(
+    ("rollbacks", "released_claims"),
+    [
+        ([], {"c2", "c3"}),  # the checkpoint's weights (version 1) hold neither
+        ([[2, 4]], {"c3"}),  # version 2's files hold c2's update: it is not trained again
+        ([[3, 4]], set()),
+        ([[1, 4]], {"c2", "c3"}),
+        ([[2, 4], [4, 5]], {"c3"}),  # version 4 serves version 2's weights: it holds c2
+        ([[1, 4], [4, 5]], {"c2", "c3"}),
+    ],
+)
+def test_a_restart_releases_only_the_claims_the_rollback_it_finds_discarded(
+    tmp_path, rollbacks, released_claims
+):
+    """Checkpointed at version 1, trained c2 -> 2 and c3 -> 3, stopped; the run rolled back
+    meanwhile. Each session trains once along the lineage served: the claims of versions the
+    restored weights hold are confirmed, the others released, none both."""
+    paths = {v: str(tmp_path / f"v{v}") for v in range(1, 6)}
+    for path in paths.values():
+        Path(path).mkdir()
+    server = RollingServer(rollbacks, paths)
+    stopped_at_three(tmp_path / "out", server)
+    server.calls.clear()
+    t, _ = restarted(tmp_path / "out", server)
+    assert released(server) == released_claims
+    confirmed = {claim_id for name, claim_id in server.calls if name == "confirm"}
+    assert confirmed == {"c2", "c3"} - released_claims
+    assert t.pending == [] and t.trained_into == {}
+    assert t.checkpoints.journalled() == [] and t.checkpoints.journalled_trained() == {}
+    if rollbacks:  # the checkpoint of the rollback covers the claims kept
+        covered = {c["claim_id"] for c in t.checkpoints.latest()[1].covered_claims}  # type: ignore[index]
+        assert covered == confirmed and t.state.version == rollbacks[-1][1]
+
+
+def test_a_restart_restores_the_files_that_hold_the_claims_it_keeps(tmp_path):
+    """The reviewer's case: rolled back to 2 (served as 4) while the trainer was stopped."""
+    published = tmp_path / "v2"
+    published.mkdir()
+    server = RollingServer([[2, 4]], {2: str(published)})
+    stopped_at_three(tmp_path / "out", server)
+    server.calls.clear()
+    t, workers = restarted(tmp_path / "out", server)
+    assert ("load_published", str(published)) in workers.calls
+    assert [c for c in server.calls if c[0] in ("release", "confirm")] == [
+        ("release", "c3"),
+        ("confirm", "c2"),
+    ]
+    assert t.state.consumed_into == [[1, 2], [2, 2]]
+
+
+def test_a_second_stop_before_the_rollback_s_checkpoint_keeps_the_claims_journalled(tmp_path):
+    """Stopped again after settling the journal, before following the rollback: the claims
+    trained since the checkpoint stay in the journal, and the next restart decides the same."""
+    published = tmp_path / "v2"
+    published.mkdir()
+    server = RollingServer([[2, 4]], {2: str(published)})
+    stopped_at_three(tmp_path / "out", server)
+    first = trainer(tmp_path / "out", server)
+    first.state = first.checkpoints.latest()[1]  # type: ignore[index]
+    first._settle_journal()  # and stopped
+    assert set(first.checkpoints.journalled_trained()) == {"c2", "c3"}
+    server.calls.clear()
+    restarted(tmp_path / "out", server)
+    assert released(server) == {"c3"} and ("confirm", "c2") in server.calls
+
+
+def test_sessions_a_checkpoint_confirmed_into_discarded_versions_are_counted_and_told(
+    tmp_path, caplog
+):
+    """Claims a checkpoint confirmed are consumed on the server and cannot be given back: a
+    rollback past them loses their sessions, which the trainer counts as dropped
+    (``rolled_back``: the step records' totals) and names in a warning. A dropped session of
+    such a claim was never trained: it is not counted again."""
+    published = tmp_path / "v1"
+    published.mkdir()
+    server = RollingServer([[1, 4]], {1: str(published)})
+    t, _ = trained_to_three(tmp_path, server)
+    t.pending[1].dropped = {"s2b": "stale: 3 versions behind"}
+    t.commit_checkpoint(t.save_checkpoint())  # checkpoint_every reached at step 3
+    assert t.state.consumed_into == [[1, 2], [2, 1], [3, 2]]
+    server.calls.clear()
+    with caplog.at_level(logging.WARNING, logger="proxrl.trainer"):
+        assert t.follow_rollbacks()
+    assert released(server) == set()  # consumed: nothing the server would take back
+    assert t.state.total_dropped_sessions == {"rolled_back": 3}
+    assert t.state.consumed_into == [[1, 2]]
+    saved = t.checkpoints.latest()[1]  # type: ignore[index]
+    assert saved.total_dropped_sessions == {"rolled_back": 3}
+    assert "3 sessions trained into versions after 1 were already confirmed" in caplog.text
+    assert "checkpoint_every" in caplog.text
+
+
+def test_only_versions_after_the_one_whose_weights_are_served_count_as_lost():
+    assert served_weights(5, [[1, 4], [4, 5]]) == 1
+    assert served_weights(3, [[1, 4]]) == 3
+    kept, lost = discarded([[1, 2], [2, 1], [5, 4]], 2)
+    assert (kept, lost) == ([[1, 2], [2, 1]], 4)
