@@ -288,7 +288,7 @@ async def rollback_run(
     "/runs/{run_id}/promote",
     response_model=RunOut,
     summary="Serve the run's production sessions a version (a promotion by hand)",
-    responses=documented(401, 403, 404, 409, 410, 422),
+    responses=documented(400, 401, 403, 404, 409, 410, 422),
 )
 async def promote(run_id: PathId, body: PromoteIn, ctx: Ctx, _: AdminDep) -> dict:
     return await runs.run_view(ctx, await promotion.promote(ctx, run_id, body.version))
