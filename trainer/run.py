@@ -115,8 +115,8 @@ def train(config: TrainConfig, stack: ExitStack) -> TrainerState:
     )
     stack.callback(workers.shutdown)
     log.info(describe_start(config, trainer))
+    install_signal_handlers(trainer)  # before start: a SIGTERM while it runs stops cleanly after
     trainer.start(workers)
-    install_signal_handlers(trainer)
     state = trainer.run()
     log.info("done: step %d, version %d", state.step, state.version)
     return state

@@ -21,6 +21,7 @@ optimizer state, and a publish writes the adapter alone in peft's ``save_pretrai
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -29,6 +30,7 @@ import shutil
 import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,8 @@ from trainer.model import (
 from trainer.plan import MicroBatch
 
 # Files of a model directory that are not weights: copied next to every published version.
+# How long a rank leaving the process group waits for the others to leave it too.
+SHUTDOWN_WAIT_S = 20.0  # within the group's own wait (cluster.WorkerGroup.SHUTDOWN_WAIT_S)
 MODEL_FILES = (
     "config.json",
     "generation_config.json",
@@ -590,8 +594,15 @@ class Worker:
             )
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Leave the process group once every rank has come to leave it (gloo): a rank that
+        destroyed its group while another still used it could die at exit ("terminate called
+        without an active exception"). A rank that never comes is waited for SHUTDOWN_WAIT_S."""
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "gloo":
+            with contextlib.suppress(RuntimeError):
+                dist.monitored_barrier(timeout=timedelta(seconds=SHUTDOWN_WAIT_S))
+        dist.destroy_process_group()
 
 
 def rows_with_loss(micros: list[MicroBatch]) -> int:
