@@ -119,6 +119,7 @@ bench: venv
 	$(PY) bench/engine.py
 	$(PY) bench/proxy.py
 	$(PY) bench/proxy_cost.py --requests 400 --rounds 2
+	$(PY) bench/proxy_floor.py
 	$(PY) bench/replicas.py --requests 360 --rounds 2
 	$(PY) bench/store_writes.py --turns 512 --producers 64
 	$(PY) bench/trainer.py
