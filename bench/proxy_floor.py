@@ -36,7 +36,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import aiohttp  # noqa: E402
-from sqlalchemy import insert  # noqa: E402
 
 from bench.common import Forwarder, StubEngine, per_client, positive_int, process_cpu  # noqa: E402
 from bench.proxy import ChatRequest, ensure_model, make_requests  # noqa: E402
@@ -54,8 +52,7 @@ from bench.proxy_cost import TIMEOUT, forwarder_send  # noqa: E402
 from server.engine_client.client import piece_from_output  # noqa: E402
 from server.proxy.generation import SamplingRequest, engine_body  # noqa: E402
 from server.proxy.schemas import ChatCompletionRequest  # noqa: E402
-from server.store import database  # noqa: E402
-from server.store.tables import Run, Session  # noqa: E402
+from server.store import database, runs, sessions  # noqa: E402
 from server.store.turns import TurnInserter, TurnRecord  # noqa: E402
 from server.text.tokenization import Tokenizer  # noqa: E402
 
@@ -75,21 +72,8 @@ def turn_store() -> Iterator[Callable[[ChatRequest, list[int], str], None]]:
     with tempfile.TemporaryDirectory(prefix="proxrl-floor-") as directory:
         url = database.default_url(Path(directory))
         database.upgrade(url)
+        run_id, session_id = asyncio.run(_run_and_session(url))
         engine = database.connect_sync(url)
-        now = datetime.now(UTC)
-        with engine.begin() as connection:
-            connection.execute(
-                insert(Run).values(
-                    id="run-floor", name="floor", model="tiny", config={}, api_key_hash="h",
-                    policy_version=0, is_default=False, created_at=now,
-                )
-            )  # fmt: skip
-            connection.execute(
-                insert(Session).values(
-                    id="sess-floor", run_id="run-floor", task_id="bench", api_key_hash="s",
-                    status="open", created_at=now, last_activity_at=now,
-                )
-            )  # fmt: skip
         inserter, raw, waiting = TurnInserter(engine.dialect), engine.raw_connection(), []
         turns = [0]
 
@@ -97,7 +81,7 @@ def turn_store() -> Iterator[Callable[[ChatRequest, list[int], str], None]]:
             completion_id = f"chatcmpl-{uuid.uuid4().hex}"
             waiting.append(
                 TurnRecord(
-                    session_id="sess-floor", run_id="run-floor", completion_id=completion_id,
+                    session_id=session_id, run_id=run_id, completion_id=completion_id,
                     request_id=completion_id, surface="chat", model="tiny",
                     turn_index=turns[0], row_index=turns[0], extends_previous=False,
                     conversation=turns[0], messages=chat.messages, tools=None,
@@ -119,6 +103,19 @@ def turn_store() -> Iterator[Callable[[ChatRequest, list[int], str], None]]:
         finally:
             raw.close()
             engine.dispose()
+
+
+async def _run_and_session(url: str) -> tuple[str, str]:
+    """A run and a session of it, made as the server makes them."""
+    engine = database.connect(url)
+    try:
+        async with database.sessionmaker(engine)() as db:
+            run, _ = await runs.create_run(db, "floor", "tiny", {})
+            session, _ = await sessions.create_session(db, run.id, "bench", None, {})
+            await db.commit()
+            return run.id, session.id
+    finally:
+        await engine.dispose()
 
 
 def steps(
