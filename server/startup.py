@@ -34,8 +34,8 @@ from server.context import ServerContext
 from server.engine.settings import model_directory_problem
 from server.engine_client import sglang
 from server.engine_client.adapters import AdapterLoads
-from server.engine_client.pool import EnginePool, parse_version
-from server.errors import StoreUnavailable
+from server.engine_client.pool import EnginePool, EngineState, parse_version
+from server.errors import EngineError, StoreUnavailable
 from server.metrics import Metrics
 from server.proxy.session_cache import SessionRegistry
 from server.settings import ServerSettings
@@ -131,22 +131,64 @@ def engine_version(run: Run) -> int:
 
 
 async def serve_current_version(ctx: ServerContext, run: Run) -> None:
-    """Engines that came up with other weights than the run's version load that version."""
-    wanted = str(engine_version(run))
+    """Engines that came up with other weights than the run's version load that version. A run
+    at version 0 with no weights path (one that has published nothing; a LoRA run, whose engines
+    serve the base model) serves the base model: an engine found serving a version no run records
+    (left by a deployment whose store is gone, say) is reset to it (``reset_to_base``); one at a
+    version another run records is the takeover's to judge (``version_on_takeover``)."""
+    wanted = engine_version(run)
     weights_path = None if run.lora else run.weights_path  # a LoRA run's is its adapter's
-    for engine in ctx.pool.healthy:
-        if engine.weight_version == wanted or (weights_path is None and wanted == "0"):
-            continue
-        if weights_path is None:
-            log.warning(
-                "engine %s serves %s, the run is at %s with no weights path",
-                engine.url,
-                engine.weight_version,
-                wanted,
-            )
-            continue
-        await engine.client.update_weights_from_disk(weights_path, wanted)
-        engine.weight_version = wanted
+    # Held so that no health check judges an engine mid-load; ``loadable``: a check may already
+    # have taken one serving another version out of rotation.
+    async with ctx.pool.update_lock:
+        for engine in ctx.pool.loadable:
+            served = parse_version(engine.weight_version or "")
+            if served == wanted:
+                continue
+            if weights_path is not None:
+                await engine.client.update_weights_from_disk(weights_path, str(wanted))
+                engine.weight_version = str(wanted)
+            elif wanted == 0:
+                if not await version_recorded(ctx, served):
+                    await reset_to_base(ctx, engine)
+            else:
+                log.warning(
+                    "engine %s serves %s, the run is at %s with no weights path",
+                    engine.url,
+                    engine.weight_version,
+                    wanted,
+                )
+
+
+async def reset_to_base(ctx: ServerContext, engine: EngineState) -> None:
+    """Load the base model (``--model``, what a rollback to version 0 loads) into ``engine`` as
+    version 0, back in rotation; if the engine cannot, it stays out of rotation, and the reason
+    (the health checks' and ``/admin/engines``') says why and what to do. The engine's own
+    ``model_path`` is no guide: a load from disk changes it to the loaded folder's."""
+    served, base = engine.weight_version, ctx.settings.model
+    try:
+        answer = await engine.client.update_weights_from_disk(base, "0") or {}
+        problem = None if answer.get("success", True) else str(answer.get("message"))
+    except EngineError as exc:
+        problem = str(exc)
+    if problem is None:
+        log.warning(
+            "engine %s served version %s, which no run in this store records, where the default "
+            "run's engines serve version 0 (the base model): reset it to the base model %s",
+            engine.url,
+            served,
+            base,
+        )
+        engine.weight_version, engine.healthy, engine.off_version = "0", True, False
+        engine.off_version_cause = None
+        return
+    cause = (
+        f"weights no run in this store records; resetting it to the base model {base} failed "
+        f"({problem}): restart the engine on its base model, or publish weights "
+        "(POST /admin/weights)"
+    )
+    engine.off_version_cause = (str(served), cause)
+    ctx.pool.mark_off_version(engine, str(served), 0)
 
 
 def replica_id() -> str:

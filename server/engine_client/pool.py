@@ -94,6 +94,9 @@ class EngineState:
     # Out of rotation only because it serves another version than the run's (a load that was
     # given up on and finished later): the next publish loads it with the others.
     off_version: bool = False
+    # Why it serves that other version, where proxrl learned it (a reset to the base model that
+    # failed, ``server.startup.reset_to_base``): (the version, why), told while it serves it.
+    off_version_cause: tuple[str, str] | None = None
     # A follower's: a newer version than the store's it found, and when (judged a round later).
     unrecorded: tuple[str, float] | None = None
     served_tokens: int = 0
@@ -289,9 +292,18 @@ class EnginePool:
             engine.unrecorded = None
             return True
         if not self._recording(engine, version, expected):
-            self.mark_down(engine, f"serves version {version}, not {expected}")
-            engine.off_version = True
+            self.mark_off_version(engine, version, expected)
         return False
+
+    def mark_off_version(self, engine: EngineState, version: str, expected: int) -> None:
+        """Out of rotation because it serves ``version``, not ``expected`` (with the cause, where
+        known): the next publish loads it with the others."""
+        reason = f"serves version {version}, not {expected}"
+        cause = engine.off_version_cause
+        self.mark_down(
+            engine, reason if cause is None or cause[0] != version else f"{reason}: {cause[1]}"
+        )
+        engine.off_version = True
 
     async def _recorded(self, version: str) -> bool:
         """A follower's: whether the store records ``version`` as some run's (the one the
