@@ -10,8 +10,9 @@ no process of its own.
 
 One proxy serves the whole test session; tests that depend on a run's config create a run of
 their own (``Api.new_run``). The shared engine stays at version 0: a module that publishes
-weights runs an engine of its own (``app_with_own_engine``), since an app on a fresh store takes
-an engine serving another version out of rotation at its first health check.
+weights runs an engine of its own (``app_with_own_engine``), since an app running on a fresh store
+takes an engine serving another version out of rotation at its next health check (and one that
+starts on a fresh store resets it to the base model).
 """
 
 from __future__ import annotations
