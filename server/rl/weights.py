@@ -21,9 +21,15 @@ The leader checks that it still leads before it pauses the engines and before it
 and records the version only in a transaction that finds it still leading, under the same lead
 (``leadership.lead_token``: a lead lost and taken back is another); a replica that lost the
 lead on the way, or whose store did not confirm it within ``STORE_WAIT_S``, answers 503
-``lost_leadership`` with the engines resumed and nothing recorded. The version is recorded
-before the engines resume, so a follower never finds them serving a version the store does not
-have yet.
+``lost_leadership`` with nothing recorded. The version is recorded before the engines resume,
+so a follower never finds them serving a version the store does not have yet.
+
+The pause and the resume are each sent in a transaction that holds the ``leader`` row locked
+(``leadership.locked_leader``), which a replica taking the lead rewrites first: a takeover, and
+so a new leader's own swap, comes after the pause and after the resume, never between a check
+and its call. A replica that finds another leading when its swap ends does not resume the
+engines (the new leader resumed them as it took the lead and may hold them paused for its own
+swap); one whose store does not say who leads leaves them to its next election round.
 """
 
 from __future__ import annotations
@@ -155,16 +161,15 @@ async def publish(ctx: ServerContext, body: WeightsIn, source: int | None = None
             )
         if not engines:
             raise NoEngineToUpdate("No engine is in rotation to load the weights.")
-        lead = await confirm_lead(ctx, "no engine was paused")
         started = time.perf_counter()
-        paused = await asyncio.gather(
-            *(e.client.pause("abort") for e in engines), return_exceptions=True
-        )
-        pool.last_swap = None  # until this one is known to be done
+        paused: list[BaseException | None] = []  # each engine's pause, once it was sent
         try:
+            lead = await _pause(ctx, engines, paused)
+            pool.last_swap = None  # until this one is known to be done
             results = await _swap(ctx, engines, body, run.id, version, lead, source)
         finally:
-            await asyncio.gather(*(e.client.resume() for e in engines), return_exceptions=True)
+            if paused:
+                await _resume(ctx, engines)
         pause_seconds = time.perf_counter() - started
         pool.expected_version = version
         for engine, pause_error, result in zip(engines, paused, results, strict=True):
@@ -306,7 +311,7 @@ async def _swap(
     record comes before the engines resume, so no replica sees them serve a version the store
     does not have yet."""
     await _failpoint("paused")
-    await confirm_lead(ctx, "nothing was loaded; the engines resumed", lead)
+    await confirm_lead(ctx, f"nothing was loaded; {_RESUMED}", lead)
     loader, source = _loader_of(body, version)
     size_bytes = await weight_files.size(body.model_path and str(body.model_path))
     results = await _load_within(engines, loader, ctx.settings.weights_pause_limit_s, source)
@@ -317,7 +322,7 @@ async def _swap(
         raise WeightUpdateFailed(message)
     await confirm_lead(
         ctx,
-        f"the engines loaded {source} but version {version} was not recorded; they resumed, "
+        f"the engines loaded {source} but version {version} was not recorded; {_RESUMED}, "
         "and the leader keeps them out of rotation until it loads them",
         lead,
         record=lambda db: runs.set_policy_version(
@@ -356,18 +361,21 @@ async def confirm_lead(
     then: str,
     lead: LeadToken | None = None,
     record: Callable[[Db], Awaitable[None]] | None = None,
+    hold_s: float = 0.0,
 ) -> LeadToken:
     """This replica still leads (by its last election check and by the store), or 503; its
     lead's fencing token. With ``lead``, under that same lead (one lost and taken again since,
-    even by this replica, is another: 503); with ``record``, what it writes in the transaction
-    that found it leading. A store that fails or takes more than STORE_WAIT_S counts as a lost
-    lead (nothing recorded)."""
+    even by this replica, is another: 503); with ``record``, what it does in the transaction
+    that found it leading (the leader row locked: see ``leadership.locked_leader``; ``hold_s``,
+    how long of it may be spent away from the store). A store that fails or takes more than
+    STORE_WAIT_S (plus ``hold_s``) counts as a lost lead (nothing recorded)."""
     # SQLite: the one server always leads, and waits on a lock as long as its busy timeout
-    bound = STORE_WAIT_S if database.is_shared(ctx.settings.database_url) else None
+    shared = database.is_shared(ctx.settings.database_url)
+    bound = STORE_WAIT_S + hold_s if shared else None
     if ctx.pool.leading:
         try:
             async with asyncio.timeout(bound), ctx.sessionmaker() as db, db.begin():
-                token = await leadership.lead_token(db, ctx.replica_id)
+                token = await leadership.lead_token(db, ctx.replica_id, hold_s)
                 if token is not None and (lead is None or lead == token):
                     if record is not None:
                         await record(db)
@@ -381,6 +389,110 @@ async def confirm_lead(
                 f"{then} (the store did not confirm the lead within {STORE_WAIT_S:g} s: {problem})"
             ) from None
     raise _lost_lead(then)
+
+
+# How long an engine may take to answer a pause or a resume sent while the leader row is held
+# locked (``_pause``, ``_resume``): a replica taking the lead waits for the row meanwhile. An
+# engine that has not answered by then counts as failed to pause (out of rotation after the swap).
+FENCED_CALL_S = 5.0
+
+
+async def _tell(
+    engines: list[EngineState],
+    call: Callable[[EngineState], Awaitable[None]],
+    seconds: float | None,
+) -> list[BaseException | None]:
+    """``call`` on every engine at once, each within ``seconds``: each one's error, or None."""
+
+    async def one(engine: EngineState) -> BaseException | None:
+        try:
+            async with asyncio.timeout(seconds):
+                await call(engine)
+        except Exception as exc:
+            return exc
+        return None
+
+    return await asyncio.gather(*map(one, engines))
+
+
+async def _pause(
+    ctx: ServerContext, engines: list[EngineState], paused: list[BaseException | None]
+) -> LeadToken:
+    """Pause every engine (``abort`` mode), in the transaction that finds this replica leading,
+    the leader row locked: a replica that takes the lead after, and resumes the engines as it
+    does (``server.startup.take_part``), resumes them after this pause, never before it. Fills
+    ``paused`` (each engine's error, or None) once the pause is sent; the lead's token."""
+
+    async def pause(_db: Db) -> None:
+        paused.extend([None] * len(engines))  # sent, whatever comes of it
+        paused[:] = await _tell(engines, lambda e: e.client.pause("abort"), FENCED_CALL_S)
+
+    if not database.is_shared(ctx.settings.database_url):  # one server: it always leads
+        lead = await confirm_lead(ctx, "no engine was paused")
+        paused.extend([None] * len(engines))
+        paused[:] = await _tell(engines, lambda e: e.client.pause("abort"), None)
+        return lead
+    try:
+        return await confirm_lead(ctx, "no engine was paused", record=pause, hold_s=FENCED_CALL_S)
+    except NoLeader:
+        if not paused:
+            raise
+        raise _lost_lead(f"nothing was loaded; {_RESUMED}") from None
+
+
+async def _resume(ctx: ServerContext, engines: list[EngineState]) -> None:
+    """Resume the engines a swap paused, unless another replica leads now, in a transaction
+    that holds the leader row locked until the engines have answered. A replica that lost the
+    lead mid-swap must not resume them: the one that leads now resumed them as it took the lead
+    and may have paused them since for a swap of its own, which the resume would break into
+    (requests sampled from half-loaded weights, under a version that did not sample them). With
+    the row locked, no replica takes the lead, and so none pauses for a swap, until the resume
+    is answered. No replica leading (the lead lost, none taken yet): resumed, as the replica
+    that takes the lead next waits for the row.
+
+    A store that does not answer within its bound leaves the engines paused: this replica
+    stops leading until its next election check (``server.startup.take_part``), which, if it
+    still holds the lead, takes it again and resumes them as any takeover does; if it does not,
+    the replica that takes the lead does. SQLite: the one server always leads, and resumes."""
+    if not database.is_shared(ctx.settings.database_url):
+        await _tell(engines, lambda e: e.client.resume(), None)
+        return
+    sent = False
+    try:
+        async with (
+            asyncio.timeout(STORE_WAIT_S + FENCED_CALL_S),
+            ctx.sessionmaker() as db,
+            db.begin(),
+        ):
+            leader = await leadership.locked_leader(db, hold_s=FENCED_CALL_S)
+            if leader is not None and leader[0] != ctx.replica_id:
+                log.warning(
+                    "the engines stay paused: replica %s leads now (it resumed them as it took "
+                    "the lead, and a swap of its own may hold them)",
+                    leader[0],
+                )
+                return
+            sent = True
+            await _tell(engines, lambda e: e.client.resume(), FENCED_CALL_S)
+        return
+    except Exception as exc:  # slow, locked, away, or a bug: whether another leads is unknown
+        problem = "no answer" if isinstance(exc, TimeoutError) else first_line(exc)
+    if sent:  # resumed under the lock; only its end failed
+        log.warning("resumed the engines; the store's transaction then failed: %s", problem)
+        return
+    log.warning(
+        "the engines stay paused: the store did not say who leads within %g s (%s); this "
+        "replica follows until its next leader check, which resumes them if it still leads",
+        STORE_WAIT_S,
+        problem,
+    )
+    # The last statement before the caller's update lock is released (no await between): the
+    # election's next round sees a lead to take, with no swap under way, and resumes them.
+    ctx.pool.leading = False
+
+
+# What comes of engines a swap paused when the swap loses the lead (``_resume``).
+_RESUMED = "the engines resume, by this replica's hand or the one that leads now"
 
 
 def _lost_lead(then: str) -> NoLeader:

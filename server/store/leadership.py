@@ -19,7 +19,10 @@ what it writes in the transaction of that check (a weight swap's new version) is
 if it leads, and before any replica that takes over reads the store (``leads`` locks the
 ``leader`` row, which a new leader rewrites as it takes the lock). That transaction is bounded
 (``LEADS_IDLE_S``, ``LEADS_LOCK_S``): a replica cut off inside it does not hold the row long.
-Its fencing token (``lead_token``) tells one lead from the next, even of one replica.
+Its fencing token (``lead_token``) tells one lead from the next, even of one replica. The same
+lock orders what a replica does outside the store against a takeover (``locked_leader``): a
+weight swap's pause and resume of the engines are sent under it, so none lands under the swap
+of a replica that took the lead after it was sent.
 
 A SQLite store has one serving process: it always leads, and takes no lock.
 
@@ -203,7 +206,9 @@ async def leads(db: AsyncSession, replica_id: str) -> bool:
     return await lead_token(db, replica_id) is not None
 
 
-async def lead_token(db: AsyncSession, replica_id: str) -> tuple[int, datetime] | None:
+async def lead_token(
+    db: AsyncSession, replica_id: str, hold_s: float = 0.0
+) -> tuple[int, datetime] | None:
     """Whether ``replica_id`` leads now, by the store: its *fencing token* if so, else None. It
     leads if the ``leader`` row names it and its lock's backend holds the lock (always, on
     SQLite: its one process leads, token ``SQLITE_TOKEN``). The token (the
@@ -212,13 +217,28 @@ async def lead_token(db: AsyncSession, replica_id: str) -> tuple[int, datetime] 
     check that it ends under the same one. On Postgres the row stays locked (``FOR UPDATE``)
     until ``db``'s transaction ends, so a replica taking the lead, which rewrites the row
     first, waits for that transaction: what it writes comes before the new leader reads
-    anything. The transaction is ended by Postgres once idle ``LEADS_IDLE_S``, and its
-    statements wait at most ``LEADS_LOCK_S`` for a lock (then raise): a replica cut off inside
-    it does not hold the row, and so the lead, for long."""
+    anything. The transaction is ended by Postgres once idle ``LEADS_IDLE_S`` (plus ``hold_s``:
+    see ``locked_leader``), and its statements wait at most ``LEADS_LOCK_S`` for a lock (then
+    raise): a replica cut off inside it does not hold the row, and so the lead, for long."""
     if db.get_bind().dialect.name != "postgresql":
         return SQLITE_TOKEN
+    leader = await locked_leader(db, hold_s)
+    return leader[1] if leader is not None and leader[0] == replica_id else None
+
+
+async def locked_leader(
+    db: AsyncSession, hold_s: float = 0.0
+) -> tuple[str, tuple[int, datetime]] | None:
+    """PostgreSQL: the replica that leads now by the store, and its lead's fencing token (see
+    ``lead_token``), or None when none does (the row names a replica whose lock is gone); the
+    ``leader`` row locked until ``db``'s transaction ends, so no replica takes the lead (which
+    rewrites the row first) before it ends. ``hold_s``: how long the caller may keep the
+    transaction idle on top of ``LEADS_IDLE_S`` while it acts outside the store under that lock
+    (a call to the engines that must land before any new leader acts: its own bound must be
+    under ``hold_s``); Postgres ends the transaction past that, so a replica cut off inside it
+    holds the row ``LEADS_IDLE_S + hold_s`` at most."""
     for name, seconds in (
-        ("idle_in_transaction_session_timeout", LEADS_IDLE_S),
+        ("idle_in_transaction_session_timeout", LEADS_IDLE_S + hold_s),
         ("lock_timeout", LEADS_LOCK_S),
     ):
         await db.execute(text(f"SET LOCAL {name} = {int(seconds * 1000)}"))
@@ -229,11 +249,11 @@ async def lead_token(db: AsyncSession, replica_id: str) -> tuple[int, datetime] 
             .with_for_update()
         )
     ).one_or_none()
-    if row is None or row.replica_id != replica_id or row.backend_pid is None:
+    if row is None or row.backend_pid is None:
         return None
     if row.backend_pid not in set((await db.execute(_HOLDER)).scalars().all()):
         return None
-    return (row.backend_pid, row.since)
+    return row.replica_id, (row.backend_pid, row.since)
 
 
 # SQLite's one serving process always leads, under one lead for its life.

@@ -1,0 +1,178 @@
+"""A replica that lost the lead mid-swap must not resume the engines under the swap of the
+replica that leads now (``server.rl.weights._resume``): its resume is sent, or not, with the
+``leader`` row locked, which a replica taking the lead rewrites before it leads.
+
+Replicas as in test_leader_replicas.py (its fixtures: the whole app in a thread per replica,
+over one Postgres database, sharing one real embedded engine). The weights failpoint holds each
+swap with the engine paused and nothing loaded; it is read when a swap reaches it, so each swap
+here is held as long as the failpoint said then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import psycopg
+import pytest
+
+from server.rl.weights import FAILPOINT
+from tests.integration.test_leader_replicas import (  # noqa: F401 (fixtures)
+    ADMIN,
+    _versions_of,
+    engine,
+    leaders,
+    lock_holders,
+    start_replicas,
+    wait_for,
+)
+
+FIRST_HOLD_S = 5.0  # the deposed leader's swap, from its pause to its check of the lead
+SECOND_HOLD_S = 8.0  # the new leader's swap, from its pause to its load
+
+
+@pytest.mark.timeout(180)
+def test_a_deposed_leader_does_not_resume_the_engine_under_the_new_leaders_swap(
+    start_replicas,  # noqa: F811
+    engine,  # noqa: F811
+    tiny_model_dir,
+    monkeypatch,
+):
+    """The first replica pauses the engine for a swap and loses the lead (its lock's
+    connection cut); the second takes the lead (and resumes the engine, as a takeover does) and
+    pauses it for a swap of its own. When the first's swap ends (503 lost_leadership), the
+    engine must stay paused until the second's swap has loaded and recorded its version, and a
+    request sent meanwhile to the first (a follower now, whose requests go straight to the
+    engine) is served only after it, by the new version. On the code before, the first's resume
+    un-paused the engine under the second's swap: the request was served at once, by the old
+    weights."""
+    monkeypatch.setenv(FAILPOINT, f"paused:{FIRST_HOLD_S:g}")
+    url, (first, second) = start_replicas(2, health_interval_s=0.2)
+    scheduler = engine.service.scheduler
+    made = first.post("/rl/sessions", json={"task_id": "fence"})
+    assert made.status_code == 201, made.text
+    session = made.json()
+    weights = {"model_path": str(tiny_model_dir)}
+    seen = asyncio.run(
+        _deposed_then_leading(url, first, second, scheduler, weights, session, monkeypatch)
+    )
+    deposed, leading = seen["deposed"], seen["leading"]
+    assert deposed.status_code == 503, deposed.text
+    assert deposed.json()["error"]["code"] == "lost_leadership", deposed.text
+    assert leading.status_code == 200, leading.text
+    assert leading.json()["policy_version"] == 1
+    took = seen["request took"]
+    print(f"a request sent to the deposed replica under the new leader's swap: {took:.2f} s")
+    assert seen["paused after the deposed answered"] == "abort"  # the code before: None
+    assert not seen["request served during the swap"]
+    assert seen["request"].status_code == 200, seen["request"].text
+    assert scheduler.paused is None  # the leader's own resume
+    turns = first.get(f"/rl/sessions/{session['session_id']}").json()["turns"]
+    assert set(turns[-1]["versions"]) == {1}, turns[-1]  # sampled by the new weights only
+    assert _versions_of(first) == [1]
+    assert [len(r.app.state.ctx.pool.swaps) for r in (first, second)] == [0, 1]
+
+
+async def _deposed_then_leading(url, first, second, scheduler, weights, session, monkeypatch):
+    """The first's swap paused, its lead cut, the second leading and swapping; what was seen."""
+    seen: dict = {}
+    async with httpx.AsyncClient(timeout=120, headers=ADMIN) as http:
+        deposed = asyncio.create_task(http.post(f"{first.url}/admin/weights", json=weights))
+        while scheduler.paused is None:  # the first's swap has paused the engine
+            assert not deposed.done(), deposed.result().text
+            await asyncio.sleep(0.01)
+        (holder,) = lock_holders(url)
+        with psycopg.connect(url, autocommit=True) as db:  # its lock's connection cut
+            db.execute("SELECT pg_terminate_backend(%s)", (holder,))
+        deadline = time.monotonic() + 4.0
+        while leaders([first, second]) != [second] or scheduler.paused is not None:
+            assert time.monotonic() < deadline, "the second did not take over (and resume)"
+            await asyncio.sleep(0.02)
+        assert not deposed.done(), "the first's swap ended before the second led"
+        monkeypatch.setenv(FAILPOINT, f"paused:{SECOND_HOLD_S:g}")
+        leading = asyncio.create_task(http.post(f"{second.url}/admin/weights", json=weights))
+        while scheduler.paused is None:  # the second's swap has paused the engine
+            assert not leading.done(), leading.result().text
+            await asyncio.sleep(0.01)
+        seen["deposed"] = await deposed
+        assert not leading.done(), "the second's swap ended before the first's"
+        seen["paused after the deposed answered"] = scheduler.paused
+        request = asyncio.create_task(_ask(http, session))
+        await asyncio.sleep(1.0)  # served by now, if the engine were not paused
+        seen["request served during the swap"] = request.done()
+        seen["leading"] = await leading
+        seen["request"], seen["request took"] = await request
+    return seen
+
+
+async def _ask(http: httpx.AsyncClient, session: dict) -> tuple[httpx.Response, float]:
+    """A chat request in the session: the answer, and the seconds it took."""
+    asked = time.monotonic()
+    reply = await http.post(
+        f"{session['base_url']}/chat/completions",
+        headers={"Authorization": f"Bearer {session['api_key']}"},
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "which weights?"}],
+            "max_tokens": 4,
+        },
+    )
+    return reply, time.monotonic() - asked
+
+
+@pytest.mark.timeout(180)
+def test_a_leader_whose_store_cannot_fence_the_resume_resumes_at_its_next_leader_check(
+    start_replicas,  # noqa: F811
+    engine,  # noqa: F811
+    tiny_model_dir,
+    monkeypatch,
+):
+    """The ``leader`` row locked elsewhere while a swap holds the engine paused: the swap's
+    checks of the lead and its resume's check of who leads wait out the lock timeout, so the
+    swap answers 503 lost_leadership with the engine still paused; the replica, which still
+    holds the lead, must resume it at its next leader check (as a takeover does), while the row
+    is still held, not leave it paused for good."""
+    monkeypatch.setenv(FAILPOINT, "paused:2")
+    url, (only,) = start_replicas(1, health_interval_s=0.2)
+    scheduler = engine.service.scheduler
+    release, locked = threading.Event(), threading.Event()
+
+    def hold_the_row() -> None:
+        with psycopg.connect(url) as db:
+            db.execute("SELECT * FROM leader FOR UPDATE")
+            locked.set()
+            release.wait(120)
+            db.rollback()
+
+    async def run() -> tuple[httpx.Response, float]:
+        async with httpx.AsyncClient(timeout=120, headers=ADMIN) as http:
+            swapping = asyncio.create_task(
+                http.post(f"{only.url}/admin/weights", json={"model_path": str(tiny_model_dir)})
+            )
+            while scheduler.paused is None:
+                assert not swapping.done(), swapping.result().text
+                await asyncio.sleep(0.01)
+            holder.start()
+            assert await asyncio.to_thread(locked.wait, 30)
+            reply = await swapping
+            return reply, time.monotonic()
+
+    holder = threading.Thread(target=hold_the_row, daemon=True)
+    try:
+        reply, answered = asyncio.run(run())
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["code"] == "lost_leadership", reply.text
+        took = wait_for(lambda: scheduler.paused is None, 10.0, "the engine resumed")
+        print(f"the engine resumed {time.monotonic() - answered:.2f} s after the swap answered")
+        assert locked.is_set() and not release.is_set()  # while the row is still held
+        assert took < 10.0
+    finally:
+        release.set()
+        holder.join(timeout=30)
+    wait_for(lambda: only.leading, 5.0, "the replica to lead")
+    assert _versions_of(only) == [0]
+    retry = only.post("/admin/weights", json={"model_path": str(tiny_model_dir), "version": 1})
+    assert retry.status_code == 200, retry.text
+    assert _versions_of(only) == [1] and scheduler.paused is None
