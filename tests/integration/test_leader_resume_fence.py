@@ -176,3 +176,64 @@ def test_a_leader_whose_store_cannot_fence_the_resume_resumes_at_its_next_leader
     retry = only.post("/admin/weights", json={"model_path": str(tiny_model_dir), "version": 1})
     assert retry.status_code == 200, retry.text
     assert _versions_of(only) == [1] and scheduler.paused is None
+
+
+@pytest.mark.timeout(180)
+def test_a_takeover_waits_for_a_pause_sent_before_it(
+    start_replicas,  # noqa: F811
+    engine,  # noqa: F811
+    tiny_model_dir,
+    monkeypatch,
+):
+    """The leader's pause on its way to the engine (the engine takes 2 s to apply it) when its
+    lock's connection is cut: the second replica must lead only after the pause was applied, so
+    that the resume of its takeover comes after it (a pause landing after that resume would
+    leave the engine paused with no swap to resume it, now that a deposed leader leaves the
+    engines to the one that leads). At the end the engine serves, unpaused. On the code before,
+    the pause was sent after the check of the lead, outside its transaction: the second led
+    while the pause was still on its way."""
+    monkeypatch.setenv(FAILPOINT, "paused:3")
+    url, (first, second) = start_replicas(2, health_interval_s=0.2)
+    service = engine.service
+    real_run = service.run
+    pausing = threading.Event()
+    applied: list[float] = []
+
+    async def slow_pause(fn):
+        if "pause" not in getattr(getattr(fn, "__code__", None), "co_names", ()):
+            return await real_run(fn)
+        pausing.set()
+        await asyncio.sleep(2.0)
+        result = await real_run(fn)
+        applied.append(time.monotonic())
+        return result
+
+    monkeypatch.setattr(service, "run", slow_pause)
+
+    async def run() -> tuple[httpx.Response, float]:
+        async with httpx.AsyncClient(timeout=120, headers=ADMIN) as http:
+            swapping = asyncio.create_task(
+                http.post(f"{first.url}/admin/weights", json={"model_path": str(tiny_model_dir)})
+            )
+            assert await asyncio.to_thread(pausing.wait, 30), "no pause reached the engine"
+            (holder,) = lock_holders(url)
+            with psycopg.connect(url, autocommit=True) as db:  # its lock's connection cut
+                db.execute("SELECT pg_terminate_backend(%s)", (holder,))
+            deadline = time.monotonic() + 10.0
+            while not second.leading:
+                assert time.monotonic() < deadline, "the second did not take the lead"
+                await asyncio.sleep(0.01)
+            led = time.monotonic()
+            return await swapping, led
+
+    reply, led = asyncio.run(run())
+    assert reply.status_code == 503, reply.text
+    assert reply.json()["error"]["code"] == "lost_leadership", reply.text
+    (paused_at,) = applied
+    print(f"the second led {led - paused_at:+.2f} s after the pause was applied")
+    assert led >= paused_at  # the code before: about a second before it
+    wait_for(lambda: engine.service.scheduler.paused is None, 5.0, "the engine resumed")
+    monkeypatch.undo()
+    retry = second.post("/admin/weights", json={"model_path": str(tiny_model_dir), "version": 1})
+    assert retry.status_code == 200, retry.text
+    assert _versions_of(second) == [1] and engine.service.scheduler.paused is None
