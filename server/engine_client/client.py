@@ -201,10 +201,11 @@ class EngineClient:
                 async for block in reply.content.iter_any():
                     buffer += block
                     *lines, buffer = buffer.split(b"\n")
-                    pieces, done, error = self._read(lines, seen, incremental)
-                    seen += sum(len(piece.ids) for piece in pieces)
-                    if pieces:  # the tokens before an error are kept (a resume starts after them)
-                        yield joined(pieces)
+                    piece, done, error = self._read(lines, seen, incremental)
+                    # The tokens before an error are kept (a resume starts after them).
+                    if piece is not None:
+                        seen += len(piece.ids)
+                        yield piece
                     if error is not None:
                         raise error
                     if done:
@@ -215,22 +216,26 @@ class EngineClient:
 
     def _read(
         self, lines: list[bytes], seen: int, incremental: bool
-    ) -> tuple[list[Piece], bool, EngineError | None]:
-        """The pieces of a stream's complete ``lines`` (``seen`` tokens came before them);
-        whether ``[DONE]`` came, and the in-band error that ended the stream, if one did."""
+    ) -> tuple[Piece | None, bool, EngineError | None]:
+        """The new tokens of a stream's complete ``lines`` as one piece (None: none came;
+        ``seen`` tokens came before them); whether ``[DONE]`` came, and the in-band error that
+        ended the stream, if one did."""
         pieces: list[Piece] = []
+        done, error = False, None
         for line in lines:
             if not line.startswith(b"data: "):
                 continue
             data = line[6:]
             if data == b"[DONE]":
-                return pieces, True, None
+                done = True
+                break
             chunk = json.loads(data.decode())  # text: json.loads of bytes detects the encoding
             if "error" in chunk:
-                return pieces, False, in_band_error(self.url, chunk["error"])
+                error = in_band_error(self.url, chunk["error"])
+                break
             pieces.append(piece_from_output(chunk, seen, cumulative=not incremental))
             seen += len(pieces[-1].ids)
-        return pieces, False, None
+        return (joined(pieces) if pieces else None), done, error
 
     # ----- control --------------------------------------------------------------------------
 

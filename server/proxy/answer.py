@@ -25,7 +25,7 @@ from server.proxy.generation import Completion, complete
 from server.proxy.plan import Plan
 from server.proxy.recording import Served, record
 from server.proxy.session_cache import SessionState
-from server.proxy.streaming import Final, GuardedStream, drain, first_output, sse
+from server.proxy.streaming import Final, GuardedStream, Inbox, drain, first_output, sse
 from server.proxy.tool_calls import StreamEvent, malformed_blocks
 
 Event = dict[str, Any] | str  # one SSE event's payload: JSON, or a bare string ("[DONE]")
@@ -155,17 +155,17 @@ async def stream(
         )
         for _ in plan.completion_ids
     ]
-    queue: asyncio.Queue[tuple[int, Piece]] = asyncio.Queue()
+    inbox = Inbox()  # (index, piece) pairs
     produced = asyncio.Event()
 
     def on_piece(index: int, piece: Piece) -> None:
         produced.set()
-        queue.put_nowait((index, piece))  # rendered by the stream, many pieces at once
+        inbox.put((index, piece))  # rendered by the stream, many pieces at once
 
     sampling = asyncio.create_task(sample_all(ctx, state, plan, True, on_piece))
     await first_output(sampling, produced)
     closing = frame(renderer, renderer.closing())
-    events = _events(ctx, state, plan, renderer, choices, sampling, queue, closing)
+    events = _events(ctx, state, plan, renderer, choices, sampling, inbox, closing)
     return GuardedStream(
         events,
         sampling,
@@ -181,7 +181,7 @@ async def _events(
     renderer: Renderer,
     choices: list[outputs.ChoiceText],
     sampling: asyncio.Task[list[Completion]],
-    queue: asyncio.Queue[tuple[int, Piece]],
+    inbox: Inbox,
     closing: str,
 ) -> AsyncIterator[str]:
     """The stream: start, the deltas as they come (the first at once, then whatever came within
@@ -194,7 +194,7 @@ async def _events(
     unsent = frame(renderer, renderer.start())
     due = 0.0  # when ``unsent``'s deltas must be out, by the loop's clock
     try:
-        async for batch, deadline in drain(sampling, queue, ctx.settings.stream_interval_ms / 1000):
+        async for batch, deadline in drain(sampling, inbox, ctx.settings.stream_interval_ms / 1000):
             pieces: dict[int, list[Piece]] = {}
             for index, piece in batch:
                 pieces.setdefault(index, []).append(piece)

@@ -41,29 +41,57 @@ SSE = "text/event-stream"
 _DONE = object()
 
 
+class Inbox:
+    """What a stream's work hands over (``put``: no await, once per engine chunk) for ``drain``
+    to take in batches. A list and, while ``drain`` waits, one future: an ``asyncio.Queue``
+    made a handful of Python calls per item on each side."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until something is in it."""
+        while not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def take(self) -> list[Any]:
+        items, self.items = self.items, []
+        return items
+
+
 async def drain(
-    work: asyncio.Task, queue: asyncio.Queue, bound_s: float = 0.0
+    work: asyncio.Task, inbox: Inbox, bound_s: float = 0.0
 ) -> AsyncIterator[tuple[list[Any], float]]:
-    """What ``work`` puts on ``queue``, in batches (one write each), until ``work`` is done; each
+    """What ``work`` puts in ``inbox``, in batches (one write each), until ``work`` is done; each
     batch with its deadline, the loop time by which it must be out. The first batch is what is
     waiting when the first item comes, due at once; each later one what comes within ``bound_s``
     of its first item being taken up (less if ``work`` ends sooner), due ``bound_s`` after that:
     no item waits longer than that to go out, and a stream of many small items makes few
     writes. ``bound_s`` 0: every batch is what is waiting, at once."""
     loop = asyncio.get_running_loop()
-    work.add_done_callback(lambda _: queue.put_nowait(_DONE))
+    work.add_done_callback(lambda _: inbox.put(_DONE))
     first = True
     while True:
-        batch = [await queue.get()]
+        await inbox.wait()
         hold = 0.0 if first else bound_s
         deadline = loop.time() + hold
-        if hold > 0 and batch[0] is not _DONE and not work.done():
+        if hold > 0 and inbox.items[0] is not _DONE and not work.done():
             await asyncio.wait({work}, timeout=hold)
         first = False
-        while not queue.empty():
-            batch.append(queue.get_nowait())
+        batch = inbox.take()
         done = batch[-1] is _DONE
-        items = [item for item in batch if item is not _DONE]
+        items = batch[:-1] if done else batch
         if items:
             yield items, deadline
         if done:
