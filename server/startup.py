@@ -38,6 +38,7 @@ from server.engine_client.pool import EnginePool, EngineState, parse_version
 from server.errors import EngineError, StoreUnavailable
 from server.metrics import Metrics
 from server.proxy.session_cache import SessionRegistry
+from server.rl import weights
 from server.settings import ServerSettings
 from server.store import database, runs
 from server.store import secrets as store_secrets
@@ -228,10 +229,16 @@ async def version_on_takeover(ctx: ServerContext) -> int | None:
     return await store_version(ctx)
 
 
+# The resumes a replica taking the lead leaves until its own swap is over (``take_part``).
+_RESUMES: set[asyncio.Task] = set()
+
+
 async def take_part(ctx: ServerContext, election: Election) -> None:
     """Take or keep the lead (``Election.check``); the pool leads or follows with it. A replica
     that takes over from a dead leader resumes every engine first: one that died mid-swap left
-    them paused (resuming an engine that is not paused does nothing)."""
+    them paused (resuming an engine that is not paused does nothing); during a swap of its own,
+    once that swap is over (``weights.resume_after_swap``: the swap may be refused before it
+    pauses, and resume nothing)."""
     pool = ctx.pool
     leading = await election.check()
     if leading and not pool.leading:
@@ -241,7 +248,11 @@ async def take_part(ctx: ServerContext, election: Election) -> None:
         if version is not None:
             pool.expected_version = version
         wait = ctx.settings.leader_check_s + 5.0
-        if not pool.update_lock.locked():  # else this replica's own swap holds them paused
+        if pool.update_lock.locked():  # this replica's own swap holds them: after it
+            resuming = asyncio.create_task(weights.resume_after_swap(ctx))
+            _RESUMES.add(resuming)
+            resuming.add_done_callback(_RESUMES.discard)
+        else:
             await asyncio.gather(
                 *(asyncio.wait_for(e.client.resume(), wait) for e in pool.engines),
                 return_exceptions=True,

@@ -491,6 +491,18 @@ async def _resume(ctx: ServerContext, engines: list[EngineState]) -> None:
     ctx.pool.leading = False
 
 
+async def resume_after_swap(ctx: ServerContext) -> None:
+    """Resume every engine once this replica's swap under way is over (its update lock free), if
+    this replica still leads: what a replica taking the lead does (``server.startup.take_part``)
+    while a swap of its own holds that lock. A swap that ran resumed them already (resuming an
+    engine that is not paused does nothing); one refused before it paused them (a check of the
+    run, of the lead) would otherwise leave them as a leader that died mid-swap left them,
+    paused, until the next swap. Fenced as a swap's own resume (``_resume``)."""
+    async with ctx.pool.update_lock:
+        if ctx.pool.leading:
+            await _resume(ctx, ctx.pool.engines)
+
+
 # What comes of engines a swap paused when the swap loses the lead (``_resume``).
 _RESUMED = "the engines resume, by this replica's hand or the one that leads now"
 

@@ -8,6 +8,10 @@
   took over; the new leader expected its own (older) one and took every engine out of
   rotation. A leader now takes a newer version from the store (never an older one, and never
   during its own swap).
+- A replica that took the lead while a swap of its own held the update lock left the engines to
+  that swap; a swap refused before it paused them (a check of the run or of the lead) resumed
+  nothing, so engines a dead leader left paused stayed paused until the next swap. The engines
+  are now resumed once that swap is over.
 """
 
 from __future__ import annotations
@@ -17,6 +21,11 @@ import socket
 import time
 from types import SimpleNamespace
 
+import uvicorn
+
+from bench.proxy import ensure_model
+from bench.stub_engine import Stub
+from bench.stub_engine import create_app as create_stub_app
 from server import startup
 from server.engine_client.pool import EnginePool
 
@@ -169,3 +178,50 @@ def test_stopping_ends_health_checks_that_swallow_their_cancellation():
         return time.monotonic() - started
 
     assert asyncio.run(scenario()) < 5
+
+
+def test_engines_a_dead_leader_paused_resume_after_a_swap_refused_before_its_pause(monkeypatch):
+    """The stub engine (bench/stub_engine.py: SGLang's pause holds new requests until the
+    continue), paused as a leader that died mid-swap leaves it. The replica taking the lead has a
+    swap of its own under way, which is then refused before it pauses anything (it releases the
+    update lock having resumed nothing): the engine is resumed once the lock is free. On the
+    code before, it stayed paused."""
+
+    async def version(_ctx) -> int:
+        return 0
+
+    monkeypatch.setattr(startup, "store_version", version)
+
+    async def scenario() -> tuple[bool, bool]:
+        stub = Stub(ensure_model(), tokens=4)
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        config = uvicorn.Config(create_stub_app(stub), log_level="warning", lifespan="off")
+        server = uvicorn.Server(config)
+        serving = asyncio.create_task(server.serve(sockets=[listener]))
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        pool = EnginePool([url], generate_timeout=5.0, health_interval=60.0)
+        try:
+            while not server.started:
+                await asyncio.sleep(0.01)
+            await pool.engines[0].client.pause("abort")  # the dead leader's swap
+            pool.leading = False
+            settings = SimpleNamespace(leader_check_s=0.2, database_url="sqlite:///unused.db")
+            ctx = SimpleNamespace(pool=pool, settings=settings)
+            election = SimpleNamespace(check=lambda: asyncio.sleep(0, result=True))
+            async with pool.update_lock:  # its own swap, refused before it paused them
+                await startup.take_part(ctx, election)  # type: ignore[arg-type]
+                held = not stub.resumed.is_set()
+            for _ in range(200):
+                if stub.resumed.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            return held, stub.resumed.is_set()
+        finally:
+            await pool.stop()
+            server.should_exit = True
+            await serving
+
+    held, resumed = asyncio.run(scenario())
+    assert held  # not resumed under the swap
+    assert resumed  # resumed once it was over
