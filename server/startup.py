@@ -132,13 +132,30 @@ def engine_version(run: Run) -> int:
     return 0 if run.lora else run.policy_version
 
 
+async def start_engines(ctx: ServerContext, election: Election, run: Run) -> None:
+    """At start: lead or follow, and, leading, have the engines serve what the store says. A
+    first leader over Postgres may find engines a dead one left paused (``take_part``); a SQLite
+    store's one process leads from the start, with no takeover, and expects what a takeover
+    would (``version_on_takeover``)."""
+    pool = ctx.pool
+    pool.leading = not election.postgres
+    if pool.leading:
+        pool.expected_version = await version_on_takeover(ctx)
+    await take_part(ctx, election)
+    if pool.leading:  # a follower loads nothing: the leader does
+        await serve_current_version(ctx, run)
+
+
 async def serve_current_version(ctx: ServerContext, run: Run) -> None:
     """Engines that came up with other weights than the run's version load that version. A run
     at version 0 with no weights path (one that has published nothing; a LoRA run, whose engines
     serve the base model) serves the base model: an engine found serving a version no run records
-    (left by a deployment whose store is gone, say) is reset to it (``reset_to_base``); one at a
-    version another run records is the takeover's to judge (``version_on_takeover``)."""
+    (left by a deployment whose store is gone, say) is reset to it (``reset_to_base``). Engines
+    that all serve a version another run records (its swap was the last: ``version_on_takeover``,
+    which set the pool's expected version to it) keep it, on either store."""
     wanted = engine_version(run)
+    if ctx.pool.expected_version not in (None, wanted):
+        return  # the last swap was another run's, and every engine serves it
     weights_path = None if run.lora else run.weights_path  # a LoRA run's is its adapter's
     # Held so that no health check judges an engine mid-load; ``loadable``: a check may already
     # have taken one serving another version out of rotation.
@@ -392,12 +409,7 @@ async def server_context(
         pool.expected_version = engine_version(run)
         pool.read_version = lambda: store_version(ctx)
         pool.recorded = lambda version: version_recorded(ctx, version)
-        # A first leader over Postgres may find engines a dead one left paused (take_part);
-        # a SQLite store's one process starts as it always did.
-        pool.leading = not election.postgres
-        await take_part(ctx, election)
-        if pool.leading:  # a follower loads nothing: the leader does
-            await serve_current_version(ctx, run)
+        await start_engines(ctx, election, run)
         leader = asyncio.create_task(lead(ctx, election, stopping), name="proxrl-leader")
         sweeper = asyncio.create_task(sweep(ctx, stopping), name="proxrl-sweeper")
         with kept_out_of_collections():

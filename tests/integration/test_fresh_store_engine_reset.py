@@ -131,3 +131,29 @@ def test_an_engine_that_cannot_load_the_base_model_stays_out_and_says_why(
         assert info["weight_version"] == "7"
         log = p.log_path.read_text()
         assert f"engine {engine.url} out of rotation: serves version 7, not 0: weights" in log
+
+
+def test_engines_at_another_runs_recorded_version_keep_it_when_serve_restarts(
+    tiny_model_dir: Path, v7_dir: Path, tmp_path: Path
+):
+    """Run B's swap to version 7 was the last (the default run has published nothing): a
+    restarted ``proxrl serve`` on the same SQLite store keeps the engine at 7, in rotation, as a
+    replica taking the lead over Postgres does. Before, it expected the default run's 0 and took
+    the engine out of rotation for good."""
+    flags = ("--health-interval-s", str(HEALTH_INTERVAL_S))
+    data = tmp_path / "data"
+    with EngineProcess(tiny_model_dir, tmp_path, "--num-threads", "1").wait_ready() as engine:
+        with ServingProxy(tiny_model_dir, data, "--engines", engine.url, *flags) as first:
+            created = httpx.post(
+                f"{first.url}/rl/runs", headers=first.admin, json={"name": "b"}, timeout=10
+            )
+            assert created.status_code == 201, created.text
+            body = {"run_id": created.json()["id"], "model_path": str(v7_dir), "version": 7}
+            swap = httpx.post(
+                f"{first.url}/admin/weights", headers=first.admin, json=body, timeout=120
+            )
+            assert swap.status_code == 200, swap.text
+        with ServingProxy(tiny_model_dir, data, "--engines", engine.url, *flags) as again:
+            (state,) = engines_once(again, lambda engines: engines[0]["weight_version"] == "7")
+            assert state["healthy"] and not state["last_error"], state
+            assert httpx.get(f"{again.url}/health", timeout=10).status_code == 200
