@@ -188,8 +188,8 @@ async def reset_to_base(ctx: ServerContext, engine: EngineState) -> None:
     try:
         answer = await engine.client.update_weights_from_disk(base, "0") or {}
         problem = None if answer.get("success", True) else str(answer.get("message"))
-    except EngineError as exc:
-        problem = str(exc)
+    except (EngineError, ValueError, AttributeError) as exc:  # refused, down, or no JSON object
+        problem = str(exc) or type(exc).__name__
     if problem is None:
         log.warning(
             "engine %s served version %s, which no run in this store records, where the default "
@@ -264,39 +264,36 @@ def kept_out_of_collections() -> Iterator[None]:
         gc.unfreeze()
 
 
-# The resumes a replica taking the lead leaves until its own swap is over (``take_part``).
-_RESUMES: set[asyncio.Task] = set()
-
-
 async def take_part(ctx: ServerContext, election: Election) -> None:
     """Take or keep the lead (``Election.check``); the pool leads or follows with it. A replica
-    that takes over from a dead leader resumes every engine first: one that died mid-swap left
-    them paused (resuming an engine that is not paused does nothing); during a swap of its own,
-    once that swap is over (``weights.resume_after_swap``: the swap may be refused before it
-    pauses, and resume nothing)."""
+    that takes over from a dead leader resumes every engine: one that died mid-swap left them
+    paused (resuming an engine that is not paused does nothing). The resume is a swap's own
+    (``weights.resume_after_swap``): once no swap of this replica's is under way (one may be
+    refused before it pauses, and resume nothing), and fenced by the store, so a replica whose
+    lead moved on while it took it does not resume engines the new leader paused for its swap.
+    The store's reads here are bounded: a store too slow to say what the engines should serve
+    leaves the lead to take at the next check. A leader resumes again, fenced, an engine that may
+    have applied a swap's pause late (``weights.heal_pauses``)."""
     pool = ctx.pool
     leading = await election.check()
     if leading and not pool.leading:
-        version = await version_on_takeover(ctx)
+        try:
+            version = await asyncio.wait_for(version_on_takeover(ctx), weights.STORE_WAIT_S)
+        except TimeoutError:
+            log.warning("the store did not say what the engines serve: the lead waits")
+            return
         pool.leading = True  # whatever the engines answer: one that hangs is the pool's to judge
         pool.last_swap = None  # what the engines hold is known by the store only
         if version is not None:
             pool.expected_version = version
-        wait = ctx.settings.leader_check_s + 5.0
-        if pool.update_lock.locked():  # this replica's own swap holds them: after it
-            resuming = asyncio.create_task(weights.resume_after_swap(ctx))
-            _RESUMES.add(resuming)
-            resuming.add_done_callback(_RESUMES.discard)
-        else:
-            await asyncio.gather(
-                *(asyncio.wait_for(e.client.resume(), wait) for e in pool.engines),
-                return_exceptions=True,
-            )
+        pool.in_background(weights.resume_after_swap(ctx))
         log.info("took the lead: the engines are expected at version %s", version)
     elif pool.leading and not leading:
         pool.last_swap = None
         log.warning("now following: the engines' versions are read from the store")
     pool.leading = leading
+    if leading and weights.late_pauses_ended(pool) and not pool.update_lock.locked():
+        pool.in_background(weights.heal_pauses(ctx))
 
 
 # How long a stopping server waits for a round of its loops under way to end before it cancels it.

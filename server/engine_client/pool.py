@@ -97,6 +97,10 @@ class EngineState:
     # Why it serves that other version, where proxrl learned it (a reset to the base model that
     # failed, ``server.startup.reset_to_base``): (the version, why), told while it serves it.
     off_version_cause: tuple[str, str] | None = None
+    # A swap's pause not answered in time, still on its way: the engine may apply it after the
+    # swap's resume, and then hold its requests for good; once it has ended, the leader
+    # resumes the engine again, fenced (``server.rl.weights.heal_pauses``).
+    late_pause: asyncio.Future | None = None
     # A follower's: a newer version than the store's it found, and when (judged a round later).
     unrecorded: tuple[str, float] | None = None
     served_tokens: int = 0
@@ -159,6 +163,15 @@ class EnginePool:
         # A follower's: whether some run in the store records a version (an engine at a version
         # no run records is off-version).
         self.recorded: Callable[[int], Awaitable[bool]] | None = None
+        # Work started for the engines outside a request (a takeover's resume), stopped with
+        # the pool.
+        self.background: set[asyncio.Task] = set()
+
+    def in_background(self, work: Awaitable[None]) -> None:
+        """Run ``work`` until it ends or the pool stops."""
+        task = asyncio.ensure_future(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     async def start(self) -> None:
         await asyncio.gather(*(self.check(engine) for engine in self.engines))
@@ -170,6 +183,10 @@ class EnginePool:
         logs and goes on from: seen once, a server that never finished stopping) is cancelled
         again until it ends, and the loop ends at its next round anyway."""
         self._stopping = True
+        for work in list(self.background):
+            work.cancel()
+        if self.background:
+            await asyncio.wait(self.background, timeout=5.0)
         task = self._health_task
         while task is not None and not task.done():
             task.cancel()

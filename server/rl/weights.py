@@ -50,7 +50,7 @@ from pydantic import BaseModel
 
 from server.context import ServerContext
 from server.engine_client.client import EngineError, EngineRejected
-from server.engine_client.pool import EngineState
+from server.engine_client.pool import EnginePool, EngineState
 from server.errors import (
     EnginesShared,
     NoEngineToUpdate,
@@ -172,15 +172,7 @@ async def publish(ctx: ServerContext, body: WeightsIn, source: int | None = None
                 await _resume(ctx, engines)
         pause_seconds = time.perf_counter() - started
         pool.expected_version = version
-        for engine, pause_error, result in zip(engines, paused, results, strict=True):
-            if isinstance(pause_error, Exception) or not result["success"]:
-                pool.mark_down(engine, f"weight update failed: {result.get('message')}")
-            else:  # in rotation again if it served another version
-                engine.weight_version, engine.healthy, engine.off_version = (
-                    str(version),
-                    True,
-                    False,
-                )
+        _after_swap(pool, engines, paused, results, version)
     swap = {"run_id": run.id, "version": version, "pause_seconds": pause_seconds, "at": time.time()}
     pool.swaps.append(swap)
     pool.last_swap = (run.id, version)
@@ -190,6 +182,27 @@ async def publish(ctx: ServerContext, body: WeightsIn, source: int | None = None
     return WeightsOut(
         run_id=run.id, policy_version=version, engines=results, pause_seconds=pause_seconds
     )
+
+
+def _after_swap(
+    pool: EnginePool,
+    engines: list[EngineState],
+    paused: list[BaseException | None],
+    results: list[dict],
+    version: int,
+) -> None:
+    """Each engine after a swap: in rotation at ``version`` where it paused and loaded; else
+    out, with why. One whose pause was not answered in time may apply it yet, after the swap's
+    resume: kept (``late_pause``) for the leader to resume again (``heal_pauses``)."""
+    for engine, pause_error, result in zip(engines, paused, results, strict=True):
+        if isinstance(pause_error, Exception):
+            problem = first_line(pause_error) if str(pause_error) else "it did not answer in time"
+            pool.mark_down(engine, f"weight update failed: its pause failed: {problem}")
+        elif not result["success"]:
+            pool.mark_down(engine, f"weight update failed: {result.get('message')}")
+        else:  # in rotation again if it served another version
+            engine.weight_version, engine.healthy, engine.off_version = (str(version), True, False)
+            engine.off_version_cause = None
 
 
 async def refuse_shared(ctx: ServerContext, run_id: str, lora: bool) -> None:
@@ -415,6 +428,28 @@ async def _tell(
     return await asyncio.gather(*map(one, engines))
 
 
+async def _pause_engines(
+    engines: list[EngineState], seconds: float | None
+) -> list[BaseException | None]:
+    """Pause every engine at once, each within ``seconds``: each one's error, or None. A pause
+    not answered by then is not called off (the engine may have it and apply it yet, after the
+    swap's resume): it goes on, kept on the engine (``late_pause``), and once it has ended the
+    leader resumes the engine again (``heal_pauses``)."""
+    calls = [asyncio.ensure_future(e.client.pause("abort")) for e in engines]
+    for engine, call in zip(engines, calls, strict=True):
+        engine.late_pause = call  # until it is known to have ended in time
+        call.add_done_callback(lambda done: done.cancelled() or done.exception())
+    await asyncio.wait(calls, timeout=seconds)
+    errors: list[BaseException | None] = []
+    for engine, call in zip(engines, calls, strict=True):
+        if not call.done():
+            errors.append(TimeoutError(f"its pause was not answered within {seconds:g} s"))
+            continue
+        engine.late_pause = None
+        errors.append(asyncio.CancelledError() if call.cancelled() else call.exception())
+    return errors
+
+
 async def _pause(
     ctx: ServerContext, engines: list[EngineState], paused: list[BaseException | None]
 ) -> LeadToken:
@@ -425,12 +460,12 @@ async def _pause(
 
     async def pause(_db: Db) -> None:
         paused.extend([None] * len(engines))  # sent, whatever comes of it
-        paused[:] = await _tell(engines, lambda e: e.client.pause("abort"), FENCED_CALL_S)
+        paused[:] = await _pause_engines(engines, FENCED_CALL_S)
 
     if not database.is_shared(ctx.settings.database_url):  # one server: it always leads
         lead = await confirm_lead(ctx, "no engine was paused")
         paused.extend([None] * len(engines))
-        paused[:] = await _tell(engines, lambda e: e.client.pause("abort"), None)
+        paused[:] = await _pause_engines(engines, None)
         return lead
     try:
         return await confirm_lead(ctx, "no engine was paused", record=pause, hold_s=FENCED_CALL_S)
@@ -440,7 +475,9 @@ async def _pause(
         raise _lost_lead(f"nothing was loaded; {_RESUMED}") from None
 
 
-async def _resume(ctx: ServerContext, engines: list[EngineState]) -> None:
+async def _resume(
+    ctx: ServerContext, engines: list[EngineState]
+) -> list[BaseException | None] | None:
     """Resume the engines a swap paused, unless another replica leads now, in a transaction
     that holds the leader row locked until the engines have answered. A replica that lost the
     lead mid-swap must not resume them: the one that leads now resumed them as it took the lead
@@ -453,11 +490,12 @@ async def _resume(ctx: ServerContext, engines: list[EngineState]) -> None:
     A store that does not answer within its bound leaves the engines paused: this replica
     stops leading until its next election check (``server.startup.take_part``), which, if it
     still holds the lead, takes it again and resumes them as any takeover does; if it does not,
-    the replica that takes the lead does. SQLite: the one server always leads, and resumes."""
+    the replica that takes the lead does. SQLite: the one server always leads, and resumes.
+
+    Returns each engine's error, or None, where the resume was sent; None where it was not."""
     if not database.is_shared(ctx.settings.database_url):
-        await _tell(engines, lambda e: e.client.resume(), None)
-        return
-    sent = False
+        return await _tell(engines, lambda e: e.client.resume(), None)
+    sent: list[BaseException | None] | None = None
     try:
         async with (
             asyncio.timeout(STORE_WAIT_S + FENCED_CALL_S),
@@ -471,15 +509,16 @@ async def _resume(ctx: ServerContext, engines: list[EngineState]) -> None:
                     "the lead, and a swap of its own may hold them)",
                     leader[0],
                 )
-                return
-            sent = True
-            await _tell(engines, lambda e: e.client.resume(), FENCED_CALL_S)
-        return
+                ctx.pool.leading = False  # this replica follows it
+                return None
+            sent = [None] * len(engines)  # sent, whatever comes of it
+            sent = await _tell(engines, lambda e: e.client.resume(), FENCED_CALL_S)
+        return sent
     except Exception as exc:  # slow, locked, away, or a bug: whether another leads is unknown
         problem = "no answer" if isinstance(exc, TimeoutError) else first_line(exc)
-    if sent:  # resumed under the lock; only its end failed
+    if sent is not None:  # resumed under the lock; only its end failed
         log.warning("resumed the engines; the store's transaction then failed: %s", problem)
-        return
+        return sent
     log.warning(
         "the engines stay paused: the store did not say who leads within %g s (%s); this "
         "replica follows until its next leader check, which resumes them if it still leads",
@@ -489,6 +528,28 @@ async def _resume(ctx: ServerContext, engines: list[EngineState]) -> None:
     # The last statement before the caller's update lock is released (no await between): the
     # election's next round sees a lead to take, with no swap under way, and resumes them.
     ctx.pool.leading = False
+    return None
+
+
+def late_pauses_ended(pool: EnginePool) -> bool:
+    """Whether a swap's pause not answered in time has ended since (``heal_pauses``' work)."""
+    return any(e.late_pause is not None and e.late_pause.done() for e in pool.engines)
+
+
+async def heal_pauses(ctx: ServerContext) -> None:
+    """Resume, fenced (``_resume``), the engines whose swap pause was not answered in time and
+    has ended since (``EngineState.late_pause``: applied after the swap's resume, it would hold
+    the engine's requests until the next swap), once no swap of this replica's is under way and
+    while it leads. Each leader check of a leading replica runs it where such an engine is."""
+    pool = ctx.pool
+    async with pool.update_lock:
+        ended = [e for e in pool.engines if e.late_pause is not None and e.late_pause.done()]
+        if not ended or not pool.leading:
+            return
+        answers = await _resume(ctx, ended) or []
+        for engine, error in zip(ended, answers, strict=False):
+            if error is None:  # resumed after the pause: it is spent
+                engine.late_pause = None
 
 
 async def resume_after_swap(ctx: ServerContext) -> None:

@@ -18,6 +18,7 @@ import httpx
 import psycopg
 import pytest
 
+from server.rl import weights
 from server.rl.weights import FAILPOINT
 from tests.integration.test_leader_replicas import (  # noqa: F401 (fixtures)
     ADMIN,
@@ -31,6 +32,7 @@ from tests.integration.test_leader_replicas import (  # noqa: F401 (fixtures)
 
 FIRST_HOLD_S = 5.0  # the deposed leader's swap, from its pause to its check of the lead
 SECOND_HOLD_S = 8.0  # the new leader's swap, from its pause to its load
+ROW_HELD_S = 6.0  # the leader row held elsewhere after a swap's answer
 
 
 @pytest.mark.timeout(180)
@@ -123,21 +125,24 @@ async def _ask(http: httpx.AsyncClient, session: dict) -> tuple[httpx.Response, 
 
 
 @pytest.mark.timeout(180)
-def test_a_leader_whose_store_cannot_fence_the_resume_resumes_at_its_next_leader_check(
+def test_a_leader_whose_store_cannot_fence_the_resume_resumes_once_it_can(
     start_replicas,  # noqa: F811
     engine,  # noqa: F811
     tiny_model_dir,
     monkeypatch,
 ):
-    """The ``leader`` row locked elsewhere while a swap holds the engine paused: the swap's
-    checks of the lead and its resume's check of who leads wait out the lock timeout, so the
-    swap answers 503 lost_leadership with the engine still paused; the replica, which still
-    holds the lead, must resume it at its next leader check (as a takeover does), while the row
-    is still held, not leave it paused for good."""
+    """The ``leader`` row locked elsewhere (for ``ROW_HELD_S``, as a cut-off transaction holds it
+    until Postgres ends it) while a swap holds the engine paused: the swap's checks of the lead
+    and its resume's check of who leads wait out the lock timeout, so the swap answers 503
+    lost_leadership with the engine still paused. While the row is held, nobody can say whether
+    another replica paused the engine for a swap of its own, so it stays paused (the takeover's
+    resume is fenced as the swap's is); once the row is free, the replica, which still holds the
+    lead, resumes it at its next leader check, not leaving it paused for good."""
     monkeypatch.setenv(FAILPOINT, "paused:2")
     url, (only,) = start_replicas(1, health_interval_s=0.2)
     scheduler = engine.service.scheduler
     release, locked = threading.Event(), threading.Event()
+    released_at: list[float] = []
 
     def hold_the_row() -> None:
         with psycopg.connect(url) as db:
@@ -145,8 +150,9 @@ def test_a_leader_whose_store_cannot_fence_the_resume_resumes_at_its_next_leader
             locked.set()
             release.wait(120)
             db.rollback()
+            released_at.append(time.monotonic())
 
-    async def run() -> tuple[httpx.Response, float]:
+    async def run() -> httpx.Response:
         async with httpx.AsyncClient(timeout=120, headers=ADMIN) as http:
             swapping = asyncio.create_task(
                 http.post(f"{only.url}/admin/weights", json={"model_path": str(tiny_model_dir)})
@@ -156,21 +162,20 @@ def test_a_leader_whose_store_cannot_fence_the_resume_resumes_at_its_next_leader
                 await asyncio.sleep(0.01)
             holder.start()
             assert await asyncio.to_thread(locked.wait, 30)
-            reply = await swapping
-            return reply, time.monotonic()
+            return await swapping
 
     holder = threading.Thread(target=hold_the_row, daemon=True)
     try:
-        reply, answered = asyncio.run(run())
+        reply = asyncio.run(run())
         assert reply.status_code == 503, reply.text
         assert reply.json()["error"]["code"] == "lost_leadership", reply.text
-        took = wait_for(lambda: scheduler.paused is None, 10.0, "the engine resumed")
-        print(f"the engine resumed {time.monotonic() - answered:.2f} s after the swap answered")
-        assert locked.is_set() and not release.is_set()  # while the row is still held
-        assert took < 10.0
+        time.sleep(ROW_HELD_S)
+        assert scheduler.paused is not None  # fenced: not resumed while the row is held
     finally:
         release.set()
         holder.join(timeout=30)
+    wait_for(lambda: scheduler.paused is None, 15.0, "the engine resumed")
+    print(f"the engine resumed {time.monotonic() - released_at[0]:.2f} s after the row was free")
     wait_for(lambda: only.leading, 5.0, "the replica to lead")
     assert _versions_of(only) == [0]
     retry = only.post("/admin/weights", json={"model_path": str(tiny_model_dir), "version": 1})
@@ -237,3 +242,40 @@ def test_a_takeover_waits_for_a_pause_sent_before_it(
     retry = second.post("/admin/weights", json={"model_path": str(tiny_model_dir), "version": 1})
     assert retry.status_code == 200, retry.text
     assert _versions_of(second) == [1] and engine.service.scheduler.paused is None
+
+
+@pytest.mark.timeout(180)
+def test_an_engine_whose_pause_comes_after_the_swap_is_resumed_by_the_leader(
+    start_replicas,  # noqa: F811
+    engine,  # noqa: F811
+    tiny_model_dir,
+    monkeypatch,
+):
+    """A swap's pause the engine applies only after the swap gave up waiting for it (2 s, past
+    a fenced call's bound, here 0.5 s) and after the swap's resume: the engine is paused with no
+    swap to resume it. The leader resumes it again at its next check (``heal_pauses``) and it
+    serves. On the code before, it stayed paused until the next swap: every request held."""
+    monkeypatch.setattr(weights, "FENCED_CALL_S", 0.5)
+    _, (leader,) = start_replicas(1, health_interval_s=0.2, leader_check_s=0.2)
+    service = engine.service
+    real_run = service.run
+    applied = threading.Event()
+
+    async def late_pause(fn):
+        if "pause" not in getattr(getattr(fn, "__code__", None), "co_names", ()):
+            return await real_run(fn)
+        await asyncio.sleep(2.0)
+        result = await real_run(fn)
+        applied.set()
+        return result
+
+    monkeypatch.setattr(service, "run", late_pause)
+    reply = leader.post("/admin/weights", json={"model_path": str(tiny_model_dir)})
+    assert reply.status_code == 200, reply.text
+    assert applied.wait(10), "the late pause never reached the engine"
+    monkeypatch.setattr(service, "run", real_run)
+    wait_for(lambda: service.scheduler.paused is None, 10.0, "the leader resumed the engine")
+    (pool_engine,) = leader.app.state.ctx.pool.engines
+    wait_for(lambda: pool_engine.late_pause is None, 5.0, "the late pause is known spent")
+    made = leader.post("/rl/sessions", json={"task_id": "late-pause"})
+    assert made.status_code == 201, made.text

@@ -29,6 +29,8 @@ from bench.stub_engine import create_app as create_stub_app
 from server import startup
 from server.engine_client.pool import EnginePool
 
+SQLITE = "sqlite:///unused.db"  # one server: it always leads, and its resumes are not fenced
+
 
 def test_a_hung_engine_does_not_keep_a_replica_from_leading(monkeypatch):
     hung = socket.socket()
@@ -45,7 +47,9 @@ def test_a_hung_engine_does_not_keep_a_replica_from_leading(monkeypatch):
 
         monkeypatch.setattr(startup, "store_version", version)
         election = SimpleNamespace(check=lambda: asyncio.sleep(0, result=True))
-        ctx = SimpleNamespace(pool=pool, settings=SimpleNamespace(leader_check_s=0.2))
+        ctx = SimpleNamespace(
+            pool=pool, settings=SimpleNamespace(leader_check_s=0.2, database_url=SQLITE)
+        )
         started = time.monotonic()
         try:
             await startup.take_part(ctx, election)  # type: ignore[arg-type]
@@ -103,7 +107,9 @@ def test_a_replica_forgets_its_last_swap_when_the_lead_changes(monkeypatch):
 
     async def scenario() -> list[tuple[str, int] | None]:
         pool = EnginePool([], health_interval=60.0)
-        ctx = SimpleNamespace(pool=pool, settings=SimpleNamespace(leader_check_s=0.2))
+        ctx = SimpleNamespace(
+            pool=pool, settings=SimpleNamespace(leader_check_s=0.2, database_url=SQLITE)
+        )
         seen = []
         for leads in (False, True):  # loses the lead, then takes it again
             pool.last_swap = ("run-a", 5)
@@ -133,7 +139,9 @@ def test_a_replica_taking_the_lead_during_its_own_swap_leaves_the_engines_to_it(
     async def scenario() -> tuple[bool, float]:
         pool = EnginePool([url], generate_timeout=5.0, health_interval=60.0)
         pool.leading = False
-        ctx = SimpleNamespace(pool=pool, settings=SimpleNamespace(leader_check_s=0.2))
+        ctx = SimpleNamespace(
+            pool=pool, settings=SimpleNamespace(leader_check_s=0.2, database_url=SQLITE)
+        )
         election = SimpleNamespace(check=lambda: asyncio.sleep(0, result=True))
         started = time.monotonic()
         try:
@@ -206,7 +214,7 @@ def test_engines_a_dead_leader_paused_resume_after_a_swap_refused_before_its_pau
                 await asyncio.sleep(0.01)
             await pool.engines[0].client.pause("abort")  # the dead leader's swap
             pool.leading = False
-            settings = SimpleNamespace(leader_check_s=0.2, database_url="sqlite:///unused.db")
+            settings = SimpleNamespace(leader_check_s=0.2, database_url=SQLITE)
             ctx = SimpleNamespace(pool=pool, settings=settings)
             election = SimpleNamespace(check=lambda: asyncio.sleep(0, result=True))
             async with pool.update_lock:  # its own swap, refused before it paused them

@@ -1,0 +1,111 @@
+"""A replica taking the lead resumes the engines fenced by the store, as a swap's own resume is
+(``server.startup.take_part`` through ``server.rl.weights.resume_after_swap``): if the lead moved
+on while it took it, and the new leader paused the engines for a swap, it leaves them paused.
+
+Found by a review: the takeover's resume was sent after a store read (``version_on_takeover``)
+with nothing checked; a replica whose read was slow, and whose lock's connection was cut
+meanwhile, resumed the engine under the new leader's swap and went on believing it led. Shown
+on a real PostgreSQL database, two real ``Election``s and the stub engine (bench/stub_engine.py,
+whose pause holds new requests until the continue, as SGLang's does), the slow read held open
+on an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+
+import psycopg
+import uvicorn
+
+from bench.proxy import ensure_model
+from bench.stub_engine import Stub
+from bench.stub_engine import create_app as create_stub_app
+from server import startup
+from server.engine_client.pool import EnginePool
+from server.store import database
+from server.store.leadership import Election
+
+WAIT_S = 10.0
+
+
+@contextlib.asynccontextmanager
+async def stub_engine() -> AsyncIterator[tuple[Stub, str]]:
+    """The stub engine on a loopback port of this event loop: it, and its URL."""
+    stub = Stub(ensure_model(), tokens=4)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(create_stub_app(stub), log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve(sockets=[listener]))
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        yield stub, f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await serving
+
+
+def test_a_takeover_whose_lead_moved_on_leaves_the_new_leaders_swap_paused(postgres, monkeypatch):
+    url = postgres.new_database()
+    database.upgrade(url)
+    read = asyncio.Event()  # the first replica's store read, held until the second swaps
+
+    async def slow_read(_ctx) -> int:
+        await read.wait()
+        return 0
+
+    monkeypatch.setattr(startup, "version_on_takeover", slow_read)
+
+    async def scenario() -> tuple[bool, bool]:
+        async with stub_engine() as (stub, engine_url):
+            return await takeover(stub, engine_url)
+
+    async def takeover(stub: Stub, engine_url: str) -> tuple[bool, bool]:
+        first_pool = EnginePool([engine_url], generate_timeout=5.0, health_interval=60.0)
+        second_pool = EnginePool([engine_url], generate_timeout=5.0, health_interval=60.0)
+        first = Election(url, "first", "http://first")
+        second = Election(url, "second", "http://second")
+        db = database.connect(url)
+        try:
+            settings = SimpleNamespace(leader_check_s=1.0, database_url=url)
+            ctx = SimpleNamespace(
+                pool=first_pool,
+                replica_id="first",
+                sessionmaker=database.sessionmaker(db),
+                settings=settings,
+            )
+            first_pool.leading = False
+            taking = asyncio.create_task(startup.take_part(ctx, first))  # type: ignore[arg-type]
+            async with asyncio.timeout(WAIT_S):
+                while not first.leading:
+                    await asyncio.sleep(0.01)
+            with psycopg.connect(url, autocommit=True) as cut:  # the first's lock's connection
+                cut.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_locks "
+                    "WHERE locktype = 'advisory' AND granted"
+                )
+            async with asyncio.timeout(WAIT_S):
+                while not await second.check():
+                    await asyncio.sleep(0.1)
+            await second_pool.engines[0].client.pause("abort")  # the second's swap
+            read.set()  # the first's read returns
+            await taking
+            async with asyncio.timeout(WAIT_S):
+                while first_pool.background:  # its resume, fenced
+                    await asyncio.sleep(0.01)
+            return stub.resumed.is_set(), first_pool.leading
+        finally:
+            await first.close()
+            await second.close()
+            await first_pool.stop()
+            await second_pool.stop()
+            await db.dispose()
+
+    resumed, first_leads = asyncio.run(scenario())
+    assert not resumed  # the code before: resumed under the second's swap
+    assert not first_leads  # it follows the replica that leads
