@@ -135,13 +135,15 @@ def engine_version(run: Run) -> int:
 async def start_engines(ctx: ServerContext, election: Election, run: Run) -> None:
     """At start: lead or follow, and, leading, have the engines serve what the store says. A
     first leader over Postgres may find engines a dead one left paused (``take_part``); a SQLite
-    store's one process leads from the start, with no takeover, and expects what a takeover
-    would (``version_on_takeover``)."""
+    store's one process leads from the start, with no takeover, expects what a takeover would
+    (``version_on_takeover``) and resumes the engines as one does (a server killed mid-swap left
+    them paused). The store's read is not bounded here: the load of the run's version follows."""
     pool = ctx.pool
     pool.leading = not election.postgres
-    if pool.leading:
+    if pool.leading:  # resumed after the load below (a server killed mid-swap left them paused)
         pool.expected_version = await version_on_takeover(ctx)
-    await take_part(ctx, election)
+        pool.in_background(weights.resume_after_swap(ctx))
+    await take_part(ctx, election, store_wait_s=None)
     if pool.leading:  # a follower loads nothing: the leader does
         await serve_current_version(ctx, run)
 
@@ -264,21 +266,24 @@ def kept_out_of_collections() -> Iterator[None]:
         gc.unfreeze()
 
 
-async def take_part(ctx: ServerContext, election: Election) -> None:
+async def take_part(
+    ctx: ServerContext, election: Election, store_wait_s: float | None = weights.STORE_WAIT_S
+) -> None:
     """Take or keep the lead (``Election.check``); the pool leads or follows with it. A replica
     that takes over from a dead leader resumes every engine: one that died mid-swap left them
     paused (resuming an engine that is not paused does nothing). The resume is a swap's own
     (``weights.resume_after_swap``): once no swap of this replica's is under way (one may be
     refused before it pauses, and resume nothing), and fenced by the store, so a replica whose
     lead moved on while it took it does not resume engines the new leader paused for its swap.
-    The store's reads here are bounded: a store too slow to say what the engines should serve
-    leaves the lead to take at the next check. A leader resumes again, fenced, an engine that may
+    The store's reads here are bounded (``store_wait_s``; not at start, where the load of the
+    run's version follows): a store too slow to say what the engines should serve leaves the lead
+    to take at the next check. A leader resumes again, fenced, an engine that may
     have applied a swap's pause late (``weights.heal_pauses``)."""
     pool = ctx.pool
     leading = await election.check()
     if leading and not pool.leading:
         try:
-            version = await asyncio.wait_for(version_on_takeover(ctx), weights.STORE_WAIT_S)
+            version = await asyncio.wait_for(version_on_takeover(ctx), store_wait_s)
         except TimeoutError:
             log.warning("the store did not say what the engines serve: the lead waits")
             return

@@ -168,10 +168,15 @@ class EnginePool:
         self.background: set[asyncio.Task] = set()
 
     def in_background(self, work: Awaitable[None]) -> None:
-        """Run ``work`` until it ends or the pool stops."""
+        """Run ``work`` until it ends or the pool stops; an error it raises is logged."""
         task = asyncio.ensure_future(work)
         self.background.add(task)
-        task.add_done_callback(self.background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Future) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("the engines' background work failed", exc_info=task.exception())
 
     async def start(self) -> None:
         await asyncio.gather(*(self.check(engine) for engine in self.engines))

@@ -169,7 +169,7 @@ async def publish(ctx: ServerContext, body: WeightsIn, source: int | None = None
             results = await _swap(ctx, engines, body, run.id, version, lead, source)
         finally:
             if paused:
-                await _resume(ctx, engines)
+                _resume_failed(engines, await _resume(ctx, engines))
         pause_seconds = time.perf_counter() - started
         pool.expected_version = version
         _after_swap(pool, engines, paused, results, version)
@@ -182,6 +182,17 @@ async def publish(ctx: ServerContext, body: WeightsIn, source: int | None = None
     return WeightsOut(
         run_id=run.id, policy_version=version, engines=results, pause_seconds=pause_seconds
     )
+
+
+def _resume_failed(engines: list[EngineState], answers: list[BaseException | None] | None) -> None:
+    """Engines whose swap's resume was sent and failed (not answered in time, refused) may be
+    paused still: kept as a pause no resume followed, for the leader to resume again
+    (``heal_pauses``)."""
+    for engine, error in zip(engines, answers or [], strict=False):
+        if error is not None and engine.late_pause is None:
+            ended: asyncio.Future = asyncio.get_running_loop().create_future()
+            ended.set_result(None)
+            engine.late_pause = ended
 
 
 def _after_swap(
@@ -497,12 +508,15 @@ async def _resume(
         return await _tell(engines, lambda e: e.client.resume(), None)
     sent: list[BaseException | None] | None = None
     try:
+        # Three bounds, one after the other: the store's answer, the engines' (each call its
+        # own, so no bound cuts a resume short while it is reported sent), the commit's.
         async with (
-            asyncio.timeout(STORE_WAIT_S + FENCED_CALL_S),
+            asyncio.timeout(2 * STORE_WAIT_S + FENCED_CALL_S),
             ctx.sessionmaker() as db,
             db.begin(),
         ):
-            leader = await leadership.locked_leader(db, hold_s=FENCED_CALL_S)
+            async with asyncio.timeout(STORE_WAIT_S):
+                leader = await leadership.locked_leader(db, hold_s=FENCED_CALL_S)
             if leader is not None and leader[0] != ctx.replica_id:
                 log.warning(
                     "the engines stay paused: replica %s leads now (it resumed them as it took "
@@ -511,7 +525,6 @@ async def _resume(
                 )
                 ctx.pool.leading = False  # this replica follows it
                 return None
-            sent = [None] * len(engines)  # sent, whatever comes of it
             sent = await _tell(engines, lambda e: e.client.resume(), FENCED_CALL_S)
         return sent
     except Exception as exc:  # slow, locked, away, or a bug: whether another leads is unknown
@@ -531,9 +544,16 @@ async def _resume(
     return None
 
 
+def _pause_ended(engine: EngineState) -> bool:
+    return engine.late_pause is not None and engine.late_pause.done()
+
+
 def late_pauses_ended(pool: EnginePool) -> bool:
-    """Whether a swap's pause not answered in time has ended since (``heal_pauses``' work)."""
-    return any(e.late_pause is not None and e.late_pause.done() for e in pool.engines)
+    """Whether an engine that answers its health checks may hold a pause no resume followed
+    (``heal_pauses``' work): one not answered in time that has ended since, or one whose swap's
+    resume failed. An engine that does not answer is left until it does (no resume every
+    check, each holding the swap lock, to an engine that cannot take it)."""
+    return any(e.healthy and _pause_ended(e) for e in pool.engines)
 
 
 async def heal_pauses(ctx: ServerContext) -> None:
@@ -543,7 +563,7 @@ async def heal_pauses(ctx: ServerContext) -> None:
     while it leads. Each leader check of a leading replica runs it where such an engine is."""
     pool = ctx.pool
     async with pool.update_lock:
-        ended = [e for e in pool.engines if e.late_pause is not None and e.late_pause.done()]
+        ended = [e for e in pool.engines if e.healthy and _pause_ended(e)]
         if not ended or not pool.leading:
             return
         answers = await _resume(ctx, ended) or []

@@ -157,3 +157,25 @@ def test_engines_at_another_runs_recorded_version_keep_it_when_serve_restarts(
             (state,) = engines_once(again, lambda engines: engines[0]["weight_version"] == "7")
             assert state["healthy"] and not state["last_error"], state
             assert httpx.get(f"{again.url}/health", timeout=10).status_code == 200
+
+
+def test_a_sqlite_server_resumes_engines_a_killed_one_left_paused(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    """A SQLite ``proxrl serve`` killed mid-swap leaves its engines paused (a paused engine holds
+    every request). The one server leads from the start with no takeover, and it never resumed
+    them: every request was held until the next swap. It now resumes them as it starts."""
+    flags = ("--health-interval-s", str(HEALTH_INTERVAL_S))
+    with EngineProcess(tiny_model_dir, tmp_path, "--num-threads", "1").wait_ready() as engine:
+        paused = httpx.post(f"{engine.url}/pause_generation", json={"mode": "abort"}, timeout=10)
+        assert paused.status_code == 200, paused.text
+        with ServingProxy(tiny_model_dir, tmp_path / "data", "--engines", engine.url, *flags) as p:
+            session = p.session(task_id="paused-engines")
+            reply = httpx.post(
+                f"{session['base_url']}/chat/completions",
+                headers={"Authorization": f"Bearer {session['api_key']}"},
+                json={"model": "tiny", "messages": [{"role": "user", "content": "Hi."}]}
+                | {"max_tokens": 4},
+                timeout=30,  # a paused engine holds it for good
+            )
+            assert reply.status_code == 200, reply.text

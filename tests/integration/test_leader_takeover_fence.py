@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -50,7 +51,9 @@ async def stub_engine() -> AsyncIterator[tuple[Stub, str]]:
         await serving
 
 
-def test_a_takeover_whose_lead_moved_on_leaves_the_new_leaders_swap_paused(postgres, monkeypatch):
+def test_a_takeover_whose_lead_moved_on_leaves_the_new_leaders_swap_paused(
+    postgres, monkeypatch, caplog
+):
     url = postgres.new_database()
     database.upgrade(url)
     read = asyncio.Event()  # the first replica's store read, held until the second swaps
@@ -106,6 +109,9 @@ def test_a_takeover_whose_lead_moved_on_leaves_the_new_leaders_swap_paused(postg
             await second_pool.stop()
             await db.dispose()
 
+    caplog.set_level(logging.WARNING, logger="server.rl.weights")
     resumed, first_leads = asyncio.run(scenario())
     assert not resumed  # the code before: resumed under the second's swap
     assert not first_leads  # it follows the replica that leads
+    # Fenced, not cut short: the store said who leads (a store fault would leave it paused too).
+    assert "the engines stay paused: replica second leads now" in caplog.text

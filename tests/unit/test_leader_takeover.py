@@ -62,7 +62,7 @@ def test_a_hung_engine_does_not_keep_a_replica_from_leading(monkeypatch):
     finally:
         hung.close()
     assert leading and expected == 3
-    assert took < 10.0, took  # the engine's own bound (0.2 + 5 s), not its 60 s timeout
+    assert took < 1.0, took  # the resume is the pool's background work, not the lead's wait
 
 
 def test_a_leader_takes_a_newer_version_from_the_store_and_never_an_older_one():
@@ -125,7 +125,8 @@ def test_a_replica_forgets_its_last_swap_when_the_lead_changes(monkeypatch):
 def test_a_replica_taking_the_lead_during_its_own_swap_leaves_the_engines_to_it(monkeypatch):
     """A replica that lost the lead mid-swap and takes it back while its swap still holds the
     engines paused does not resume them under the load (the swap resumes them when it ends):
-    with the update lock held, no engine is asked, so a hung one costs no wait."""
+    with the update lock held, no engine is asked until it is free (the resume waits for it in
+    the pool's background), so a hung one costs the lead no wait."""
     hung = socket.socket()
     hung.bind(("127.0.0.1", 0))
     hung.listen(8)  # accepts, never answers: a resume would wait out its bound
@@ -156,7 +157,7 @@ def test_a_replica_taking_the_lead_during_its_own_swap_leaves_the_engines_to_it(
     finally:
         hung.close()
     assert leading
-    assert took < 1.0, took  # not the resume's 5.2 s bound
+    assert took < 1.0, took  # not a resume's wait
 
 
 def test_stopping_ends_health_checks_that_swallow_their_cancellation():
