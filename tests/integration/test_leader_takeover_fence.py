@@ -27,7 +27,8 @@ from bench.stub_engine import Stub
 from bench.stub_engine import create_app as create_stub_app
 from server import startup
 from server.engine_client.pool import EnginePool
-from server.store import database
+from server.rl import weights
+from server.store import database, leadership
 from server.store.leadership import Election
 
 WAIT_S = 10.0
@@ -115,3 +116,57 @@ def test_a_takeover_whose_lead_moved_on_leaves_the_new_leaders_swap_paused(
     assert not first_leads  # it follows the replica that leads
     # Fenced, not cut short: the store said who leads (a store fault would leave it paused too).
     assert "the engines stay paused: replica second leads now" in caplog.text
+
+
+def test_a_resume_is_never_reported_sent_when_a_bound_cut_it(postgres, monkeypatch):
+    """The store slow to say who leads (0.8 s) and the engine slow to answer the resume (0.3 s),
+    with the bounds scaled down (0.5 s each): the fenced resume must never report an engine
+    resumed that was not (the swap would put it back in rotation paused, for good). The code
+    before bounded both by one timeout, which cut the resume after the store's answer and
+    reported it sent (found by a review)."""
+    url = postgres.new_database()
+    database.upgrade(url)
+    monkeypatch.setattr(weights, "STORE_WAIT_S", 0.5)
+    monkeypatch.setattr(weights, "FENCED_CALL_S", 0.5)
+    real_locked_leader = leadership.locked_leader
+
+    async def slow_locked_leader(*args, **kwargs):
+        await asyncio.sleep(0.8)
+        return await real_locked_leader(*args, **kwargs)
+
+    monkeypatch.setattr(leadership, "locked_leader", slow_locked_leader)
+
+    async def scenario() -> tuple[list | None, bool, bool]:
+        async with stub_engine() as (stub, engine_url):
+            pool = EnginePool([engine_url], generate_timeout=5.0, health_interval=60.0)
+            election = Election(url, "only", "http://only")
+            db = database.connect(url)
+            try:
+                assert await election.check()
+                client = pool.engines[0].client
+                await client.pause("abort")
+                real_resume = client.resume
+
+                async def slow_resume() -> None:
+                    await asyncio.sleep(0.3)
+                    await real_resume()
+
+                client.resume = slow_resume  # type: ignore[method-assign]
+                settings = SimpleNamespace(database_url=url)
+                ctx = SimpleNamespace(
+                    pool=pool, replica_id="only", sessionmaker=database.sessionmaker(db),
+                    settings=settings,
+                )  # fmt: skip
+                answers = await weights._resume(ctx, pool.engines)  # type: ignore[arg-type]
+                await asyncio.sleep(0.5)  # a cut call would have landed by now
+                return answers, stub.resumed.is_set(), pool.leading
+            finally:
+                await election.close()
+                await pool.stop()
+                await db.dispose()
+
+    answers, resumed, leading = asyncio.run(scenario())
+    if answers is not None:  # reported sent: each engine resumed or its error given
+        assert resumed or answers[0] is not None, answers  # the code before: [None], paused
+    else:  # not sent: the replica follows until its next check, which resumes them
+        assert not leading
