@@ -21,6 +21,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.common import StubEngine
 from tests.support import DASHBOARD_API_ROUTES, ProxyProcess, RestClient
 
 ADMIN_KEY = ProxyProcess.ADMIN_KEY
@@ -266,14 +267,20 @@ def test_metrics_count_admission_refusals_and_weight_swaps(proxy):
 def test_metrics_need_the_admin_key_off_loopback(proxy, tiny_model_dir, tmp_path):
     """A server bound to a non-loopback address serves /metrics only with the admin key (a
     strong one: off loopback the test key is refused; the last --admin-key counts)."""
-    (engine,) = proxy.ok("GET", "/admin/engines")
     key = secrets.token_hex(32)  # token_urlsafe may begin with "-", which argparse takes for a flag
-    extra = ("--host", "0.0.0.0", "--engines", engine["url"], "--admin-key", key)
-    with ProxyProcess(tiny_model_dir, tmp_path / "open", *extra) as public:
-        assert error_of(httpx.get(f"{public.url}/metrics"), 401)
-        assert error_of(httpx.get(f"{public.url}/metrics", headers=public.admin), 401)
-        reply = httpx.get(f"{public.url}/metrics", headers={"Authorization": f"Bearer {key}"})
-        assert reply.status_code == 200 and "proxrl_sessions" in reply.text
+    # An engine of its own: the module's belongs to the module's store (a server on another,
+    # fresh store resets an engine serving a version it has no record of to the base model).
+    with StubEngine(tiny_model_dir, tmp_path / "stub.log") as engine:
+        extra = ("--host", "0.0.0.0", "--engines", engine.url, "--admin-key", key)
+        with ProxyProcess(tiny_model_dir, tmp_path / "open", *extra) as public:
+            _metrics_need_the_key(public, key)
+
+
+def _metrics_need_the_key(public: ProxyProcess, key: str) -> None:
+    assert error_of(httpx.get(f"{public.url}/metrics"), 401)
+    assert error_of(httpx.get(f"{public.url}/metrics", headers=public.admin), 401)
+    reply = httpx.get(f"{public.url}/metrics", headers={"Authorization": f"Bearer {key}"})
+    assert reply.status_code == 200 and "proxrl_sessions" in reply.text
 
 
 # --------------------------------------------------------------------------------------------
