@@ -404,3 +404,30 @@ def example_agent_module(name: str):
         sys.modules[name] = module  # dataclasses look their module up while the file runs
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+@contextlib.asynccontextmanager
+async def stub_engine_in_loop(tokens: int = 4):
+    """bench/stub_engine.py served on a loopback port from the running event loop (SGLang's
+    protocol, no model; its pause holds new requests until the continue): its ``Stub`` state
+    and its URL."""
+    import socket
+
+    import uvicorn
+
+    from bench.proxy import ensure_model
+    from bench.stub_engine import Stub, create_app
+
+    stub = Stub(ensure_model(), tokens=tokens)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(create_app(stub), log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve(sockets=[listener]))
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        yield stub, f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await serving

@@ -13,43 +13,19 @@ on an event.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import socket
-from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import psycopg
-import uvicorn
 
-from bench.proxy import ensure_model
-from bench.stub_engine import Stub
-from bench.stub_engine import create_app as create_stub_app
 from server import startup
 from server.engine_client.pool import EnginePool
 from server.rl import weights
 from server.store import database, leadership
 from server.store.leadership import Election
+from tests.support import stub_engine_in_loop
 
 WAIT_S = 10.0
-
-
-@contextlib.asynccontextmanager
-async def stub_engine() -> AsyncIterator[tuple[Stub, str]]:
-    """The stub engine on a loopback port of this event loop: it, and its URL."""
-    stub = Stub(ensure_model(), tokens=4)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(create_stub_app(stub), log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve(sockets=[listener]))
-    try:
-        while not server.started:
-            await asyncio.sleep(0.01)
-        yield stub, f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await serving
 
 
 def test_a_takeover_whose_lead_moved_on_leaves_the_new_leaders_swap_paused(
@@ -66,10 +42,10 @@ def test_a_takeover_whose_lead_moved_on_leaves_the_new_leaders_swap_paused(
     monkeypatch.setattr(startup, "version_on_takeover", slow_read)
 
     async def scenario() -> tuple[bool, bool]:
-        async with stub_engine() as (stub, engine_url):
+        async with stub_engine_in_loop() as (stub, engine_url):
             return await takeover(stub, engine_url)
 
-    async def takeover(stub: Stub, engine_url: str) -> tuple[bool, bool]:
+    async def takeover(stub, engine_url: str) -> tuple[bool, bool]:
         first_pool = EnginePool([engine_url], generate_timeout=5.0, health_interval=60.0)
         second_pool = EnginePool([engine_url], generate_timeout=5.0, health_interval=60.0)
         first = Election(url, "first", "http://first")
@@ -137,7 +113,7 @@ def test_a_resume_is_never_reported_sent_when_a_bound_cut_it(postgres, monkeypat
     monkeypatch.setattr(leadership, "locked_leader", slow_locked_leader)
 
     async def scenario() -> tuple[list | None, bool, bool]:
-        async with stub_engine() as (stub, engine_url):
+        async with stub_engine_in_loop() as (stub, engine_url):
             pool = EnginePool([engine_url], generate_timeout=5.0, health_interval=60.0)
             election = Election(url, "only", "http://only")
             db = database.connect(url)

@@ -21,13 +21,9 @@ import socket
 import time
 from types import SimpleNamespace
 
-import uvicorn
-
-from bench.proxy import ensure_model
-from bench.stub_engine import Stub
-from bench.stub_engine import create_app as create_stub_app
 from server import startup
 from server.engine_client.pool import EnginePool
+from tests.support import stub_engine_in_loop
 
 SQLITE = "sqlite:///unused.db"  # one server: it always leads, and its resumes are not fenced
 
@@ -202,34 +198,24 @@ def test_engines_a_dead_leader_paused_resume_after_a_swap_refused_before_its_pau
     monkeypatch.setattr(startup, "store_version", version)
 
     async def scenario() -> tuple[bool, bool]:
-        stub = Stub(ensure_model(), tokens=4)
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        config = uvicorn.Config(create_stub_app(stub), log_level="warning", lifespan="off")
-        server = uvicorn.Server(config)
-        serving = asyncio.create_task(server.serve(sockets=[listener]))
-        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        pool = EnginePool([url], generate_timeout=5.0, health_interval=60.0)
-        try:
-            while not server.started:
-                await asyncio.sleep(0.01)
-            await pool.engines[0].client.pause("abort")  # the dead leader's swap
-            pool.leading = False
-            settings = SimpleNamespace(leader_check_s=0.2, database_url=SQLITE)
-            ctx = SimpleNamespace(pool=pool, settings=settings)
-            election = SimpleNamespace(check=lambda: asyncio.sleep(0, result=True))
-            async with pool.update_lock:  # its own swap, refused before it paused them
-                await startup.take_part(ctx, election)  # type: ignore[arg-type]
-                held = not stub.resumed.is_set()
-            for _ in range(200):
-                if stub.resumed.is_set():
-                    break
-                await asyncio.sleep(0.01)
-            return held, stub.resumed.is_set()
-        finally:
-            await pool.stop()
-            server.should_exit = True
-            await serving
+        async with stub_engine_in_loop() as (stub, url):
+            pool = EnginePool([url], generate_timeout=5.0, health_interval=60.0)
+            try:
+                await pool.engines[0].client.pause("abort")  # the dead leader's swap
+                pool.leading = False
+                settings = SimpleNamespace(leader_check_s=0.2, database_url=SQLITE)
+                ctx = SimpleNamespace(pool=pool, settings=settings)
+                election = SimpleNamespace(check=lambda: asyncio.sleep(0, result=True))
+                async with pool.update_lock:  # its own swap, refused before it paused them
+                    await startup.take_part(ctx, election)  # type: ignore[arg-type]
+                    held = not stub.resumed.is_set()
+                for _ in range(200):
+                    if stub.resumed.is_set():
+                        break
+                    await asyncio.sleep(0.01)
+                return held, stub.resumed.is_set()
+            finally:
+                await pool.stop()
 
     held, resumed = asyncio.run(scenario())
     assert held  # not resumed under the swap
